@@ -1,0 +1,21 @@
+"""dcp-datastates: a lazy, multi-tier storage backend for torch.distributed.checkpoint."""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    CheckpointError, CheckpointExistsError, ChecksumMismatch, CoverageError, DataFileError,
+    ManifestError, MissingKeyError, NotACheckpointError, PickleNotAllowedError, SnapshotError,
+    UnsupportedFormatVersion, UnsupportedValueError,
+)
+from .providers import TypeProvider, register_provider, unregister_provider  # noqa: E402
+from .reader import DataStatesReader  # noqa: E402
+from .writer import DataStatesWriter  # noqa: E402
+from .guard import SnapshotGuard, async_save  # noqa: E402
+
+__all__ = [
+    "CheckpointError", "CheckpointExistsError", "ChecksumMismatch", "CoverageError",
+    "DataFileError", "DataStatesReader", "DataStatesWriter", "ManifestError", "MissingKeyError",
+    "NotACheckpointError", "PickleNotAllowedError", "SnapshotError", "SnapshotGuard",
+    "TypeProvider", "UnsupportedFormatVersion", "UnsupportedValueError", "__version__",
+    "async_save", "register_provider", "unregister_provider",
+]

@@ -1,0 +1,302 @@
+"""The snapshot engine: live tensors -> host cache -> storage, streamed.
+
+One save is a :class:`SaveJob`: a list of :class:`CopyItem` (a leaf tensor
+and the place of its bytes in one data file).  The engine
+
+1. cuts the items into *batches*: a large tensor into ``piece_bytes`` pieces
+   (nested chunking), runs of small tensors into one coalesced batch that
+   covers a contiguous file range (one write instead of hundreds);
+2. on the *stager* thread, reserves cache space for each batch (blocking when
+   the cache is full) and copies the bytes out of the live tensors, on a CUDA
+   side stream for GPU tensors or with a CPU memcpy otherwise;
+3. hands each filled batch at once to a pool of *flush* threads, which wait
+   for the batch's copy event, checksum its blocks, ``pwrite`` it and free
+   the cache space.  Copy and write therefore overlap;
+4. marks the job *snapshotted* once every byte has left the live tensors
+   (training may mutate them from then on), and *durable* once every batch is
+   written and the file is fsynced.
+
+Jobs run one after the other in submission order (back-to-back saves queue);
+their memory is bounded by the one shared host cache.
+
+When ``copy=False`` (a synchronous ``dcp.save``, where nothing runs
+concurrently), large contiguous CPU tensors are written straight from their
+own memory and only small ones pass through the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ..format.checksum import BLOCK_SIZE
+from .host_cache import HostCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CopyItem:
+    key: str
+    source: torch.Tensor
+    offset: int  # where the extent starts in the file
+    nbytes: int
+    sums: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Piece:
+    item: CopyItem
+    src_start: int  # byte offset inside the item
+    dst_pos: int  # byte offset inside the batch
+    nbytes: int
+
+
+@dataclass(slots=True)
+class _Batch:
+    file_offset: int
+    nbytes: int
+    pieces: list[_Piece]
+    direct: bool = False
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a 1-D uint8 tensor (a view when already contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def plan_batches(items: list[CopyItem], piece_bytes: int, *, direct_ok) -> list[_Batch]:
+    """Cut items (sorted by file offset) into batches of at most ``piece_bytes``."""
+    batches: list[_Batch] = []
+    cur: _Batch | None = None
+    for it in items:
+        if it.nbytes >= piece_bytes // 2:
+            cur = None
+            direct = direct_ok(it)
+            for s in range(0, it.nbytes, piece_bytes):
+                n = min(piece_bytes, it.nbytes - s)
+                batches.append(_Batch(it.offset + s, n, [_Piece(it, s, 0, n)], direct))
+            continue
+        end = it.offset + it.nbytes
+        if cur is not None and end - cur.file_offset <= piece_bytes:
+            cur.pieces.append(_Piece(it, 0, it.offset - cur.file_offset, it.nbytes))
+            cur.nbytes = end - cur.file_offset
+        else:
+            cur = _Batch(it.offset, it.nbytes, [_Piece(it, 0, 0, it.nbytes)])
+            batches.append(cur)
+    return batches
+
+
+class SaveJob:
+    """One save on one rank: completion handles and per-stage timings."""
+
+    def __init__(self, items: list[CopyItem], sink, *, label: str) -> None:
+        self.items = items
+        self.sink = sink
+        self.label = label
+        self.snapshot_done = threading.Event()
+        self.durable: Future = Future()
+        self.error: BaseException | None = None
+        self.abort = threading.Event()
+        self.file_size = 0
+        self.bytes_total = sum(i.nbytes for i in items)
+        self.timings: dict[str, float] = {"submitted": time.monotonic()}
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._staged_all = False
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = exc
+        self.abort.set()
+        self.snapshot_done.set()
+        try:
+            self.sink.abort()
+        except Exception:  # pragma: no cover - best effort
+            log.debug("sink abort failed", exc_info=True)
+        if not self.durable.done():
+            self.durable.set_exception(exc)
+
+    def wait_snapshot(self, timeout: float | None = None) -> bool:
+        ok = self.snapshot_done.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        return ok
+
+
+class SnapshotEngine:
+    def __init__(self, cache: HostCache, *, io_threads: int = 4,
+                 piece_bytes: int = 16 << 20) -> None:
+        self.cache = cache
+        self.io_threads = io_threads
+        self.piece_bytes = max(BLOCK_SIZE, min(piece_bytes, cache.capacity // 4) // BLOCK_SIZE * BLOCK_SIZE)
+        self._jobs: queue.Queue = queue.Queue()
+        self._flush = ThreadPoolExecutor(io_threads, thread_name_prefix="dcpds-flush")
+        self._stager = threading.Thread(target=self._stage_loop, name="dcpds-stager", daemon=True)
+        self._stager.start()
+
+    # -- public -------------------------------------------------------------
+    def submit(self, items: list[CopyItem], sink, *, copy: bool, label: str = "",
+               ready_event=None) -> SaveJob:
+        """Queue a save.  ``ready_event`` (GPU) orders copies after the producer kernels."""
+        items = sorted(items, key=lambda i: i.offset)
+        for it in items:
+            nblocks = max(1, -(-it.nbytes // BLOCK_SIZE))
+            it.sums = [0] * nblocks
+        job = SaveJob(items, sink, label=label)
+        self._jobs.put((job, copy, ready_event))
+        return job
+
+    # -- stager -------------------------------------------------------------
+    def _stage_loop(self) -> None:
+        while True:
+            job, copy, ready = self._jobs.get()
+            try:
+                self._stage(job, copy, ready)
+            except BaseException as e:  # noqa: BLE001 - surfaced through the job
+                log.debug("staging of %s failed", job.label, exc_info=True)
+                job.fail(e)
+
+    def _stage(self, job: SaveJob, copy: bool, ready) -> None:
+        job.timings["staging_started"] = time.monotonic()
+
+        def direct_ok(it: CopyItem) -> bool:
+            s = it.source
+            return (not copy) and s.device.type == "cpu" and s.is_contiguous()
+
+        batches = plan_batches(job.items, self.piece_bytes, direct_ok=direct_ok)
+        flat: dict[int, torch.Tensor] = {}
+        copier = _copier_for(job.items, ready)
+        with job._lock:
+            job._pending = len(batches)
+        if not batches:
+            self._snapshot_done(job, copier)
+            self._finish(job)
+            return
+        for b in batches:
+            if job.abort.is_set():
+                return
+            for p in b.pieces:
+                if id(p.item) not in flat:
+                    flat[id(p.item)] = _flat_bytes(p.item.source)
+            if b.direct:
+                p = b.pieces[0]
+                view = flat[id(p.item)][p.src_start:p.src_start + p.nbytes]
+                self._flush.submit(self._flush_batch, job, b, view, None, None)
+                continue
+            off = self.cache.alloc(b.nbytes, job.abort)
+            view = self.cache.view(off, b.nbytes)
+            try:
+                if len(b.pieces) > 1:  # coalesced: zero the padding between extents
+                    pos = 0
+                    for p in b.pieces:
+                        if p.dst_pos > pos:
+                            view[pos:p.dst_pos].zero_()
+                        pos = p.dst_pos + p.nbytes
+                for p in b.pieces:
+                    src = flat[id(p.item)][p.src_start:p.src_start + p.nbytes]
+                    copier.copy(view[p.dst_pos:p.dst_pos + p.nbytes], src)
+                event = copier.record()
+            except BaseException:
+                self.cache.free(off, b.nbytes)
+                raise
+            self._flush.submit(self._flush_batch, job, b, view, off, event)
+            # a source is no longer needed once its last piece is issued (kept until the
+            # copy completes through `flat` of this frame for GPU; CPU copies are synchronous)
+        self._snapshot_done(job, copier)
+        flat.clear()
+
+    def _snapshot_done(self, job: SaveJob, copier) -> None:
+        copier.synchronize()  # every byte has left the live tensors
+        for it in job.items:
+            it.source = None  # release references: the allocator may reuse the memory now
+        job.timings["snapshot_done"] = time.monotonic()
+        job.snapshot_done.set()
+        log.debug("%s: snapshot done in %.3fs", job.label,
+                  job.timings["snapshot_done"] - job.timings["submitted"])
+
+    # -- flush --------------------------------------------------------------
+    def _flush_batch(self, job: SaveJob, b: _Batch, view: torch.Tensor, cache_off, event) -> None:
+        try:
+            if job.abort.is_set():
+                return
+            if event is not None:
+                event.synchronize()
+            mv = memoryview(view.numpy()) if view.numel() else memoryview(b"")
+            from ..format.checksum import block_checksums
+            for p in b.pieces:
+                sums = block_checksums(mv[p.dst_pos:p.dst_pos + p.nbytes])
+                first = p.src_start // BLOCK_SIZE
+                p.item.sums[first:first + len(sums)] = sums
+            if b.nbytes:
+                job.sink.pwrite(mv, b.file_offset)
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+        finally:
+            if cache_off is not None:
+                self.cache.free(cache_off, b.nbytes)
+            with job._lock:
+                job._pending -= 1
+                last = job._pending == 0
+            if last and job.error is None:
+                self._finish(job)
+
+    def _finish(self, job: SaveJob) -> None:
+        try:
+            job.snapshot_done.wait()
+            job.file_size = job.sink.close(sync=True)
+            job.timings["data_written"] = time.monotonic()
+            if not job.durable.done():
+                job.durable.set_result(job)
+        except BaseException as e:  # noqa: BLE001
+            job.fail(e)
+
+
+class _CpuCopier:
+    """memcpy on the stager thread (torch's copy releases the GIL)."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def record(self):
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _copier_for(items: list[CopyItem], ready):
+    cuda_items = [i for i in items if i.source is not None and i.source.device.type == "cuda"]
+    if not cuda_items:
+        return _CpuCopier()
+    import cuda_ext
+    if not cuda_ext.available():
+        return _CpuCopier()
+    return cuda_ext.D2HCopier(cuda_items[0].source.device.index or 0, ready)
+
+
+_engines: dict[tuple[int, int], SnapshotEngine] = {}
+_engine_lock = threading.Lock()
+
+
+def get_engine(cache: HostCache, io_threads: int) -> SnapshotEngine:
+    """Process-wide engine for ``cache`` (created on first use, then reused)."""
+    with _engine_lock:
+        key = (id(cache), io_threads)
+        eng = _engines.get(key)
+        if eng is None:
+            eng = _engines[key] = SnapshotEngine(cache, io_threads=io_threads)
+        return eng

@@ -1,0 +1,85 @@
+"""Every error dcp-datastates raises on purpose.
+
+All of them subclass :class:`CheckpointError`, itself a plain ``Exception``
+(unlike DCP's ``CheckpointException``, which is a ``BaseException``), and each
+message names the checkpoint, and where it applies the file and the tensor,
+then says what to do next.  They are picklable, so they cross DCP's
+``gather_object`` and the PROCESS-mode pipe intact.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every dcp-datastates error."""
+
+    def __init__(self, message: str, *, checkpoint: str | None = None,
+                 file: str | None = None, key: str | None = None) -> None:
+        parts = [message]
+        where = []
+        if checkpoint is not None:
+            where.append(f"checkpoint={checkpoint}")
+        if file is not None:
+            where.append(f"file={file}")
+        if key is not None:
+            where.append(f"tensor={key}")
+        if where:
+            parts.append("[" + ", ".join(where) + "]")
+        super().__init__(" ".join(parts))
+        self.checkpoint = checkpoint
+        self.file = file
+        self.key = key
+
+    def __reduce__(self):  # keep keyword fields through pickling
+        return (_rebuild, (type(self), self.args[0]))
+
+
+def _rebuild(cls, text):
+    obj = cls.__new__(cls)
+    Exception.__init__(obj, text)
+    obj.checkpoint = obj.file = obj.key = None
+    return obj
+
+
+class NotACheckpointError(CheckpointError):
+    """The path holds no committed checkpoint (no manifest was ever committed)."""
+
+
+class ManifestError(CheckpointError):
+    """The manifest is truncated, corrupt, hostile, or of an unknown version."""
+
+
+class UnsupportedFormatVersion(ManifestError):
+    """The manifest was written by a newer format this release cannot read."""
+
+
+class ChecksumMismatch(CheckpointError):
+    """Bytes read from storage do not match the checksum recorded at save."""
+
+
+class DataFileError(CheckpointError):
+    """A data file is missing or shorter than the manifest says."""
+
+
+class CheckpointExistsError(CheckpointError):
+    """The destination already holds a committed checkpoint and overwrite is off."""
+
+
+class UnsupportedValueError(CheckpointError):
+    """A non-tensor value cannot be stored without pickle, and pickle is not enabled."""
+
+
+class PickleNotAllowedError(CheckpointError):
+    """The checkpoint holds pickled values and the reader was not given ``allow_pickle=True``."""
+
+
+class MissingKeyError(CheckpointError):
+    """A key requested by the load is absent from the checkpoint."""
+
+
+class CoverageError(CheckpointError):
+    """Part of a destination tensor would stay unfilled after the load."""
+
+
+class SnapshotError(CheckpointError):
+    """The background snapshot or flush of an async save failed."""

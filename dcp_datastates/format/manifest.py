@@ -1,0 +1,303 @@
+"""The manifest: the one file that says what a checkpoint holds and where.
+
+File layout (``docs/format.md`` is the specification)::
+
+    MAGIC (16 bytes)  msgpack map (the body)  xxh3-64 of the body (8 bytes, LE)
+
+The magic starts with 0xFF, which is not a pickle opcode, so a tool that
+mistakes the file for DCP's pickled ``.metadata`` fails at the first byte.
+Decoding validates every field against hard limits before anything uses it:
+types, non-negative and bounded sizes, extents inside their files, file names
+that cannot leave the checkpoint directory, dtypes from a fixed table.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+
+import msgpack
+import xxhash
+
+from ..errors import ManifestError, UnsupportedFormatVersion
+from .checksum import BLOCK_SIZE
+from .dtypes import dtype_from_name
+
+MAGIC = b"\xffDCP-DATASTATES\n"
+FORMAT_NAME = "dcp-datastates"
+FORMAT_VERSION = 1
+MANIFEST_NAME = ".metadata"  # torchtitan discovers step-N/.metadata; this file is the commit
+RANK_MANIFEST_PREFIX = ".manifest.rank-"  # use_collectives=False: one manifest per rank
+
+MAX_MANIFEST_BYTES = 1 << 31
+MAX_NDIM = 64
+MAX_DIM = 1 << 48
+MAX_FILE_BYTES = 1 << 50
+MAX_WORLD = 1 << 22
+MAX_ENTRIES = 1 << 24
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+
+
+@dataclass(slots=True)
+class Extent:
+    """Bytes of one stored chunk: ``nbytes`` at ``offset`` in ``file``."""
+    file: str
+    offset: int
+    nbytes: int
+    sums: list[int]
+
+    def to_wire(self) -> list:
+        return [self.file, self.offset, self.nbytes, self.sums]
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One saved piece of a tensor: its box in the global tensor and its bytes."""
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    extent: Extent | None  # None when a provider stores the chunk as parts
+    provider: str | None = None
+    meta: object = None
+    parts: dict[str, tuple[str, tuple[int, ...], Extent]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    dtype: str
+    size: tuple[int, ...]
+    chunks: list[Chunk]
+
+
+@dataclass(slots=True)
+class ValueEntry:
+    encoding: str  # "msgpack"; "pickle" or "torch" (torch.save bytes) only by opt-in
+    data: bytes
+    checksum: int
+
+
+@dataclass(slots=True)
+class Manifest:
+    save_id: str
+    world_size: int
+    ranks: list[int]
+    files: dict[str, int]
+    tensors: dict[str, TensorEntry]
+    values: dict[str, ValueEntry]
+    planner_data: dict[str, list]
+    block_size: int = BLOCK_SIZE
+    created_unix: float = 0.0
+    torch_version: str = ""
+    writer: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def merge(self, other: "Manifest") -> None:
+        """Fold a rank-local manifest (``use_collectives=False``) into this one."""
+        for name, size in other.files.items():
+            self.files[name] = size
+        for fqn, t in other.tensors.items():
+            mine = self.tensors.get(fqn)
+            if mine is None:
+                self.tensors[fqn] = TensorEntry(t.dtype, t.size, list(t.chunks))
+                continue
+            seen = {c.offsets for c in mine.chunks}
+            mine.chunks.extend(c for c in t.chunks if c.offsets not in seen)
+        for fqn, v in other.values.items():
+            self.values.setdefault(fqn, v)
+        for k, v in other.planner_data.items():
+            self.planner_data.setdefault(k, v)
+        self.ranks = sorted(set(self.ranks) | set(other.ranks))
+
+
+def _chunk_to_wire(c: Chunk) -> dict:
+    d = {"o": list(c.offsets), "s": list(c.sizes)}
+    if c.extent is not None:
+        d["x"] = c.extent.to_wire()
+    if c.provider is not None:
+        d["p"] = c.provider
+        d["m"] = c.meta
+        d["parts"] = {k: [dt, list(shape), e.to_wire()] for k, (dt, shape, e) in c.parts.items()}
+    return d
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    body = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "save_id": m.save_id,
+        "created_unix": m.created_unix,
+        "torch": m.torch_version,
+        "writer": m.writer,
+        "world_size": m.world_size,
+        "ranks": m.ranks,
+        "block_size": m.block_size,
+        "files": m.files,
+        "tensors": {k: {"dtype": t.dtype, "size": list(t.size),
+                        "chunks": [_chunk_to_wire(c) for c in t.chunks]}
+                    for k, t in m.tensors.items()},
+        "values": {k: [v.encoding, v.data, v.checksum] for k, v in m.values.items()},
+        "planner_data": m.planner_data,
+        "extra": m.extra,
+    }
+    payload = msgpack.packb(body, use_bin_type=True)
+    return MAGIC + payload + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload))
+
+
+# ----------------------------------------------------------------- decoding
+
+class _Bad(Exception):
+    pass
+
+
+def _req(d: dict, key: str, typ):
+    if not isinstance(d, dict) or key not in d:
+        raise _Bad(f"missing field {key!r}")
+    v = d[key]
+    if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise _Bad(f"field {key!r} must be an integer, got {type(v).__name__}")
+    if typ is not int and not isinstance(v, typ):
+        raise _Bad(f"field {key!r} must be {typ}, got {type(v).__name__}")
+    return v
+
+
+def _int(v, what: str, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Bad(f"{what} must be an integer, got {type(v).__name__}")
+    if v < lo:
+        raise _Bad(f"{what} is negative ({v})" if lo == 0 else f"{what}={v} below {lo}")
+    if v > hi:
+        raise _Bad(f"{what}={v} is absurdly large (limit {hi})")
+    return v
+
+
+def _dims(v, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_NDIM:
+        raise _Bad(f"{what} must be a list of at most {MAX_NDIM} integers")
+    return tuple(_int(x, what, 0, MAX_DIM) for x in v)
+
+
+def check_file_name(name) -> str:
+    if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name:
+        raise _Bad(f"file name {name!r} is not a plain name inside the checkpoint directory")
+    return name
+
+
+def _extent(v, files: dict[str, int], block_size: int, what: str) -> Extent:
+    if not isinstance(v, list) or len(v) != 4:
+        raise _Bad(f"{what}: extent must be [file, offset, nbytes, sums]")
+    name = check_file_name(v[0])
+    if name not in files:
+        raise _Bad(f"{what}: extent refers to file {name!r} not listed in the manifest")
+    off = _int(v[1], f"{what} offset")
+    n = _int(v[2], f"{what} nbytes")
+    if off + n > files[name]:
+        raise _Bad(f"{what}: extent [{off}, {off + n}) runs past the end of {name} ({files[name]} bytes)")
+    sums = v[3]
+    want = max(1, math.ceil(n / block_size))
+    if not isinstance(sums, list) or len(sums) != want:
+        raise _Bad(f"{what}: expected {want} block checksums")
+    for s in sums:
+        _int(s, f"{what} checksum", 0, (1 << 64) - 1)
+    return Extent(name, off, n, sums)
+
+
+def decode_manifest(data: bytes, *, source: str = "<memory>") -> Manifest:
+    """Parse and validate manifest bytes; raise :class:`ManifestError` naming ``source``."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest is {len(data)} bytes, beyond the {MAX_MANIFEST_BYTES} limit",
+                            checkpoint=source)
+    if not data.startswith(MAGIC):
+        raise ManifestError("not a dcp-datastates manifest (bad magic bytes); the file is damaged "
+                            "or was written by another tool", checkpoint=source)
+    if len(data) < len(MAGIC) + 8:
+        raise ManifestError("manifest is truncated", checkpoint=source)
+    payload, tail = data[len(MAGIC):-8], data[-8:]
+    if struct.unpack("<Q", tail)[0] != xxhash.xxh3_64_intdigest(payload):
+        raise ManifestError("manifest checksum mismatch: the file is truncated or corrupt; "
+                            "restore it from another tier or re-save", checkpoint=source)
+    try:
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True,
+                               max_array_len=MAX_ENTRIES,
+                               max_map_len=MAX_ENTRIES, max_ext_len=0)
+    except Exception as e:  # msgpack raises many types on hostile input
+        raise ManifestError(f"manifest body does not decode: {e}", checkpoint=source) from e
+    try:
+        return _from_body(body)
+    except UnsupportedFormatVersion as e:
+        raise UnsupportedFormatVersion(str(e.args[0]), checkpoint=source) from None
+    except (_Bad, ValueError) as e:
+        raise ManifestError(f"invalid manifest: {e}", checkpoint=source) from None
+
+
+def _from_body(body) -> Manifest:
+    if not isinstance(body, dict):
+        raise _Bad("body must be a map")
+    if body.get("format") != FORMAT_NAME:
+        raise _Bad(f"format is {body.get('format')!r}, expected {FORMAT_NAME!r}")
+    version = _req(body, "version", int)
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormatVersion(
+            f"format version {version} is not supported by this dcp-datastates "
+            f"(reads version {FORMAT_VERSION}); upgrade dcp-datastates")
+    block_size = _int(_req(body, "block_size", int), "block_size", 4096, 1 << 34)
+    world = _int(_req(body, "world_size", int), "world_size", 1, MAX_WORLD)
+    ranks = [_int(r, "rank", 0, world - 1) for r in _req(body, "ranks", list)]
+    files: dict[str, int] = {}
+    for name, size in _req(body, "files", dict).items():
+        files[check_file_name(name)] = _int(size, f"size of {name}")
+    tensors: dict[str, TensorEntry] = {}
+    for fqn, t in _req(body, "tensors", dict).items():
+        if not isinstance(fqn, str):
+            raise _Bad("tensor keys must be strings")
+        dtype = _req(t, "dtype", str)
+        item = dtype_from_name(dtype).itemsize
+        size = _dims(_req(t, "size", list), f"{fqn} size")
+        chunks = []
+        for c in _req(t, "chunks", list):
+            offs = _dims(_req(c, "o", list), f"{fqn} chunk offsets")
+            sizes = _dims(_req(c, "s", list), f"{fqn} chunk sizes")
+            if len(offs) != len(size) or len(sizes) != len(size):
+                raise _Bad(f"{fqn}: chunk rank does not match tensor rank {len(size)}")
+            for o, s, g in zip(offs, sizes, size):
+                if o + s > g:
+                    raise _Bad(f"{fqn}: chunk at {list(offs)} of size {list(sizes)} leaves the tensor {list(size)}")
+            ext = None
+            if "x" in c:
+                ext = _extent(c["x"], files, block_size, fqn)
+                if ext.nbytes != math.prod(sizes) * item:
+                    raise _Bad(f"{fqn}: extent holds {ext.nbytes} bytes, chunk needs {math.prod(sizes) * item}")
+            chunk = Chunk(offs, sizes, ext)
+            if "p" in c:
+                chunk.provider = _req(c, "p", str)
+                chunk.meta = c.get("m")
+                for pname, pv in _req(c, "parts", dict).items():
+                    if not isinstance(pv, list) or len(pv) != 3:
+                        raise _Bad(f"{fqn}: provider part {pname!r} is malformed")
+                    pdt = dtype_from_name(pv[0])
+                    pshape = _dims(pv[1], f"{fqn}.{pname} shape")
+                    pext = _extent(pv[2], files, block_size, f"{fqn}.{pname}")
+                    if pext.nbytes != math.prod(pshape) * pdt.itemsize:
+                        raise _Bad(f"{fqn}.{pname}: extent size does not match its shape")
+                    chunk.parts[str(pname)] = (pv[0], pshape, pext)
+            elif ext is None:
+                raise _Bad(f"{fqn}: chunk has neither an extent nor a provider")
+            chunks.append(chunk)
+        tensors[fqn] = TensorEntry(dtype, size, chunks)
+    values: dict[str, ValueEntry] = {}
+    for fqn, v in _req(body, "values", dict).items():
+        if not isinstance(v, list) or len(v) != 3 or v[0] not in ("msgpack", "pickle", "torch") \
+                or not isinstance(v[1], bytes):
+            raise _Bad(f"value {fqn!r} is malformed")
+        values[str(fqn)] = ValueEntry(v[0], v[1], _int(v[2], f"{fqn} checksum", 0, (1 << 64) - 1))
+    planner_data = _req(body, "planner_data", dict)
+    for k, path in planner_data.items():
+        if not isinstance(path, list) or not all(isinstance(p, (str, int)) for p in path):
+            raise _Bad(f"planner_data for {k!r} must be a list of str/int")
+    return Manifest(
+        save_id=str(body.get("save_id", "")), world_size=world, ranks=ranks, files=files,
+        tensors=tensors, values=values, planner_data=planner_data, block_size=block_size,
+        created_unix=float(body.get("created_unix", 0.0) or 0.0),
+        torch_version=str(body.get("torch", "")), writer=str(body.get("writer", "")),
+        extra=body.get("extra") if isinstance(body.get("extra"), dict) else {},
+    )

@@ -1,0 +1,422 @@
+"""``DataStatesReader``: a DCP ``StorageReader`` for the dcp-datastates format.
+
+* ``read_metadata`` reads the msgpack manifest (or merges the per-rank
+  manifests of a ``use_collectives=False`` save) and rebuilds DCP's
+  ``Metadata`` from it.  Nothing read from storage is ever unpickled unless
+  the reader was built with ``allow_pickle=True``.
+* ``read_data`` reads only the byte ranges each ``ReadItem`` needs, widened
+  to checksum-block boundaries, in parallel, straight into the destination
+  tensor when its layout allows it, and verifies every block it read.
+* Before any byte is read, it checks that the plan fills every destination
+  tensor completely; DCP itself leaves uncovered regions silently unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+import pickle
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+    TensorProperties, TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestError,
+                     NotACheckpointError, PickleNotAllowedError)
+from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name
+from .format.manifest import RANK_MANIFEST_PREFIX, Chunk, Extent
+from .format.values import decode_value
+from .providers import type_provider_named
+from .tiers import StorageTier
+
+log = logging.getLogger(__name__)
+
+READ_PIECE = 16 << 20
+
+
+def load_manifest(tier: StorageTier) -> Manifest:
+    """The committed manifest of the checkpoint at ``tier`` (merged across rank manifests)."""
+    where = tier.url
+    if tier.exists(MANIFEST_NAME):
+        return decode_manifest(tier.read_bytes(MANIFEST_NAME), source=f"{where}/{MANIFEST_NAME}")
+    names = [n for n in tier.listdir() if n.startswith(RANK_MANIFEST_PREFIX) and "tmp" not in n]
+    if not names:
+        raise NotACheckpointError(
+            "no committed manifest: this directory is missing, empty, or holds a save that "
+            "never committed; load an earlier step", checkpoint=where)
+    merged: Manifest | None = None
+    for n in names:
+        m = decode_manifest(tier.read_bytes(n), source=f"{where}/{n}")
+        if merged is None:
+            merged = m
+        else:
+            merged.merge(m)
+    assert merged is not None
+    missing = sorted(set(range(merged.world_size)) - set(merged.ranks))
+    if missing:
+        raise NotACheckpointError(
+            f"rank manifests of ranks {missing[:8]} are missing: the save did not commit on every "
+            "rank; load an earlier step", checkpoint=where)
+    return merged
+
+
+def manifest_to_metadata(m: Manifest, checkpoint_id: str) -> Metadata:
+    sdm: dict = {}
+    storage_data: dict = {}
+    for fqn, t in m.tensors.items():
+        chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                  for c in t.chunks]
+        sdm[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype_from_name(t.dtype)),
+                                         size=torch.Size(t.size), chunks=chunks)
+        for c in t.chunks:
+            storage_data[MetadataIndex(fqn, c.offsets)] = (fqn, tuple(c.offsets))
+    for fqn in m.values:
+        sdm[fqn] = BytesStorageMetadata()
+        storage_data[MetadataIndex(fqn)] = (fqn, None)
+    return Metadata(state_dict_metadata=sdm,
+                    planner_data={k: tuple(v) for k, v in m.planner_data.items()},
+                    storage_data=storage_data,
+                    storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=m.save_id))
+
+
+class DataStatesReader(StorageReader):
+    """Load checkpoints written by :class:`DataStatesWriter`.
+
+    Args:
+        path: checkpoint directory (local path or fsspec URL); may be omitted
+            when ``checkpoint_id`` is passed to ``dcp.load``.
+        thread_count: parallel ranged reads.
+        allow_pickle: allow values that were saved with ``allow_pickle=True``.
+            Off by default: loading such a checkpoint raises ``PickleNotAllowedError``.
+        verify: check block checksums of every byte read (on by default).
+        storage_options: passed to fsspec for URLs.
+    """
+
+    def __init__(self, path: str | None = None, *, thread_count: int = 8, allow_pickle: bool = False,
+                 verify: bool = True, storage_options: dict | None = None) -> None:
+        super().__init__()
+        self.path = None if path is None else str(path)
+        self.thread_count = max(1, thread_count)
+        self.allow_pickle = allow_pickle
+        self.verify = verify
+        self.storage_options = storage_options
+        self.manifest: Manifest | None = None
+        self.bytes_read = 0
+        self.bytes_needed = 0
+        self._lock = threading.Lock()
+
+    # --------------------------------------------------------- StorageReader
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id is not None:
+            self.path = str(checkpoint_id)
+        self.manifest = None
+
+    def _tier(self) -> StorageTier:
+        if self.path is None:
+            raise NotACheckpointError("DataStatesReader has no path: pass one to the constructor "
+                                      "or give dcp.load a checkpoint_id")
+        return StorageTier(self.path, self.storage_options)
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        tier = self._tier()
+        self.manifest = load_manifest(tier)
+        return manifest_to_metadata(self.manifest, self.path)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        if self.manifest is None:
+            self.manifest = load_manifest(self._tier())
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False
+
+    # ------------------------------------------------------------- read_data
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        tier = self._tier()
+        m = self.manifest or load_manifest(tier)
+        self.manifest = m
+        tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
+        self._check_coverage(tensor_items, planner, m)
+        for ri in plan.items:
+            if ri.type == LoadItemType.BYTE_IO:
+                self._load_value(ri, planner, m)
+        tasks = [self._make_task(ri, planner, m) for ri in tensor_items]
+        fds: dict[str, int] = {}
+        try:
+            if tier.local:
+                for name in {p[0] for t in tasks for p in t.ranges}:
+                    try:
+                        fds[name] = os.open(tier.path(name), os.O_RDONLY)
+                    except FileNotFoundError:
+                        raise DataFileError("data file is missing; the checkpoint is incomplete or "
+                                            "was damaged, load another tier or step",
+                                            checkpoint=self.path, file=name) from None
+            pieces = [(t, i) for t in tasks for i in range(len(t.ranges))]
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcpds-read") as pool:
+                for _ in pool.map(lambda ti: self._run_piece(tier, fds, *ti), pieces):
+                    pass
+                for _ in pool.map(lambda t: t.finalize(), tasks):
+                    pass
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        for t in tasks:
+            planner.commit_tensor(t.ri, t.dest)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _check_coverage(self, items, planner, m: Manifest) -> None:
+        sd = getattr(planner, "state_dict", None)
+        if not isinstance(sd, dict):
+            return
+        covered: dict[str, int] = defaultdict(int)
+        for ri in items:
+            covered[ri.dest_index.fqn] += math.prod(ri.lengths)
+        from torch.distributed.tensor import DTensor
+        for fqn, obj in sd.items():
+            if fqn not in m.tensors or not isinstance(obj, torch.Tensor):
+                continue
+            local = obj.to_local() if isinstance(obj, DTensor) else obj
+            if covered[fqn] < local.numel():
+                raise CoverageError(
+                    f"the checkpoint covers only {covered[fqn]} of the {local.numel()} elements this "
+                    "rank must load; the save did not record every chunk (was it saved with "
+                    "use_collectives=False and a rank manifest lost?)", checkpoint=self.path, key=fqn)
+
+    def _load_value(self, ri, planner, m: Manifest) -> None:
+        fqn = ri.storage_index.fqn
+        v = m.values.get(fqn)
+        if v is None:
+            raise ManifestError("value listed in metadata is missing from the manifest",
+                                checkpoint=self.path, key=fqn)
+        if xxhash.xxh3_64_intdigest(v.data) != v.checksum:
+            raise ChecksumMismatch("value bytes do not match their checksum", checkpoint=self.path,
+                                   file=MANIFEST_NAME, key=fqn)
+        if v.encoding == "msgpack":
+            try:
+                value = decode_value(v.data)
+            except ValueError as e:
+                raise ManifestError(f"value does not decode: {e}", checkpoint=self.path, key=fqn) from None
+            if hasattr(planner, "load_value"):
+                planner.load_value(ri, value)
+                return
+            # Hand DCP's planner the bytes it expects.  They are made here, from plain
+            # values just decoded, so its torch.load cannot meet a foreign pickle.
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            buf.seek(0)
+            planner.load_bytes(ri, buf)
+            return
+        if not self.allow_pickle:
+            raise PickleNotAllowedError(
+                f"value was saved with pickle ({v.encoding}); loading it would run code from the "
+                "checkpoint. Pass allow_pickle=True to DataStatesReader only if you trust it",
+                checkpoint=self.path, key=fqn)
+        if v.encoding == "pickle":
+            value = pickle.loads(v.data)
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            buf.seek(0)
+        else:
+            buf = io.BytesIO(v.data)
+        if hasattr(planner, "load_value"):
+            planner.load_value(ri, torch.load(buf, weights_only=False))
+        else:
+            planner.load_bytes(ri, buf)
+
+    def _make_task(self, ri, planner, m: Manifest) -> "_ReadTask":
+        fqn = ri.storage_index.fqn
+        entry = m.tensors.get(fqn)
+        key = tuple(ri.storage_index.offset) if ri.storage_index.offset is not None else ()
+        chunk = None
+        if entry is not None:
+            for c in entry.chunks:
+                if c.offsets == key:
+                    chunk = c
+                    break
+        if chunk is None:
+            raise ManifestError(f"no stored chunk at offsets {list(key)}", checkpoint=self.path, key=fqn)
+        dest = planner.resolve_tensor(ri).detach()
+        return _ReadTask(self, ri, dest, entry.dtype, chunk, m.block_size)
+
+    def _run_piece(self, tier, fds, task: "_ReadTask", i: int) -> None:
+        name, file_off, n, buf_off, first_block, ext = task.ranges[i]
+        buf = task.buffer()
+        mv = memoryview(buf)[buf_off:buf_off + n]
+        try:
+            got = tier.read_into(name, file_off, mv, fd=fds.get(name))
+        except FileNotFoundError:
+            raise DataFileError("data file is missing", checkpoint=self.path, file=name,
+                                key=task.ri.storage_index.fqn) from None
+        if got != n:
+            raise DataFileError(f"data file is truncated: wanted {n} bytes at offset {file_off}, "
+                                f"got {got}", checkpoint=self.path, file=name, key=task.ri.storage_index.fqn)
+        if self.verify:
+            from .format.checksum import verify_blocks
+            bad = verify_blocks(mv, ext.sums, first_block, task.block_size)
+            if bad is not None:
+                raise ChecksumMismatch(f"checksum mismatch in block {bad} (bytes "
+                                       f"{ext.offset + bad * task.block_size}+) of the extent",
+                                       checkpoint=self.path, file=name, key=task.ri.storage_index.fqn)
+        with self._lock:
+            self.bytes_read += n
+
+
+class _ReadTask:
+    """One ReadItem: which byte ranges to fetch, into what, and how to finish."""
+
+    def __init__(self, reader: DataStatesReader, ri, dest: torch.Tensor, dtype_name: str,
+                 chunk: Chunk, block_size: int) -> None:
+        self.reader, self.ri, self.dest, self.block_size = reader, ri, dest, block_size
+        self.dtype = dtype_from_name(dtype_name)
+        self.chunk = chunk
+        self.ranges: list[tuple] = []
+        self._buf = None
+        self._direct = False
+        self._buf_lock = threading.Lock()
+        fqn = ri.storage_index.fqn
+        if chunk.extent is None:  # provider chunk: read every part whole, rebuild, then narrow
+            self.parts_layout = {}
+            pos = 0
+            for pname, (pdt, pshape, ext) in chunk.parts.items():
+                self.parts_layout[pname] = (pdt, pshape, pos, ext.nbytes)
+                self._add_ranges(ext, 0, ext.nbytes, pos)
+                pos += ext.nbytes
+            self.buf_size = pos
+            reader.bytes_needed += pos
+            return
+        ext = chunk.extent
+        item = self.dtype.itemsize
+        sizes = chunk.sizes
+        offs, lens = tuple(ri.storage_offsets), tuple(ri.lengths)
+        n_needed = math.prod(lens) * item
+        reader.bytes_needed += n_needed
+        if n_needed == 0:
+            self.buf_size = 0
+            return
+        strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+        first = sum(o * s for o, s in zip(offs, strides)) * item
+        last = (sum((o + l - 1) * s for o, l, s in zip(offs, lens, strides)) + 1) * item
+        r0 = first // block_size * block_size
+        r1 = min(-(-last // block_size) * block_size, ext.nbytes)
+        self.base = r0  # chunk byte offset of buffer position 0
+        self.buf_size = r1 - r0
+        full = n_needed == ext.nbytes
+        if full and dest.device.type == "cpu" and dest.dtype == self.dtype and dest.is_contiguous() \
+                and dest.numel() * item == ext.nbytes:
+            self._direct = True  # read straight into the destination tensor
+        # Runs: the box as contiguous pieces; read only the blocks they touch.
+        runs = _runs(offs, lens, sizes, item)
+        if len(runs) > 1 and self.buf_size > 1.25 * n_needed:
+            spans = []
+            for a, b in runs:
+                a0 = a // block_size * block_size
+                b1 = min(-(-b // block_size) * block_size, ext.nbytes)
+                if spans and a0 <= spans[-1][1]:
+                    spans[-1][1] = max(spans[-1][1], b1)
+                else:
+                    spans.append([a0, b1])
+            for a0, b1 in spans:
+                self._add_ranges(ext, a0, b1 - a0, a0 - r0)
+        else:
+            self._add_ranges(ext, r0, r1 - r0, 0)
+
+    def _add_ranges(self, ext: Extent, start: int, n: int, buf_off: int) -> None:
+        bs = self.block_size
+        step = max(bs, READ_PIECE // bs * bs)
+        for s in range(0, n, step):
+            k = min(step, n - s)
+            self.ranges.append((ext.file, ext.offset + start + s, k, buf_off + s,
+                                (start + s) // bs, ext))
+
+    def buffer(self):
+        with self._buf_lock:
+            if self._buf is None:
+                if self._direct:
+                    self._buf = self.dest.reshape(-1).view(torch.uint8).numpy()
+                else:
+                    self._tensor = torch.empty(self.buf_size, dtype=torch.uint8)
+                    self._buf = self._tensor.numpy()
+            return self._buf
+
+    def finalize(self) -> None:
+        if self.chunk.extent is None:
+            self._finalize_provider()
+            return
+        if self._direct or self.dest.numel() == 0 or self.buf_size == 0:
+            return
+        self.buffer()
+        item = self.dtype.itemsize
+        sizes = self.chunk.sizes
+        strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+        offs, lens = tuple(self.ri.storage_offsets), tuple(self.ri.lengths)
+        first = sum(o * s for o, s in zip(offs, strides)) * item
+        raw = self._tensor[first - self.base:]
+        usable = raw.numel() // item * item
+        typed = raw[:usable].view(self.dtype)
+        src = typed.as_strided(lens, strides) if lens else typed[:1].reshape(())
+        self.dest.copy_(src)
+
+    def _finalize_provider(self) -> None:
+        buf = self.buffer()
+        t = self._tensor
+        parts = {}
+        for pname, (pdt, pshape, pos, n) in self.parts_layout.items():
+            dt = dtype_from_name(pdt)
+            parts[pname] = t[pos:pos + n].view(dt).reshape(pshape) if n else torch.empty(pshape, dtype=dt)
+        tp = type_provider_named(self.chunk.provider)
+        if tp is None:
+            raise ManifestError(f"checkpoint needs provider {self.chunk.provider!r}, which is not "
+                                "registered in this process; import the module that registers it",
+                                checkpoint=self.reader.path, key=self.ri.storage_index.fqn)
+        obj = tp.unflatten(self.chunk.meta, parts)
+        src = obj
+        for dim, (o, ln) in enumerate(zip(self.ri.storage_offsets, self.ri.lengths)):
+            if ln != self.chunk.sizes[dim]:
+                src = src.narrow(dim, o, ln)
+        self.dest.copy_(src)
+        del buf
+
+
+def _runs(offs, lens, sizes, item) -> list[tuple[int, int]]:
+    """Byte ranges (in the chunk) of the contiguous runs that make up the box."""
+    nd = len(sizes)
+    if nd == 0:
+        return [(0, item)]
+    # innermost dims where the box spans the whole dim fold into the run
+    d = nd - 1
+    while d > 0 and lens[d] == sizes[d]:
+        d -= 1
+    inner = math.prod(sizes[d + 1:])
+    run_elems = lens[d] * inner
+    strides = [math.prod(sizes[i + 1:]) for i in range(nd)]
+    outer = [range(o, o + ln) for o, ln in zip(offs[:d], lens[:d])]
+    count = math.prod(lens[:d]) if d else 1
+    if count > 1 << 16:  # too many tiny runs: the covering read is cheaper
+        first = sum(o * s for o, s in zip(offs, strides))
+        last = sum((o + ln - 1) * s for o, ln, s in zip(offs, lens, strides)) + 1
+        return [(first * item, last * item)]
+    import itertools
+    out = []
+    for idx in itertools.product(*outer):
+        start = (sum(i * s for i, s in zip(idx, strides[:d])) + offs[d] * strides[d]) * item
+        out.append((start, start + run_elems * item))
+    return out

@@ -1,0 +1,98 @@
+"""Per-save completion state shared between the trainer and the saving side.
+
+An async save has two completion levels (DataStates' ``wait(persist=False)``
+and ``wait(persist=True)``):
+
+* **snapshotted**: every byte has left the live tensors, so training may
+  mutate them (the optimizer step);
+* **committed**: the manifest is durable on the first tier.
+
+In THREAD mode both sides live in one process.  In PROCESS mode the writer
+(and this object with it) is pickled into DCP's checkpoint daemon, so the
+flags live in a small shared-memory tensor that both processes map.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import torch
+
+from .errors import SnapshotError
+
+_SNAPSHOT, _FAILED, _COMMITTED = 0, 1, 2
+_MSG_BYTES = 1024
+
+
+class SaveSession:
+    def __init__(self, *, lazy: bool, cross_process: bool = False) -> None:
+        self.id = uuid.uuid4().hex[:12]
+        self.lazy = lazy
+        self.flags = torch.zeros(4, dtype=torch.int64)
+        self.msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+        if cross_process:
+            self.flags.share_memory_()
+            self.msg.share_memory_()
+        self._event = threading.Event()
+        self.timings: dict[str, float] = {"save_called": time.monotonic()}
+        self.future = None  # the async_save future, when the caller attached it
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_event"] = None
+        d["future"] = None
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        self._event = threading.Event()
+
+    # -- producer side ------------------------------------------------------
+    def mark_snapshot(self) -> None:
+        self.timings.setdefault("snapshot_done", time.monotonic())
+        self.flags[_SNAPSHOT] = 1
+        self._event.set()
+
+    def mark_failed(self, exc: BaseException) -> None:
+        text = f"{type(exc).__name__}: {exc}".encode()[: _MSG_BYTES - 1]
+        self.msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        self.flags[_FAILED] = 1
+        self._event.set()
+
+    def mark_committed(self) -> None:
+        self.timings.setdefault("committed", time.monotonic())
+        self.flags[_COMMITTED] = 1
+
+    # -- consumer side ------------------------------------------------------
+    @property
+    def snapshotted(self) -> bool:
+        return bool(self.flags[_SNAPSHOT])
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.flags[_FAILED])
+
+    def error_text(self) -> str:
+        raw = bytes(self.msg.numpy()).rstrip(b"\0")
+        return raw.decode(errors="replace")
+
+    def wait_snapshot(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poll = 0.0005
+        while True:
+            if self.failed:
+                raise SnapshotError(f"async save failed before its snapshot completed: {self.error_text()}")
+            if self.snapshotted:
+                return True
+            fut = self.future
+            if fut is not None and fut.done():
+                exc = fut.exception()
+                if exc is not None:
+                    raise SnapshotError(f"async save failed: {exc}") from exc
+                return True  # committed implies snapshotted
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._event.wait(poll)
+            poll = min(poll * 2, 0.01)

@@ -1,0 +1,252 @@
+"""One storage tier: a directory on a local or fsspec filesystem.
+
+Local paths use ``os`` directly (``pwrite`` from any thread, ``fsync``,
+atomic ``rename``); anything else goes through fsspec, which writes
+sequentially and commits by writing the manifest object last (object stores
+have no rename).  Paths stay ``str`` URLs end to end.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import posixpath
+import threading
+import uuid
+
+import fsspec
+
+log = logging.getLogger(__name__)
+
+_PWRITE_MAX = 1 << 30  # Linux caps one write at ~2 GiB; stay well below
+
+
+def _is_local(fs) -> bool:
+    protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protos or "local" in protos
+
+
+class Sink:
+    """Writes one data file; ``pwrite`` may be called from several threads."""
+
+    name: str
+    supports_random_writes: bool
+
+    def pwrite(self, buf, offset: int) -> None: ...
+    def close(self, sync: bool = True) -> int: ...
+    def abort(self) -> None: ...
+
+
+class LocalSink(Sink):
+    supports_random_writes = True
+
+    def __init__(self, path: str, name: str, o_direct: bool = False) -> None:
+        self.path = path
+        self.name = name
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.fd = os.open(path, flags, 0o644)
+        self.size = 0
+        self._lock = threading.Lock()
+
+    def pwrite(self, buf, offset: int) -> None:
+        mv = memoryview(buf).cast("B")
+        n = mv.nbytes
+        done = 0
+        while done < n:
+            w = os.pwrite(self.fd, mv[done:done + _PWRITE_MAX], offset + done)
+            if w <= 0:
+                raise OSError(errno.EIO, f"short write to {self.path}")
+            done += w
+        with self._lock:
+            self.size = max(self.size, offset + n)
+
+    def close(self, sync: bool = True) -> int:
+        try:
+            if sync:
+                os.fsync(self.fd)
+                try:  # drop the now-clean pages: a checkpoint should not evict the trainer's cache
+                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except (AttributeError, OSError):
+                    pass
+            return os.fstat(self.fd).st_size
+        finally:
+            os.close(self.fd)
+
+    def abort(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class SequentialSink(Sink):
+    """fsspec file opened for writing; out-of-order pieces wait until their turn."""
+
+    supports_random_writes = False
+
+    def __init__(self, fs, path: str, name: str) -> None:
+        self.fs, self.path, self.name = fs, path, name
+        self.f = fs.open(path, "wb")
+        self.pos = 0
+        self.pending: dict[int, bytes] = {}
+        self._cv = threading.Condition()
+
+    def pwrite(self, buf, offset: int) -> None:
+        data = bytes(memoryview(buf).cast("B"))  # the cache slot is recycled after return
+        with self._cv:
+            self.pending[offset] = data
+            while self.pending:
+                nxt = min(self.pending)
+                if nxt < self.pos:
+                    raise ValueError(f"overlapping writes to {self.path}")
+                if nxt > self.pos:
+                    # a gap is padding only when no earlier piece can still arrive; the engine
+                    # hands pieces over in file order per sink, so pad up to the next piece
+                    self.f.write(b"\0" * (nxt - self.pos))
+                    self.pos = nxt
+                chunk = self.pending.pop(nxt)
+                self.f.write(chunk)
+                self.pos += len(chunk)
+
+    def close(self, sync: bool = True) -> int:
+        self.f.close()
+        return self.pos
+
+    def abort(self) -> None:
+        try:
+            self.f.close()
+        except Exception:
+            pass
+        try:
+            self.fs.rm_file(self.path)
+        except Exception:
+            pass
+
+
+class StorageTier:
+    """A checkpoint directory on one filesystem."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        self.url = str(url)
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.local = _is_local(self.fs)
+        if self.local:
+            self.root = os.path.abspath(self.root)
+
+    def __repr__(self) -> str:
+        return f"StorageTier({self.url!r})"
+
+    def __getstate__(self):
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state):
+        self.__init__(state["url"], state["storage_options"])
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name) if self.local else posixpath.join(self.root, name)
+
+    def makedirs(self) -> None:
+        if self.local:
+            os.makedirs(self.root, exist_ok=True)
+        else:
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def exists(self, name: str) -> bool:
+        p = self.path(name)
+        return os.path.exists(p) if self.local else self.fs.exists(p)
+
+    def size(self, name: str) -> int:
+        p = self.path(name)
+        return os.path.getsize(p) if self.local else int(self.fs.size(p))
+
+    def listdir(self) -> list[str]:
+        if self.local:
+            try:
+                return sorted(os.listdir(self.root))
+            except FileNotFoundError:
+                return []
+        try:
+            return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False))
+        except FileNotFoundError:
+            return []
+
+    def open_sink(self, name: str, o_direct: bool = False) -> Sink:
+        if self.local:
+            return LocalSink(self.path(name), name, o_direct)
+        return SequentialSink(self.fs, self.path(name), name)
+
+    def read_bytes(self, name: str) -> bytes:
+        p = self.path(name)
+        if self.local:
+            with open(p, "rb") as f:
+                return f.read()
+        return self.fs.cat_file(p)
+
+    def read_into(self, name: str, offset: int, buf, *, fd: int | None = None) -> int:
+        """Fill ``buf`` from ``offset``; returns the bytes read (short at end of file)."""
+        mv = memoryview(buf).cast("B")
+        n = mv.nbytes
+        if self.local:
+            own = fd is None
+            if own:
+                fd = os.open(self.path(name), os.O_RDONLY)
+            try:
+                got = 0
+                while got < n:
+                    r = os.preadv(fd, [mv[got:got + _PWRITE_MAX]], offset + got)
+                    if r <= 0:
+                        break
+                    got += r
+                return got
+            finally:
+                if own:
+                    os.close(fd)
+        data = self.fs.cat_file(self.path(name), start=offset, end=offset + n)
+        mv[:len(data)] = data
+        return len(data)
+
+    def commit_bytes(self, name: str, data: bytes, *, sync: bool = True) -> None:
+        """Publish ``name`` atomically: temp file, fsync, rename, fsync dir (local);
+        a single PUT of the final object (object stores, where that PUT is the commit)."""
+        if self.local:
+            tmp = self.path(f"{name}.tmp-{uuid.uuid4().hex[:8]}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                mv = memoryview(data)
+                while mv:
+                    w = os.write(fd, mv)
+                    mv = mv[w:]
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path(name))
+            if sync:
+                self.sync_dir()
+        else:
+            self.fs.pipe_file(self.path(name), data)
+
+    def sync_dir(self) -> None:
+        if not self.local:
+            return
+        dfd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def remove(self, name: str) -> None:
+        p = self.path(name)
+        try:
+            if self.local:
+                os.unlink(p)
+            else:
+                self.fs.rm_file(p)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,494 @@
+"""``DataStatesWriter``: a DCP ``StorageWriter`` and ``AsyncStager``.
+
+Call order under ``dcp.save`` / ``dcp.async_save`` (DCP drives it):
+
+0. (caller thread, async only) ``stage(state_dict)`` returns the live state
+   dict at once: nothing is copied yet (the *lazy* snapshot).
+1. (all ranks) ``reset(checkpoint_id)`` when an id is given, then
+   ``set_up_storage_writer`` and ``prepare_local_plan``.
+2. (coordinator) ``prepare_global_plan`` names one data file per rank and a
+   save id shared by all ranks.
+3. (all ranks) ``write_data`` lays the rank's items out in its data file and
+   hands them to the engine, which copies them out of the live tensors into
+   the bounded host cache and streams them to storage.  Its future resolves
+   once the data file is fsynced.
+4. (coordinator) ``finish`` merges every rank's results into the msgpack
+   manifest and commits it (temp file, fsync, rename).  That rename is the
+   commit: a directory without it is not a checkpoint.
+
+With ``use_collectives=False`` every rank commits its own rank manifest in
+step 4, and the reader merges them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+import uuid
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import __version__
+from .engine import CopyItem, get_engine
+from .engine.host_cache import default_host_cache_bytes, shared_host_cache
+from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
+from .format import BLOCK_SIZE, MANIFEST_NAME, Manifest, dtype_name, encode_manifest
+from .format.layout import FileLayout
+from .format.manifest import RANK_MANIFEST_PREFIX, Chunk, Extent, TensorEntry, ValueEntry
+from .providers import ObjectProvider, provider_for
+from .session import SaveSession
+from .tiers import StorageTier
+
+log = logging.getLogger(__name__)
+
+DATA_FILE = re.compile(r"^data-r\d{5}-[0-9a-f]{12}\.dsd$")
+
+
+def _data_file_name(rank: int, save_id: str) -> str:
+    return f"data-r{rank:05d}-{save_id}.dsd"
+
+
+def _detect_process_mode() -> bool:
+    """True when ``stage`` was called by ``dcp.async_save(..., PROCESS)``."""
+    f = sys._getframe(1)
+    for _ in range(12):
+        f = f.f_back
+        if f is None:
+            return False
+        if f.f_code.co_name == "async_save" and "state_dict_saver" in f.f_code.co_filename:
+            t = f.f_locals.get("async_checkpointer_type")
+            return t is not None and getattr(t, "name", str(t)).upper().endswith("PROCESS")
+    return False
+
+
+def _iter_tensors(obj):
+    from torch.distributed.tensor import DTensor
+    if isinstance(obj, DTensor):
+        yield obj.to_local()
+    elif isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _iter_tensors(v)
+
+
+class DataStatesWriter(StorageWriter):
+    """Save DCP checkpoints in the dcp-datastates format.
+
+    Args:
+        path: checkpoint directory (local path or fsspec URL).  May be omitted
+            when ``checkpoint_id`` is passed to ``dcp.save``.
+        overwrite: replace a committed checkpoint at ``path``.  Off by default:
+            saving over a committed checkpoint raises ``CheckpointExistsError``.
+            When on, the old checkpoint stays loadable until the new manifest
+            commits; its data files are removed afterwards.
+        thread_count: flush threads per rank (writes and checksums).
+        host_cache_bytes: size of the host staging cache shared by all saves of
+            this process (default 2 GiB, or ``DCP_DATASTATES_HOST_CACHE_BYTES``).
+        allow_pickle: store values msgpack cannot express with pickle.  Off by
+            default; such values then raise ``UnsupportedValueError``.
+        sync_files: fsync data files and the manifest (durability).  Keep on.
+        storage_options: passed to fsspec for URLs.
+        async_mode: ``"thread"`` or ``"process"``; detected from ``dcp.async_save``
+            when left ``None``.
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(self, path: str | None = None, *, overwrite: bool = False,
+                 thread_count: int = 4, host_cache_bytes: int | None = None,
+                 allow_pickle: bool = False, sync_files: bool = True,
+                 storage_options: dict | None = None, async_mode: str | None = None) -> None:
+        super().__init__()
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        if async_mode not in (None, "thread", "process"):
+            raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
+        self.path = None if path is None else str(path)
+        self.overwrite = overwrite
+        self.thread_count = thread_count
+        self.host_cache_bytes = host_cache_bytes or default_host_cache_bytes()
+        self.allow_pickle = allow_pickle
+        self.sync_files = sync_files
+        self.storage_options = storage_options
+        self.async_mode = async_mode
+        self.rank = 0
+        self.is_coordinator = True
+        self.use_collectives = True
+        self.save_id = uuid.uuid4().hex[:12]
+        self._session: SaveSession | None = None
+        self._job = None
+        self.last_timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------ AsyncStager
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict):
+        """Start a lazy snapshot: return the live state dict, copy nothing yet."""
+        self._wait_previous()
+        process = self.async_mode == "process" or (self.async_mode is None and _detect_process_mode())
+        self._session = SaveSession(lazy=True, cross_process=process)
+        if not process:
+            # order the side-stream copies after the kernels queued so far on this thread's stream
+            self._session.ready = _ready_events_for(list(_iter_tensors(state_dict)))
+        if process:
+            # The daemon reads CPU tensors through shared memory. Move them there now,
+            # in the caller thread, so the pickler never copies live memory in the background.
+            for t in _iter_tensors(state_dict):
+                if t.device.type == "cpu" and not t.is_shared():
+                    t.share_memory_()
+                elif t.device.type == "cuda":
+                    torch.cuda.current_stream(t.device).synchronize()
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        self.wait_snapshot()
+
+    def close(self) -> None:
+        pass
+
+    def attach(self, future) -> None:
+        """Let :meth:`wait_snapshot` see failures that happen before ``write_data``."""
+        if self._session is not None:
+            self._session.future = future
+
+    def wait_snapshot(self, timeout: float | None = None) -> bool:
+        """Block until the current async save has copied every byte out of the live state.
+
+        After it returns, training may mutate parameters and optimizer state.
+        Returns ``False`` only on timeout; raises if the save failed.
+        """
+        s = self._session
+        if s is None or not s.lazy:
+            return True
+        ok = s.wait_snapshot(timeout)
+        if ok:
+            s.timings.setdefault("snapshot_waited", time.monotonic())
+        return ok
+
+    def _wait_previous(self) -> None:
+        """Back-to-back policy: a new save on this writer waits for the previous one's data."""
+        job = self._job
+        if job is not None and not job.durable.done():
+            log.info("previous save on this writer is still flushing; waiting")
+            try:
+                job.durable.result()
+            except BaseException:  # noqa: BLE001 - the previous save reports its own error
+                pass
+
+    # ---------------------------------------------------------- StorageWriter
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id is not None:
+            self.path = str(checkpoint_id)
+        self.save_id = uuid.uuid4().hex[:12]
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        if self.path is None:
+            raise CheckpointError("DataStatesWriter has no path: pass one to the constructor "
+                                  "or give dcp.save a checkpoint_id")
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+        self.use_collectives = bool(kwargs.get("use_collectives", True))
+        if self._session is None or not self._session.lazy or self._session.snapshotted:
+            if self._session is None or not self._session.lazy:
+                self._session = SaveSession(lazy=False)
+        self.tier = StorageTier(self.path, self.storage_options)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        try:
+            self.tier = StorageTier(self.path, self.storage_options)
+            self.tier.makedirs()
+            if not self.overwrite and self._committed_here():
+                raise CheckpointExistsError(
+                    "a committed checkpoint already exists here; pass overwrite=True to "
+                    "DataStatesWriter to replace it, or save to a new path", checkpoint=self.path)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        return plan
+
+    def _committed_here(self) -> bool:
+        if self.tier.exists(MANIFEST_NAME):
+            return True
+        if not self.use_collectives:
+            return self.tier.exists(f"{RANK_MANIFEST_PREFIX}{self.rank:05d}")
+        return False
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        import dataclasses
+        save_id = self.save_id
+        if len(plans) == 1 and not self.use_collectives:
+            return [dataclasses.replace(plans[0], storage_data={"rank": self.rank, "save_id": save_id})]
+        return [dataclasses.replace(p, storage_data={"rank": i, "save_id": save_id})
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_data(plan, planner)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        sd = plan.storage_data if isinstance(plan.storage_data, dict) else {}
+        rank = int(sd.get("rank", self.rank))
+        self.save_id = sd.get("save_id", self.save_id)
+        session = self._session or SaveSession(lazy=False)
+        file_name = _data_file_name(rank, self.save_id)
+        layout = FileLayout(file_name)
+        copy_items: list[CopyItem] = []
+        results: list[tuple] = []  # (write_item, kind, payload)
+
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                results.append((item, "v", self._encode_value(planner, item)))
+                continue
+            obj = planner.resolve_data(item)
+            prov = provider_for(obj)
+            regions = prov.regions()
+            placed = []
+            for r in regions:
+                ci = CopyItem(f"{fqn}{'/' + r.name if r.name else ''}", r.source,
+                              layout.place(r.nbytes), r.nbytes)
+                copy_items.append(ci)
+                placed.append((r.name, dtype_name(r.source.dtype), list(r.source.shape), ci))
+            if prov.name in ("tensor", "dtensor-shard"):
+                results.append((item, "t", placed[0][3]))
+            else:
+                results.append((item, "p", (prov.name, prov.meta(), placed)))
+
+        lazy = session.lazy
+        label = f"{self.path} rank {rank}"
+        fut: Future = Future()
+        if not copy_items:
+            session.mark_snapshot()
+            fut.set_result(self._results(results, file_name, 0, session))
+            return fut
+        self.tier.makedirs()
+        sink = self.tier.open_sink(file_name)
+        ready = getattr(session, "ready", None) if lazy else None
+        if ready is None:
+            ready = _ready_events(copy_items)
+        engine = get_engine(shared_host_cache(self.host_cache_bytes, _want_pinned(copy_items)),
+                            self.thread_count)
+        job = engine.submit(copy_items, sink, copy=lazy or _any_gpu(copy_items), label=label,
+                            ready_event=ready)
+        self._job = job
+
+        def on_snapshot() -> None:
+            job.snapshot_done.wait()
+            if job.error is None:
+                session.mark_snapshot()
+
+        def done(_f) -> None:
+            try:
+                job_result = _f.result()
+                fut.set_result(self._results(results, file_name, job_result.file_size, session,
+                                             job_result.timings))
+            except BaseException as e:  # noqa: BLE001
+                session.mark_failed(e)
+                fut.set_exception(CheckpointError(f"writing {file_name} failed: {e}",
+                                                  checkpoint=self.path, file=file_name))
+
+        import threading
+        threading.Thread(target=on_snapshot, daemon=True, name="dcpds-snapwatch").start()
+        job.durable.add_done_callback(done)
+        if not lazy:
+            # synchronous dcp.save: DCP waits on the future right away anyway
+            job.durable.exception()
+        return fut
+
+    def _encode_value(self, planner, item) -> tuple:
+        fqn = item.index.fqn
+        obj, found = _lookup_original(planner, item)
+        if found:
+            enc, data, csum = ObjectProvider(obj).encode(key=fqn, checkpoint=self.path,
+                                                         allow_pickle=self.allow_pickle)
+            return (enc, data, csum)
+        # A planner that hides the original object: only torch.save bytes are available.
+        if not self.allow_pickle:
+            raise UnsupportedValueError(
+                "this planner only exposes the value as torch.save bytes (a pickle); use "
+                "DCP's DefaultSavePlanner or ours, or pass allow_pickle=True",
+                checkpoint=self.path, key=fqn)
+        import xxhash
+        data = planner.resolve_data(item).getvalue()
+        return ("torch", data, xxhash.xxh3_64_intdigest(data))
+
+    def _results(self, results, file_name, file_size, session, timings=None) -> list[WriteResult]:
+        out = []
+        files = {file_name: file_size} if file_size else {}
+        for idx, (item, kind, payload) in enumerate(results):
+            if kind == "v":
+                sd = {"k": "v", "v": list(payload)}
+                nbytes = len(payload[1])
+            elif kind == "t":
+                ci = payload
+                td = item.tensor_data
+                sd = {"k": "t", "dtype": dtype_name(td.properties.dtype), "sizes": list(td.chunk.sizes),
+                      "x": [file_name, ci.offset, ci.nbytes, list(ci.sums)]}
+                nbytes = ci.nbytes
+            else:
+                pname, meta, placed = payload
+                td = item.tensor_data
+                parts = {name: [dt, shape, [file_name, ci.offset, ci.nbytes, list(ci.sums)]]
+                         for name, dt, shape, ci in placed}
+                sd = {"k": "p", "dtype": dtype_name(td.properties.dtype), "sizes": list(td.chunk.sizes),
+                      "p": pname, "m": meta, "parts": parts}
+                nbytes = sum(p[3].nbytes for p in placed)
+            if idx == 0:
+                sd["files"] = files
+                sd["rank"] = self.rank
+                if timings:
+                    sd["timings"] = timings
+            out.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=sd))
+        self.last_timings = dict(timings or {})
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        import torch.distributed as dist
+        manifest = build_manifest(metadata, results, save_id=self.save_id)
+        if self.use_collectives:
+            name = MANIFEST_NAME
+        else:
+            manifest.world_size = dist.get_world_size() if dist.is_initialized() else 1
+            manifest.ranks = [self.rank]
+            name = f"{RANK_MANIFEST_PREFIX}{self.rank:05d}"
+        old = self._referenced_files() if self.overwrite else set()
+        self.tier.commit_bytes(name, encode_manifest(manifest), sync=self.sync_files)
+        if self._session is not None:
+            self._session.mark_committed()
+        log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),
+                 len(manifest.values), sum(manifest.files.values()) / 2**20)
+        for stale in old - set(manifest.files):
+            if DATA_FILE.match(stale):
+                self.tier.remove(stale)
+
+    def _referenced_files(self) -> set[str]:
+        try:
+            return {n for n in self.tier.listdir() if DATA_FILE.match(n)}
+        except Exception:  # pragma: no cover
+            return set()
+
+    def _fail(self, e: BaseException) -> None:
+        if self._session is not None:
+            self._session.mark_failed(e)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False  # never auto-selected by DCP; users pass the writer explicitly
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_job"] = None
+        d.pop("tier", None)
+        return d
+
+
+def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save_id: str) -> Manifest:
+    files: dict[str, int] = {}
+    tensors: dict[str, TensorEntry] = {}
+    values: dict[str, ValueEntry] = {}
+    ranks = []
+    for rank_results in results:
+        for wr in rank_results:
+            sd = wr.storage_data
+            if "files" in sd:
+                files.update(sd["files"])
+                ranks.append(sd.get("rank", 0))
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors[fqn] = TensorEntry(dtype_name(md.properties.dtype), tuple(md.size), [])
+    seen: set[tuple] = set()
+    for rank_results in results:
+        for wr in rank_results:
+            sd = wr.storage_data
+            fqn = wr.index.fqn
+            if sd["k"] == "v":
+                enc, data, csum = sd["v"]
+                values[fqn] = ValueEntry(enc, data, csum)
+                continue
+            offsets = tuple(wr.index.offset) if wr.index.offset is not None else ()
+            if (fqn, offsets) in seen:
+                continue
+            seen.add((fqn, offsets))
+            entry = tensors[fqn]
+            if sd["k"] == "t":
+                f, off, n, sums = sd["x"]
+                entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), Extent(f, off, n, list(sums))))
+            else:
+                parts = {k: (dt, tuple(shape), Extent(x[0], x[1], x[2], list(x[3])))
+                         for k, (dt, shape, x) in sd["parts"].items()}
+                entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), None, sd["p"], sd["m"], parts))
+    planner_data = {}
+    if isinstance(metadata.planner_data, dict):
+        for k, v in metadata.planner_data.items():
+            if isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v):
+                planner_data[k] = list(v)
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return Manifest(save_id=save_id, world_size=max(world, len(results)),
+                    ranks=sorted(set(ranks)) or list(range(len(results))), files=files,
+                    tensors=tensors, values=values, planner_data=planner_data,
+                    block_size=BLOCK_SIZE, created_unix=time.time(), torch_version=torch.__version__,
+                    writer=f"dcp-datastates {__version__}")
+
+
+def _lookup_original(planner, item):
+    """The unserialized object behind a BYTE_IO item, when the planner exposes it."""
+    sd = getattr(planner, "state_dict", None)
+    if isinstance(sd, dict):
+        try:
+            from torch.distributed.checkpoint.utils import find_state_dict_object
+            return find_state_dict_object(sd, item.index), True
+        except (ValueError, KeyError):
+            pass
+    return None, False
+
+
+def _any_gpu(items: list[CopyItem]) -> bool:
+    return any(i.source.device.type == "cuda" for i in items)
+
+
+def _want_pinned(items: list[CopyItem]) -> bool:
+    if not _any_gpu(items):
+        return False
+    import cuda_ext
+    return cuda_ext.available()
+
+
+def _ready_events(items: list[CopyItem]):
+    """Record, on the caller's current stream, the point the copies must follow (GPU only)."""
+    return _ready_events_for([i.source for i in items])
+
+
+def _ready_events_for(tensors: list[torch.Tensor]):
+    dev = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    if dev is None:
+        return None
+    import cuda_ext
+    if not cuda_ext.available():
+        return None
+    return cuda_ext.record_ready(dev.index or 0)
