@@ -1,0 +1,13 @@
+import logging
+import warnings
+
+import pytest
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+warnings.filterwarnings("ignore", message=".*assuming the intent is.*")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog):
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    yield

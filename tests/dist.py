@@ -1,0 +1,60 @@
+"""Run a function on N gloo ranks on 127.0.0.1 (real process groups, no mocks)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, errq):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        errq.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        try:
+            dist.barrier()
+        except Exception:
+            pass
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 240) -> None:
+    """Spawn ``world`` processes running ``fn(rank, world, *args)``; re-raise the first failure."""
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errq), daemon=False)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    if errors:
+        rank, tb = sorted(errors)[0]
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    if alive:
+        raise AssertionError(f"{len(alive)} ranks hung past {timeout}s")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"ranks exited with codes {bad}")

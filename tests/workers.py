@@ -1,0 +1,161 @@
+"""Rank functions for the multi-process tests (spawned by ``tests.dist.run_ranks``).
+
+DCP's own FileSystemWriter/Reader serve as the oracle: the same state is
+saved with both backends and loaded with both, and the results must match.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from dcp_datastates import (DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner,
+                            DataStatesWriter)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(6, 7)
+        self.l2 = nn.Linear(7, 5)
+        self.register_buffer("scale", torch.arange(3, dtype=torch.float32))
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x))) * self.scale.sum()
+
+
+def make_fsdp(world: int, seed: int = 0, train: bool = True):
+    torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    model = Net()
+    fully_shard(model.l1, mesh=mesh)
+    fully_shard(model.l2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if train:
+        for _ in range(2):
+            model(torch.randn(4, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return model, opt
+
+
+def app_state(model, opt) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "extra": {"step": 7, "note": "hello", "none": None,
+                                                   "lst": [1, 2.5, "x"]}}
+
+
+def save_fsdp(rank, world, ours_dir, ref_dir, use_collectives=True, planner=False):
+    model, opt = make_fsdp(world)
+    sd = app_state(model, opt)
+    kw = {"planner": DataStatesSavePlanner()} if planner else {}
+    dcp.save(sd, storage_writer=DataStatesWriter(ours_dir), use_collectives=use_collectives, **kw)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(ref_dir))
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _compare(a, b, path=""):
+    if isinstance(a, dict):
+        assert set(a) == set(b), (path, set(a) ^ set(b))
+        for k in a:
+            _compare(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _compare(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(_local(a), _local(b)), f"tensor mismatch at {path}"
+    else:
+        assert a == b, (path, a, b)
+
+
+def load_fsdp_and_compare(rank, world, ours_dir, ref_dir, planner=False):
+    m1, o1 = make_fsdp(world, seed=1, train=True)
+    m2, o2 = make_fsdp(world, seed=2, train=True)
+    s1, s2 = app_state(m1, o1), app_state(m2, o2)
+    s1["extra"] = {"step": 0, "note": "", "none": 1, "lst": []}
+    s2["extra"] = {"step": 0, "note": "", "none": 1, "lst": []}
+    kw = {"planner": DataStatesLoadPlanner()} if planner else {}
+    dcp.load(s1, storage_reader=DataStatesReader(ours_dir), **kw)
+    dcp.load(s2, storage_reader=dcp.FileSystemReader(ref_dir))
+    _compare(s1, s2)
+    assert s1["extra"] == {"step": 7, "note": "hello", "none": None, "lst": [1, 2.5, "x"]}
+    set_state_dict(m1, o1, model_state_dict=s1["model"], optim_state_dict=s1["optim"])
+    # the restored model trains
+    m1(torch.randn(4, 6)).sum().backward()
+    o1.step()
+
+
+# ----------------------------------------------------------------- DTensor
+
+def _dt_source(world):
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(3)
+    full = {"row": torch.randn(10, 6), "col": torch.randn(5, 12), "rep": torch.randn(4, 6),
+            "tiny": torch.randn(3, 2), "bf": torch.randn(9, 4).bfloat16()}
+    placements = {"row": [Shard(0)], "col": [Shard(1)], "rep": [Replicate()], "tiny": [Shard(0)],
+                  "bf": [Shard(0)]}
+    return mesh, full, {k: distribute_tensor(v, mesh, placements[k]) for k, v in full.items()}
+
+
+def dtensor_save(rank, world, ours_dir):
+    _, full, sd = _dt_source(world)
+    dcp.save(sd, storage_writer=DataStatesWriter(ours_dir))
+
+
+def dtensor_load(rank, world, ours_dir, src_world, mesh_shape):
+    torch.manual_seed(3)
+    full = {"row": torch.randn(10, 6), "col": torch.randn(5, 12), "rep": torch.randn(4, 6),
+            "tiny": torch.randn(3, 2), "bf": torch.randn(9, 4).bfloat16()}
+    mesh = init_device_mesh("cpu", mesh_shape)
+    if len(mesh_shape) == 1:
+        targets = {"row": [Shard(1)], "col": [Shard(0)], "rep": [Shard(1)], "tiny": [Replicate()],
+                   "bf": [Shard(1)]}
+    else:
+        targets = {"row": [Shard(0), Shard(1)], "col": [Replicate(), Shard(1)],
+                   "rep": [Shard(1), Shard(0)], "tiny": [Shard(0), Replicate()],
+                   "bf": [Shard(1), Replicate()]}
+    sd = {k: distribute_tensor(torch.zeros_like(v), mesh, targets[k]) for k, v in full.items()}
+    reader = DataStatesReader(ours_dir)
+    dcp.load(sd, storage_reader=reader)
+    for k, v in sd.items():
+        assert torch.equal(v.full_tensor(), full[k]), k
+
+
+# ----------------------------------------------------------------- async
+
+def async_mutation(rank, world, base, mode):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    pg = dist.new_group(backend="gloo")
+    torch.manual_seed(0)  # plain tensors count as replicated: same values on every rank
+    sd = {"w": torch.randn(1024, 1024), "b": torch.randn(1000), "n": {"step": 3}}
+    expect = {k: v.clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    ctype = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    for i in range(2):  # two saves through the same writer class, second reuses the daemon
+        path = os.path.join(base, f"step-{i}")
+        writer = DataStatesWriter(path, host_cache_bytes=1 << 20)  # cache << state: streamed
+        from dcp_datastates import async_save
+        fut = async_save(sd, storage_writer=writer, process_group=pg, async_checkpointer_type=ctype)
+        assert writer.wait_snapshot(timeout=120)
+        for v in sd.values():
+            if isinstance(v, torch.Tensor):
+                v.add_(1000.0)  # mutate right after the snapshot
+        fut.result()
+        out = {"w": torch.zeros(1024, 1024), "b": torch.zeros(1000), "n": {"step": 0}}
+        dcp.load(out, storage_reader=DataStatesReader(path), process_group=pg)
+        for k, v in expect.items():
+            assert torch.equal(out[k], v), (mode, i, k)
+        assert out["n"] == {"step": 3}
+        expect = {k: v.clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
