@@ -9,5 +9,5 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is.*")
 
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog):
-    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    caplog.set_level(logging.WARNING)
     yield

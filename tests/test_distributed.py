@@ -37,6 +37,14 @@ def test_use_collectives_false_rank_manifests_merge(tmp_path):
         ".manifest.rank-00000", ".manifest.rank-00001"]
     run_ranks(1, workers.load_fsdp_and_compare, ours, ref)  # resharded: needs both ranks' chunks
 
+    # Publish only rank 0's manifest as the global one: the load must refuse, not leave zeros.
+    import shutil
+    partial = str(tmp_path / "partial")
+    shutil.copytree(ours, partial)
+    os.replace(os.path.join(partial, ".manifest.rank-00000"), os.path.join(partial, ".metadata"))
+    os.remove(os.path.join(partial, ".manifest.rank-00001"))
+    run_ranks(1, workers.load_expect_coverage_error, partial)
+
 
 def test_dtensor_placements_and_meshes(tmp_path):
     ours = str(tmp_path / "dt")

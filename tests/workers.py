@@ -159,3 +159,16 @@ def async_mutation(rank, world, base, mode):
             assert torch.equal(out[k], v), (mode, i, k)
         assert out["n"] == {"step": 3}
         expect = {k: v.clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def load_expect_coverage_error(rank, world, ours_dir):
+    from dcp_datastates import CoverageError
+    m, o = make_fsdp(world, seed=1, train=True)
+    s = app_state(m, o)
+    try:
+        dcp.load(s, storage_reader=DataStatesReader(ours_dir))
+    except BaseException as e:  # DCP wraps it in CheckpointException
+        assert "CoverageError" in repr(e) or isinstance(e, CoverageError), repr(e)
+        assert "covers only" in str(e)
+        return
+    raise AssertionError("a load that cannot fill the destination must raise")

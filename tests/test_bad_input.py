@@ -1,0 +1,188 @@
+"""Bad input fails with a clear error naming checkpoint, file and tensor; nothing committed is damaged."""
+
+import os
+import pickle
+import struct
+
+import msgpack
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_datastates import DataStatesReader, DataStatesWriter
+from dcp_datastates.format.manifest import MAGIC
+
+W = torch.arange(4096 * 3, dtype=torch.float32).reshape(3, 4096)
+
+
+def _save(path, sd=None, **kw):
+    dcp.save(sd or {"w": W, "v": {"k": 1}}, storage_writer=DataStatesWriter(path, **kw), no_dist=True)
+
+
+def _load(path, tmpl=None, **kw):
+    tmpl = tmpl or {"w": torch.zeros_like(W), "v": {"k": 0}}
+    dcp.load(tmpl, storage_reader=DataStatesReader(path, **kw), no_dist=True)
+    return tmpl
+
+
+def _err(fn) -> str:
+    with pytest.raises((CheckpointException, Exception)) as ei:
+        fn()
+    return str(ei.value)
+
+
+def _data_file(path):
+    return os.path.join(path, next(n for n in os.listdir(path) if n.endswith(".dsd")))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    p = str(tmp_path / "step-1")
+    _save(p)
+    return p
+
+
+def test_missing_manifest(ckpt):
+    os.remove(os.path.join(ckpt, ".metadata"))
+    msg = _err(lambda: _load(ckpt))
+    assert "no committed manifest" in msg and ckpt in msg
+
+
+def test_truncated_manifest(ckpt):
+    m = os.path.join(ckpt, ".metadata")
+    data = open(m, "rb").read()
+    open(m, "wb").write(data[: len(data) // 2])
+    msg = _err(lambda: _load(ckpt))
+    assert "truncated or corrupt" in msg and ".metadata" in msg
+
+
+def test_corrupt_manifest_byte(ckpt):
+    m = os.path.join(ckpt, ".metadata")
+    data = bytearray(open(m, "rb").read())
+    data[40] ^= 0xFF
+    open(m, "wb").write(data)
+    assert "checksum mismatch" in _err(lambda: _load(ckpt))
+
+
+def _rewrite_body(path, mutate):
+    m = os.path.join(path, ".metadata")
+    data = open(m, "rb").read()
+    body = msgpack.unpackb(data[len(MAGIC):-8], raw=False, strict_map_key=False)
+    mutate(body)
+    payload = msgpack.packb(body, use_bin_type=True)
+    open(m, "wb").write(MAGIC + payload + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload)))
+
+
+def test_unknown_format_version(ckpt):
+    _rewrite_body(ckpt, lambda b: b.update(version=99))
+    msg = _err(lambda: _load(ckpt))
+    assert "format version 99" in msg and "upgrade" in msg
+
+
+def test_checksum_mismatch_names_file_and_tensor(ckpt):
+    f = _data_file(ckpt)
+    data = bytearray(open(f, "rb").read())
+    data[5000] ^= 0x01
+    open(f, "wb").write(data)
+    msg = _err(lambda: _load(ckpt))
+    assert "checksum mismatch" in msg and os.path.basename(f) in msg and "tensor=w" in msg
+
+
+def test_truncated_data_file(ckpt):
+    f = _data_file(ckpt)
+    os.truncate(f, 1000)
+    msg = _err(lambda: _load(ckpt))
+    assert "truncated" in msg and os.path.basename(f) in msg and "tensor=w" in msg
+
+
+def test_missing_data_file(ckpt):
+    f = _data_file(ckpt)
+    os.remove(f)
+    msg = _err(lambda: _load(ckpt))
+    assert "missing" in msg and os.path.basename(f) in msg
+
+
+def test_missing_key(ckpt):
+    msg = _err(lambda: _load(ckpt, {"w": torch.zeros_like(W), "nope": torch.zeros(2), "v": {"k": 0}}))
+    assert "nope" in msg
+
+
+def test_existing_checkpoint_is_not_overwritten(ckpt):
+    before = _load(ckpt)["w"].clone()
+    msg = _err(lambda: _save(ckpt, {"w": W * 0, "v": {"k": 2}}))
+    assert "already exists" in msg and "overwrite=True" in msg and ckpt in msg
+    assert torch.equal(_load(ckpt)["w"], before)  # untouched
+
+
+def test_explicit_overwrite_replaces_and_cleans_old_files(ckpt):
+    old = _data_file(ckpt)
+    _save(ckpt, {"w": W * 2, "v": {"k": 2}}, overwrite=True)
+    assert torch.equal(_load(ckpt)["w"], W * 2)
+    assert not os.path.exists(old)
+
+
+class Opaque:
+    def __init__(self):
+        self.x = 1
+
+
+def test_non_msgpack_value_needs_opt_in(tmp_path):
+    p = str(tmp_path / "c")
+    msg = _err(lambda: _save(p, {"w": W, "o": Opaque()}))
+    assert "cannot be stored without pickle" in msg and "tensor=o" in msg and "allow_pickle" in msg
+    assert not os.path.exists(os.path.join(p, ".metadata"))
+    _save(p, {"w": W, "o": Opaque()}, allow_pickle=True)
+    tmpl = {"w": torch.zeros_like(W), "o": None}
+    msg = _err(lambda: _load(p, tmpl))
+    assert "allow_pickle=True" in msg
+    out = _load(p, {"w": torch.zeros_like(W), "o": None}, allow_pickle=True)
+    assert isinstance(out["o"], Opaque)
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/dcpds-pwned",))
+
+
+def test_pickle_payload_in_value_never_runs(ckpt):
+    if os.path.exists("/tmp/dcpds-pwned"):
+        os.remove("/tmp/dcpds-pwned")
+    evil = pickle.dumps(Boom())
+
+    def inject(b):
+        b["values"]["v.k"] = ["pickle", evil, xxhash.xxh3_64_intdigest(evil)]
+    _rewrite_body(ckpt, inject)
+    assert "allow_pickle" in _err(lambda: _load(ckpt))
+    # even as "msgpack" the bytes only decode as data
+    def inject2(b):
+        b["values"]["v.k"] = ["msgpack", evil, xxhash.xxh3_64_intdigest(evil)]
+    _rewrite_body(ckpt, inject2)
+    try:
+        _load(ckpt)
+    except BaseException:
+        pass
+    assert not os.path.exists("/tmp/dcpds-pwned")
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda b: b["tensors"]["w"]["chunks"][0]["x"].__setitem__(1, 1 << 60), "absurdly large"),
+    (lambda b: b["tensors"]["w"]["chunks"][0]["x"].__setitem__(2, -5), "negative"),
+    (lambda b: b["tensors"]["w"].__setitem__("dtype", "evil"), "unknown dtype"),
+    (lambda b: b["files"].__setitem__("../../etc/passwd", 10), "not a plain name"),
+    (lambda b: b["files"].__setitem__("/abs/path", 10), "not a plain name"),
+    (lambda b: b["tensors"]["w"]["chunks"][0]["x"].__setitem__(0, "../x.dsd"), "not a plain name"),
+    (lambda b: b["tensors"]["w"].__setitem__("size", [1] * 100), "at most 64"),
+])
+def test_hostile_manifest_fields_refused(ckpt, mutate, needle):
+    _rewrite_body(ckpt, mutate)
+    msg = _err(lambda: _load(ckpt))
+    assert needle in msg and ckpt in msg
+
+
+def test_msgpack_bomb_refused(ckpt):
+    m = os.path.join(ckpt, ".metadata")
+    deep = b"\x91" * 100000 + b"\xc0"  # 100k nested arrays
+    open(m, "wb").write(MAGIC + deep + struct.pack("<Q", xxhash.xxh3_64_intdigest(deep)))
+    assert "does not decode" in _err(lambda: _load(ckpt))
