@@ -47,11 +47,12 @@ from .tiers import StorageTier
 
 log = logging.getLogger(__name__)
 
-DATA_FILE = re.compile(r"^data-r\d{5}-[0-9a-f]{12}\.dsd$")
+DATA_FILE = re.compile(r"^data-r\d{5}-[0-9a-f]{12}-\d{2}\.dsd$")
+STRIPE_MIN_BYTES = 64 << 20  # below this per file, more files only add fsyncs
 
 
-def _data_file_name(rank: int, save_id: str) -> str:
-    return f"data-r{rank:05d}-{save_id}.dsd"
+def _data_file_name(rank: int, save_id: str, stripe: int) -> str:
+    return f"data-r{rank:05d}-{save_id}-{stripe:02d}.dsd"
 
 
 def _detect_process_mode() -> bool:
@@ -248,23 +249,34 @@ class DataStatesWriter(StorageWriter):
         rank = int(sd.get("rank", self.rank))
         self.save_id = sd.get("save_id", self.save_id)
         session = self._session or SaveSession(lazy=False)
-        file_name = _data_file_name(rank, self.save_id)
-        layout = FileLayout(file_name)
         copy_items: list[CopyItem] = []
         results: list[tuple] = []  # (write_item, kind, payload)
 
+        resolved = []
         for item in plan.items:
-            fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
                 results.append((item, "v", self._encode_value(planner, item)))
                 continue
-            obj = planner.resolve_data(item)
-            prov = provider_for(obj)
-            regions = prov.regions()
+            prov = provider_for(planner.resolve_data(item))
+            resolved.append((item, prov, prov.regions()))
+        total = sum(r.nbytes for _, _, regions in resolved for r in regions)
+        n_files = max(1, min(self.thread_count, total // STRIPE_MIN_BYTES))
+        names = [_data_file_name(rank, self.save_id, k) for k in range(n_files)]
+        layouts = [FileLayout(n) for n in names]
+        # largest regions first onto the least-filled stripe: balanced files, one writer each
+        order = sorted(((r.nbytes, i, j) for i, (_, _, regions) in enumerate(resolved)
+                        for j, r in enumerate(regions)), reverse=True)
+        where: dict[tuple[int, int], tuple[int, int]] = {}
+        for nbytes, i, j in order:
+            k = min(range(n_files), key=lambda k: layouts[k].end)
+            where[(i, j)] = (k, layouts[k].place(nbytes))
+
+        for i, (item, prov, regions) in enumerate(resolved):
+            fqn = item.index.fqn
             placed = []
-            for r in regions:
-                ci = CopyItem(f"{fqn}{'/' + r.name if r.name else ''}", r.source,
-                              layout.place(r.nbytes), r.nbytes)
+            for j, r in enumerate(regions):
+                k, off = where[(i, j)]
+                ci = CopyItem(f"{fqn}{'/' + r.name if r.name else ''}", r.source, off, r.nbytes, k)
                 copy_items.append(ci)
                 placed.append((r.name, dtype_name(r.source.dtype), list(r.source.shape), ci))
             if prov.name in ("tensor", "dtensor-shard"):
@@ -277,16 +289,16 @@ class DataStatesWriter(StorageWriter):
         fut: Future = Future()
         if not copy_items:
             session.mark_snapshot()
-            fut.set_result(self._results(results, file_name, 0, session))
+            fut.set_result(self._results(results, names, [], session))
             return fut
         self.tier.makedirs()
-        sink = self.tier.open_sink(file_name)
+        sinks = [self.tier.open_sink(n) for n in names]
         ready = getattr(session, "ready", None) if lazy else None
         if ready is None:
             ready = _ready_events(copy_items)
         engine = get_engine(shared_host_cache(self.host_cache_bytes, _want_pinned(copy_items)),
                             self.thread_count)
-        job = engine.submit(copy_items, sink, copy=lazy or _any_gpu(copy_items), label=label,
+        job = engine.submit(copy_items, sinks, copy=lazy or _any_gpu(copy_items), label=label,
                             ready_event=ready)
         self._job = job
 
@@ -298,12 +310,12 @@ class DataStatesWriter(StorageWriter):
         def done(_f) -> None:
             try:
                 job_result = _f.result()
-                fut.set_result(self._results(results, file_name, job_result.file_size, session,
+                fut.set_result(self._results(results, names, job_result.file_sizes, session,
                                              job_result.timings))
             except BaseException as e:  # noqa: BLE001
                 session.mark_failed(e)
-                fut.set_exception(CheckpointError(f"writing {file_name} failed: {e}",
-                                                  checkpoint=self.path, file=file_name))
+                fut.set_exception(CheckpointError(f"writing rank {rank}'s data failed: {e}",
+                                                  checkpoint=self.path, file=names[0]))
 
         import threading
         threading.Thread(target=on_snapshot, daemon=True, name="dcpds-snapwatch").start()
@@ -330,9 +342,9 @@ class DataStatesWriter(StorageWriter):
         data = planner.resolve_data(item).getvalue()
         return ("torch", data, xxhash.xxh3_64_intdigest(data))
 
-    def _results(self, results, file_name, file_size, session, timings=None) -> list[WriteResult]:
+    def _results(self, results, names, sizes, session, timings=None) -> list[WriteResult]:
         out = []
-        files = {file_name: file_size} if file_size else {}
+        files = dict(zip(names, sizes))
         for idx, (item, kind, payload) in enumerate(results):
             if kind == "v":
                 sd = {"k": "v", "v": list(payload)}
@@ -341,12 +353,12 @@ class DataStatesWriter(StorageWriter):
                 ci = payload
                 td = item.tensor_data
                 sd = {"k": "t", "dtype": dtype_name(td.properties.dtype), "sizes": list(td.chunk.sizes),
-                      "x": [file_name, ci.offset, ci.nbytes, list(ci.sums)]}
+                      "x": [names[ci.file], ci.offset, ci.nbytes, list(ci.sums)]}
                 nbytes = ci.nbytes
             else:
                 pname, meta, placed = payload
                 td = item.tensor_data
-                parts = {name: [dt, shape, [file_name, ci.offset, ci.nbytes, list(ci.sums)]]
+                parts = {name: [dt, shape, [names[ci.file], ci.offset, ci.nbytes, list(ci.sums)]]
                          for name, dt, shape, ci in placed}
                 sd = {"k": "p", "dtype": dtype_name(td.properties.dtype), "sizes": list(td.chunk.sizes),
                       "p": pname, "m": meta, "parts": parts}

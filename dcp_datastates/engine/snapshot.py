@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 class CopyItem:
     key: str
     source: torch.Tensor
-    offset: int  # where the extent starts in the file
+    offset: int  # where the extent starts in its file
     nbytes: int
+    file: int = 0  # index of the job's sink (stripe file) that holds the extent
     sums: list[int] = field(default_factory=list)
 
 
@@ -64,6 +65,7 @@ class _Batch:
     nbytes: int
     pieces: list[_Piece]
     direct: bool = False
+    file: int = 0
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -77,39 +79,54 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def plan_batches(items: list[CopyItem], piece_bytes: int, *, direct_ok) -> list[_Batch]:
-    """Cut items (sorted by file offset) into batches of at most ``piece_bytes``."""
-    batches: list[_Batch] = []
-    cur: _Batch | None = None
-    for it in items:
-        if it.nbytes >= piece_bytes // 2:
-            cur = None
-            direct = direct_ok(it)
-            for s in range(0, it.nbytes, piece_bytes):
-                n = min(piece_bytes, it.nbytes - s)
-                batches.append(_Batch(it.offset + s, n, [_Piece(it, s, 0, n)], direct))
-            continue
-        end = it.offset + it.nbytes
-        if cur is not None and end - cur.file_offset <= piece_bytes:
-            cur.pieces.append(_Piece(it, 0, it.offset - cur.file_offset, it.nbytes))
-            cur.nbytes = end - cur.file_offset
-        else:
-            cur = _Batch(it.offset, it.nbytes, [_Piece(it, 0, 0, it.nbytes)])
-            batches.append(cur)
-    return batches
+    """Cut items into batches of at most ``piece_bytes``.
+
+    Within a file, batches follow file order; across files they are interleaved, so that the
+    flush threads write different files at once (the kernel serializes writers of one inode).
+    """
+    per_file: dict[int, list[_Batch]] = {}
+    for f in sorted({it.file for it in items}):
+        batches: list[_Batch] = []
+        cur: _Batch | None = None
+        for it in sorted((i for i in items if i.file == f), key=lambda i: i.offset):
+            if it.nbytes >= piece_bytes // 2:
+                cur = None
+                direct = direct_ok(it)
+                for s in range(0, it.nbytes, piece_bytes):
+                    n = min(piece_bytes, it.nbytes - s)
+                    batches.append(_Batch(it.offset + s, n, [_Piece(it, s, 0, n)], direct, f))
+                continue
+            end = it.offset + it.nbytes
+            if cur is not None and end - cur.file_offset <= piece_bytes:
+                cur.pieces.append(_Piece(it, 0, it.offset - cur.file_offset, it.nbytes))
+                cur.nbytes = end - cur.file_offset
+            else:
+                cur = _Batch(it.offset, it.nbytes, [_Piece(it, 0, 0, it.nbytes)], False, f)
+                batches.append(cur)
+        per_file[f] = batches
+    out: list[_Batch] = []
+    queues = list(per_file.values())
+    i = 0
+    while any(queues):
+        q = queues[i % len(queues)]
+        if q:
+            out.append(q.pop(0))
+        i += 1
+    return out
 
 
 class SaveJob:
     """One save on one rank: completion handles and per-stage timings."""
 
-    def __init__(self, items: list[CopyItem], sink, *, label: str) -> None:
+    def __init__(self, items: list[CopyItem], sinks: list, *, label: str) -> None:
         self.items = items
-        self.sink = sink
+        self.sinks = sinks
         self.label = label
         self.snapshot_done = threading.Event()
         self.durable: Future = Future()
         self.error: BaseException | None = None
         self.abort = threading.Event()
-        self.file_size = 0
+        self.file_sizes: list[int] = [0] * len(sinks)
         self.bytes_total = sum(i.nbytes for i in items)
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
         self._pending = 0
@@ -123,10 +140,11 @@ class SaveJob:
             self.error = exc
         self.abort.set()
         self.snapshot_done.set()
-        try:
-            self.sink.abort()
-        except Exception:  # pragma: no cover - best effort
-            log.debug("sink abort failed", exc_info=True)
+        for sink in self.sinks:
+            try:
+                sink.abort()
+            except Exception:  # pragma: no cover - best effort
+                log.debug("sink abort failed", exc_info=True)
         if not self.durable.done():
             self.durable.set_exception(exc)
 
@@ -149,14 +167,15 @@ class SnapshotEngine:
         self._stager.start()
 
     # -- public -------------------------------------------------------------
-    def submit(self, items: list[CopyItem], sink, *, copy: bool, label: str = "",
+    def submit(self, items: list[CopyItem], sinks: list, *, copy: bool, label: str = "",
                ready_event=None) -> SaveJob:
-        """Queue a save.  ``ready_event`` (GPU) orders copies after the producer kernels."""
-        items = sorted(items, key=lambda i: i.offset)
+        """Queue a save of ``items`` into ``sinks`` (item.file indexes them).
+
+        ``ready_event`` (GPU) orders the copies after the producer kernels."""
         for it in items:
             nblocks = max(1, -(-it.nbytes // BLOCK_SIZE))
             it.sums = [0] * nblocks
-        job = SaveJob(items, sink, label=label)
+        job = SaveJob(items, sinks, label=label)
         self._jobs.put((job, copy, ready_event))
         return job
 
@@ -242,7 +261,7 @@ class SnapshotEngine:
                 first = p.src_start // BLOCK_SIZE
                 p.item.sums[first:first + len(sums)] = sums
             if b.nbytes:
-                job.sink.pwrite(mv, b.file_offset)
+                job.sinks[b.file].pwrite(mv, b.file_offset)
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         finally:
@@ -257,7 +276,10 @@ class SnapshotEngine:
     def _finish(self, job: SaveJob) -> None:
         try:
             job.snapshot_done.wait()
-            job.file_size = job.sink.close(sync=True)
+            if len(job.sinks) > 1:
+                job.file_sizes = list(self._flush.map(lambda sk: sk.close(sync=True), job.sinks))
+            else:
+                job.file_sizes = [job.sinks[0].close(sync=True)]
             job.timings["data_written"] = time.monotonic()
             if not job.durable.done():
                 job.durable.set_result(job)
