@@ -1,5 +1,288 @@
-"""CUDA layer of dcp-datastates (placeholder until the runtime module lands)."""
+"""The CUDA layer of dcp-datastates, on cuda-python.  Nothing CUDA-specific lives elsewhere.
+
+What it provides to the engine:
+
+* :func:`available` — whether a GPU, a driver and cuda-python are all usable.  Probed
+  lazily (never at import), cached, and silent: on a CPU-only machine it returns False
+  with one DEBUG log line giving the reason (:func:`unavailable_reason`).
+* :func:`pinned_buffer` — the host cache's memory: one ``cudaHostAlloc`` (portable) of the
+  whole cache, allocated once, from a thread bound to the GPU's NUMA node so the pages land
+  there, wrapped zero-copy as a ``torch.uint8`` tensor.
+* :func:`record_ready` — an event recorded on the caller's current torch stream: the point
+  after which the snapshot's copies may start (RAW ordering).
+* :class:`D2HCopier` — one non-blocking copy stream per device; waits on the ready event,
+  issues ``cudaMemcpyAsync`` device-to-host per piece, records an event per batch for the
+  flush threads, and keeps source tensors alive until the stream has passed them.
+
+Both cuda-python layouts are handled: ``cuda.bindings.runtime`` (12.6.1+ and 13.x) and the
+older ``cuda.cudart`` (12.6.0 and before).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_rt = None
+_rt_loaded = False
+_available: bool | None = None
+_reason = ""
+_lock = threading.Lock()
+
+
+def _runtime():
+    """The cuda-python runtime module, or None (never raises, never warns)."""
+    global _rt, _rt_loaded
+    if _rt_loaded:
+        return _rt
+    _rt_loaded = True
+    try:
+        from cuda.bindings import runtime as rt
+        _rt = rt
+    except ImportError:
+        import warnings
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from cuda import cudart as rt  # cuda-python <= 12.6.0
+            _rt = rt
+        except ImportError:
+            _rt = None
+    return _rt
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def check(result, what: str = ""):
+    """Unpack a cuda-python ``(err, *values)`` tuple; raise :class:`CudaError` on failure."""
+    err, *vals = result
+    if int(err) != 0:
+        rt = _runtime()
+        try:
+            name = rt.cudaGetErrorName(err)[1].decode()
+        except Exception:
+            name = str(err)
+        raise CudaError(f"{what} failed: {name}")
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else tuple(vals)
 
 
 def available() -> bool:
-    return False
+    """True when torch sees a GPU and cuda-python can drive it.  Cached after the first call."""
+    global _available, _reason
+    if _available is not None:
+        return _available
+    with _lock:
+        if _available is not None:
+            return _available
+        ok, why = False, ""
+        if os.environ.get("DCP_DATASTATES_DISABLE_CUDA"):
+            why = "disabled by DCP_DATASTATES_DISABLE_CUDA"
+        elif not torch.cuda.is_available():
+            why = "torch sees no CUDA device"
+        elif _runtime() is None:
+            why = "cuda-python is not installed (pip install 'dcp-datastates[cuda]')"
+        else:
+            try:
+                n = check(_runtime().cudaGetDeviceCount(), "cudaGetDeviceCount")
+                ok, why = n > 0, "" if n > 0 else "no CUDA device"
+            except Exception as e:  # older bindings raise without a driver
+                why = f"CUDA runtime unusable: {e}"
+        _available, _reason = ok, why
+        if not ok:
+            log.debug("cuda_ext unavailable: %s; the engine uses CPU copies", why)
+        return ok
+
+
+def unavailable_reason() -> str:
+    available()
+    return _reason
+
+
+_tls = threading.local()
+
+
+def _set_device(device: int) -> None:
+    if getattr(_tls, "device", None) != device:
+        check(_runtime().cudaSetDevice(device), "cudaSetDevice")
+        _tls.device = device
+
+
+def _numa_cpus(device: int) -> set[int] | None:
+    """CPUs of the NUMA node the GPU hangs off, from sysfs (None when unknown)."""
+    try:
+        bus = torch.cuda.get_device_properties(device).pci_bus_id if hasattr(
+            torch.cuda.get_device_properties(device), "pci_bus_id") else None
+        if bus is None:
+            rt = _runtime()
+            bus = check(rt.cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
+            bus = bus.decode() if isinstance(bus, bytes) else str(bus)
+        bus = bus.strip("\0").lower()
+        if bus.count(":") == 2 and len(bus.split(":")[0]) == 8:
+            bus = bus[4:]
+        node = int(open(f"/sys/bus/pci/devices/{bus}/numa_node").read())
+        if node < 0:
+            return None
+        cpus = set()
+        for part in open(f"/sys/devices/system/node/node{node}/cpulist").read().strip().split(","):
+            a, _, b = part.partition("-")
+            cpus.update(range(int(a), int(b or a) + 1))
+        return cpus
+    except Exception:
+        return None
+
+
+class PinnedHandle:
+    """Owns one cudaHostAlloc allocation; frees it when collected."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr, self.nbytes = ptr, nbytes
+
+    def __del__(self):
+        rt = _runtime()
+        if rt is not None and self.ptr:
+            try:
+                rt.cudaFreeHost(self.ptr)
+            except Exception:
+                pass
+            self.ptr = 0
+
+
+def pinned_buffer(nbytes: int, device: int | None = None) -> tuple[PinnedHandle, torch.Tensor]:
+    """Allocate ``nbytes`` of pinned host memory near ``device``; return (owner, uint8 view)."""
+    rt = _runtime()
+    device = torch.cuda.current_device() if device is None else device
+    result: dict = {}
+
+    def alloc():
+        try:
+            cpus = _numa_cpus(device)
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # first touch by the driver lands on this node
+            _set_device(device)
+            result["ptr"] = check(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocPortable), "cudaHostAlloc")
+        except BaseException as e:  # noqa: BLE001
+            result["err"] = e
+
+    t = threading.Thread(target=alloc, name="dcpds-pin")  # affinity change stays in that thread
+    t.start()
+    t.join()
+    if "err" in result:
+        raise result["err"]
+    ptr = result["ptr"]
+    handle = PinnedHandle(ptr, nbytes)
+    arr = (ctypes.c_ubyte * nbytes).from_address(ptr)
+    view = torch.frombuffer(arr, dtype=torch.uint8, count=nbytes)
+    view._dcpds_owner = handle  # the view keeps the allocation alive
+    return handle, view
+
+
+class Event:
+    def __init__(self, ev, device: int) -> None:
+        self.ev, self.device = ev, device
+
+    def synchronize(self) -> None:
+        _set_device(self.device)
+        check(_runtime().cudaEventSynchronize(self.ev), "cudaEventSynchronize")
+
+    def __del__(self):
+        rt = _runtime()
+        if rt is not None:
+            try:
+                rt.cudaEventDestroy(self.ev)
+            except Exception:
+                pass
+
+
+def _new_event(device: int) -> Event:
+    rt = _runtime()
+    _set_device(device)
+    flags = rt.cudaEventDisableTiming | rt.cudaEventBlockingSync
+    return Event(check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags"), device)
+
+
+def _torch_stream_handle(device: int):
+    h = torch.cuda.current_stream(device).cuda_stream
+    return h if h else _runtime().cudaStreamLegacy  # 0 is the legacy default stream
+
+
+def record_ready(device: int) -> Event:
+    """Record on the caller's current torch stream the point the snapshot copies must follow."""
+    ev = _new_event(device)
+    check(_runtime().cudaEventRecord(ev.ev, _torch_stream_handle(device)), "cudaEventRecord")
+    return ev
+
+
+_streams: dict[int, object] = {}
+
+
+def copy_stream(device: int):
+    """The device's non-blocking copy stream (one per device, created once)."""
+    with _lock:
+        s = _streams.get(device)
+        if s is None:
+            rt = _runtime()
+            _set_device(device)
+            s = _streams[device] = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking),
+                                         "cudaStreamCreateWithFlags")
+        return s
+
+
+class D2HCopier:
+    """Device-to-host copies for one snapshot on the device's side stream."""
+
+    def __init__(self, device: int, ready: Event | None) -> None:
+        self.device = device
+        self.rt = _runtime()
+        _set_device(device)
+        self.stream = copy_stream(device)
+        self.torch_stream = torch.cuda.ExternalStream(int(self.stream), device=device)
+        if ready is not None:
+            check(self.rt.cudaStreamWaitEvent(self.stream, ready.ev, 0), "cudaStreamWaitEvent")
+        self._keep: list[torch.Tensor] = []  # sources stay alive until the stream passes them
+        self.bytes = 0
+
+    def prepare(self, t: torch.Tensor) -> torch.Tensor:
+        """Make a GPU source contiguous on the copy stream (after the ready point)."""
+        if t.device.type == "cuda" and not t.is_contiguous():
+            with torch.cuda.stream(self.torch_stream):
+                t = t.contiguous()
+        return t
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.device.type != "cuda":
+            dst.copy_(src)
+            return
+        n = src.numel() * src.element_size()
+        if n == 0:
+            return
+        if not dst.is_contiguous() or not src.is_contiguous():
+            raise ValueError("D2HCopier needs contiguous source and destination")
+        check(self.rt.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), n,
+                                      self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream),
+              "cudaMemcpyAsync")
+        self._keep.append(src)
+        self.bytes += n
+
+    def record(self) -> Event:
+        ev = _new_event(self.device)
+        check(self.rt.cudaEventRecord(ev.ev, self.stream), "cudaEventRecord")
+        return ev
+
+    def synchronize(self) -> None:
+        _set_device(self.device)
+        check(self.rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        self._keep.clear()
+
+
+__all__ = ["CudaError", "D2HCopier", "Event", "available", "check", "copy_stream",
+           "pinned_buffer", "record_ready", "unavailable_reason"]

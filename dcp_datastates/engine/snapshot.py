@@ -210,7 +210,7 @@ class SnapshotEngine:
                 return
             for p in b.pieces:
                 if id(p.item) not in flat:
-                    flat[id(p.item)] = _flat_bytes(p.item.source)
+                    flat[id(p.item)] = _flat_bytes(copier.prepare(p.item.source))
             if b.direct:
                 p = b.pieces[0]
                 view = flat[id(p.item)][p.src_start:p.src_start + p.nbytes]
@@ -289,6 +289,9 @@ class SnapshotEngine:
 
 class _CpuCopier:
     """memcpy on the stager thread (torch's copy releases the GIL)."""
+
+    def prepare(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
