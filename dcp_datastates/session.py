@@ -24,6 +24,7 @@ from .errors import SnapshotError
 
 _SNAPSHOT, _FAILED, _COMMITTED = 0, 1, 2
 _MSG_BYTES = 1024
+STAGES = ("save_called", "snapshot_done", "data_written", "committed")
 
 
 class SaveSession:
@@ -32,11 +33,14 @@ class SaveSession:
         self.lazy = lazy
         self.flags = torch.zeros(4, dtype=torch.int64)
         self.msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+        # CLOCK_MONOTONIC is system-wide on Linux, so stamps from the PROCESS-mode daemon compare
+        self.stamps = torch.zeros(len(STAGES), dtype=torch.float64)
         if cross_process:
             self.flags.share_memory_()
             self.msg.share_memory_()
+            self.stamps.share_memory_()
+        self.stamps[0] = time.monotonic()
         self._event = threading.Event()
-        self.timings: dict[str, float] = {"save_called": time.monotonic()}
         self.future = None  # the async_save future, when the caller attached it
 
     def __getstate__(self):
@@ -50,8 +54,19 @@ class SaveSession:
         self._event = threading.Event()
 
     # -- producer side ------------------------------------------------------
+    def stamp(self, stage: str) -> None:
+        i = STAGES.index(stage)
+        if self.stamps[i] == 0:
+            self.stamps[i] = time.monotonic()
+
+    def timings(self) -> dict[str, float]:
+        """Seconds from the save call to each stage reached so far."""
+        t0 = float(self.stamps[0])
+        return {f"{name}_s": round(float(v) - t0, 6) for name, v in zip(STAGES[1:], self.stamps[1:].tolist())
+                if v}
+
     def mark_snapshot(self) -> None:
-        self.timings.setdefault("snapshot_done", time.monotonic())
+        self.stamp("snapshot_done")
         self.flags[_SNAPSHOT] = 1
         self._event.set()
 
@@ -62,7 +77,7 @@ class SaveSession:
         self._event.set()
 
     def mark_committed(self) -> None:
-        self.timings.setdefault("committed", time.monotonic())
+        self.stamp("committed")
         self.flags[_COMMITTED] = 1
 
     # -- consumer side ------------------------------------------------------

@@ -112,6 +112,9 @@ class DataStatesWriter(StorageWriter):
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        if host_cache_bytes is not None and host_cache_bytes < BLOCK_SIZE:
+            raise ValueError(f"host_cache_bytes must be at least {BLOCK_SIZE} (one checksum block), "
+                             f"got {host_cache_bytes}")
         if async_mode not in (None, "thread", "process"):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
         self.path = None if path is None else str(path)
@@ -127,6 +130,7 @@ class DataStatesWriter(StorageWriter):
         self.use_collectives = True
         self.save_id = uuid.uuid4().hex[:12]
         self._session: SaveSession | None = None
+        self._staged = False
         self._job = None
         self.last_timings: dict[str, float] = {}
 
@@ -140,6 +144,7 @@ class DataStatesWriter(StorageWriter):
         self._wait_previous()
         process = self.async_mode == "process" or (self.async_mode is None and _detect_process_mode())
         self._session = SaveSession(lazy=True, cross_process=process)
+        self._staged = True
         if not process:
             # order the side-stream copies after the kernels queued so far on this thread's stream
             self._session.ready = _ready_events_for(list(_iter_tensors(state_dict)))
@@ -173,10 +178,13 @@ class DataStatesWriter(StorageWriter):
         s = self._session
         if s is None or not s.lazy:
             return True
-        ok = s.wait_snapshot(timeout)
-        if ok:
-            s.timings.setdefault("snapshot_waited", time.monotonic())
-        return ok
+        return s.wait_snapshot(timeout)
+
+    def timings(self) -> dict[str, float]:
+        """Seconds from the last save's call to each stage it reached: ``snapshot_done_s``
+        (every byte left the live state), ``data_written_s`` (this rank's files fsynced) and
+        ``committed_s`` (manifest committed; coordinator only).  Works in PROCESS mode too."""
+        return {} if self._session is None else self._session.timings()
 
     def _wait_previous(self) -> None:
         """Back-to-back policy: a new save on this writer waits for the previous one's data."""
@@ -201,9 +209,10 @@ class DataStatesWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
         self.use_collectives = bool(kwargs.get("use_collectives", True))
-        if self._session is None or not self._session.lazy or self._session.snapshotted:
-            if self._session is None or not self._session.lazy:
-                self._session = SaveSession(lazy=False)
+        if self._staged:
+            self._staged = False  # this save was started by stage(): keep its lazy session
+        else:
+            self._session = SaveSession(lazy=False)
         self.tier = StorageTier(self.path, self.storage_options)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -310,6 +319,7 @@ class DataStatesWriter(StorageWriter):
         def done(_f) -> None:
             try:
                 job_result = _f.result()
+                session.stamp("data_written")
                 fut.set_result(self._results(results, names, job_result.file_sizes, session,
                                              job_result.timings))
             except BaseException as e:  # noqa: BLE001
@@ -392,6 +402,7 @@ class DataStatesWriter(StorageWriter):
         self.tier.commit_bytes(name, encode_manifest(manifest), sync=self.sync_files)
         if self._session is not None:
             self._session.mark_committed()
+            log.debug("%s stage timings: %s", self.path, self._session.timings())
         log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),
                  len(manifest.values), sum(manifest.files.values()) / 2**20)
         for stale in old - set(manifest.files):

@@ -182,3 +182,32 @@ def test_data_file_is_raw_bytes_not_torch_save(tmp_path):
     data = [n for n in os.listdir(path) if n.endswith(".dsd")]
     raw = open(os.path.join(path, data[0]), "rb").read()
     assert raw[:4096] == t.numpy().tobytes()  # first extent at offset 0, no zip header
+
+
+def test_async_timings_guard_and_bounded_cache(tmp_path):
+    """THREAD async_save: guard waits before step, stage timings are ordered, cache never overflows."""
+    import torch.distributed as dist
+
+    from dcp_datastates import SnapshotGuard, async_save
+    from dcp_datastates.engine.host_cache import shared_host_cache
+    model = torch.nn.Linear(1024, 1024)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    cache_bytes = 1 << 20  # 1 MiB cache, 4 MiB of state: four times larger
+    w = DataStatesWriter(str(tmp_path / "c"), host_cache_bytes=cache_bytes)
+    guard = SnapshotGuard(opt, w)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fut = async_save({"m": model.state_dict()}, storage_writer=w, no_dist=True)
+    opt.step()  # the guard blocks here until the snapshot is complete, then params change
+    guard.remove()
+    fut.result()
+    assert guard.waits == 1
+    t = w.timings()
+    assert 0 <= t["snapshot_done_s"] <= t["data_written_s"] <= t["committed_s"], t
+    cache = shared_host_cache(cache_bytes, False)
+    assert cache.peak_used <= cache.capacity and cache.used == 0
+    out = {"m": {k: torch.zeros_like(v) for k, v in before.items()}}
+    dcp.load(out, storage_reader=DataStatesReader(str(tmp_path / "c")), no_dist=True)
+    assert all(torch.equal(out["m"][k], before[k]) for k in before)
+    assert not dist.is_initialized()
