@@ -101,12 +101,24 @@ class DataStatesReader(StorageReader):
             Off by default: loading such a checkpoint raises ``PickleNotAllowedError``.
         verify: check block checksums of every byte read (on by default).
         storage_options: passed to fsspec for URLs.
+        fallback: slower copies of the same checkpoint (persistent tiers), in order.  The
+            manifest comes from the first tier holding a valid committed one; each byte range
+            is read from the first tier whose file is present and passes its checksums, so a
+            missing, partial or corrupt fast copy falls back per file, per rank.
+        fallback_options: fsspec storage options for the ``fallback`` URLs.
     """
 
     def __init__(self, path: str | None = None, *, thread_count: int = 8, allow_pickle: bool = False,
-                 verify: bool = True, storage_options: dict | None = None) -> None:
+                 verify: bool = True, storage_options: dict | None = None,
+                 fallback: list[str] | str | None = None, fallback_options: dict | None = None) -> None:
         super().__init__()
         self.path = None if path is None else str(path)
+        if isinstance(fallback, str):
+            fallback = [fallback]
+        self.fallback = [str(f) for f in (fallback or [])]
+        self.fallback_options = fallback_options
+        self.served: dict[str, int] = {}  # bytes read per tier URL (this rank)
+        self.manifest_tier: str | None = None
         self.thread_count = max(1, thread_count)
         self.allow_pickle = allow_pickle
         self.verify = verify
@@ -128,14 +140,32 @@ class DataStatesReader(StorageReader):
                                       "or give dcp.load a checkpoint_id")
         return StorageTier(self.path, self.storage_options)
 
+    def _tiers(self) -> list[StorageTier]:
+        return [self._tier()] + [StorageTier(u, self.fallback_options) for u in self.fallback]
+
+    def _load_manifest(self) -> Manifest:
+        errors = []
+        for tier in self._tiers():
+            try:
+                m = load_manifest(tier)
+            except (NotACheckpointError, ManifestError, OSError) as e:
+                errors.append(e)
+                if self.fallback:
+                    log.warning("no usable manifest on %s (%s); trying the next tier", tier.url, e)
+                continue
+            self.manifest_tier = tier.url
+            if errors:
+                log.warning("manifest served by %s", tier.url)
+            return m
+        raise errors[0]
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        tier = self._tier()
-        self.manifest = load_manifest(tier)
+        self.manifest = self._load_manifest()
         return manifest_to_metadata(self.manifest, self.path)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         if self.manifest is None:
-            self.manifest = load_manifest(self._tier())
+            self.manifest = self._load_manifest()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -149,8 +179,8 @@ class DataStatesReader(StorageReader):
 
     # ------------------------------------------------------------- read_data
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        tier = self._tier()
-        m = self.manifest or load_manifest(tier)
+        tiers = self._tiers()
+        m = self.manifest or self._load_manifest()
         self.manifest = m
         tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
         self._check_coverage(tensor_items, planner, m)
@@ -158,27 +188,23 @@ class DataStatesReader(StorageReader):
             if ri.type == LoadItemType.BYTE_IO:
                 self._load_value(ri, planner, m)
         tasks = [self._make_task(ri, planner, m) for ri in tensor_items]
-        fds: dict[str, int] = {}
+        files = _FileSet(tiers, m.files)
         try:
-            if tier.local:
-                for name in {p[0] for t in tasks for p in t.ranges}:
-                    try:
-                        fds[name] = os.open(tier.path(name), os.O_RDONLY)
-                    except FileNotFoundError:
-                        raise DataFileError("data file is missing; the checkpoint is incomplete or "
-                                            "was damaged, load another tier or step",
-                                            checkpoint=self.path, file=name) from None
             pieces = [(t, i) for t in tasks for i in range(len(t.ranges))]
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcpds-read") as pool:
-                for _ in pool.map(lambda ti: self._run_piece(tier, fds, *ti), pieces):
+                for _ in pool.map(lambda ti: self._run_piece(files, *ti), pieces):
                     pass
                 for _ in pool.map(lambda t: t.finalize(), tasks):
                     pass
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            files.close()
         for t in tasks:
             planner.commit_tensor(t.ri, t.dest)
+        if len(tiers) > 1 and self.served:
+            import torch.distributed as dist
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            log.info("rank %d restored %s", rank, ", ".join(
+                f"{n / 2**20:.1f} MiB from {u}" for u, n in self.served.items()))
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -257,27 +283,73 @@ class DataStatesReader(StorageReader):
         dest = planner.resolve_tensor(ri).detach()
         return _ReadTask(self, ri, dest, entry.dtype, chunk, m.block_size)
 
-    def _run_piece(self, tier, fds, task: "_ReadTask", i: int) -> None:
+    def _run_piece(self, files: "_FileSet", task: "_ReadTask", i: int) -> None:
         name, file_off, n, buf_off, first_block, ext = task.ranges[i]
         buf = task.buffer()
         mv = memoryview(buf)[buf_off:buf_off + n]
+        first_error = None
+        for ti, tier in enumerate(files.tiers):
+            try:
+                self._read_verified(files, ti, tier, name, file_off, n, mv, first_block, ext, task)
+            except (DataFileError, ChecksumMismatch, OSError) as e:
+                if first_error is None:
+                    first_error = e
+                if ti + 1 < len(files.tiers):
+                    log.warning("%s; reading it from %s instead", e, files.tiers[ti + 1].url)
+                continue
+            with self._lock:
+                self.bytes_read += n
+                self.served[tier.url] = self.served.get(tier.url, 0) + n
+            return
+        raise first_error
+
+    def _read_verified(self, files, ti, tier, name, file_off, n, mv, first_block, ext, task) -> None:
+        key = task.ri.storage_index.fqn
         try:
-            got = tier.read_into(name, file_off, mv, fd=fds.get(name))
+            got = tier.read_into(name, file_off, mv, fd=files.fd(ti, name))
         except FileNotFoundError:
-            raise DataFileError("data file is missing", checkpoint=self.path, file=name,
-                                key=task.ri.storage_index.fqn) from None
+            raise DataFileError("data file is missing; the checkpoint is incomplete or was damaged, "
+                                "load another tier or step", checkpoint=tier.url, file=name, key=key) from None
         if got != n:
             raise DataFileError(f"data file is truncated: wanted {n} bytes at offset {file_off}, "
-                                f"got {got}", checkpoint=self.path, file=name, key=task.ri.storage_index.fqn)
+                                f"got {got}", checkpoint=tier.url, file=name, key=key)
         if self.verify:
             from .format.checksum import verify_blocks
             bad = verify_blocks(mv, ext.sums, first_block, task.block_size)
             if bad is not None:
                 raise ChecksumMismatch(f"checksum mismatch in block {bad} (bytes "
                                        f"{ext.offset + bad * task.block_size}+) of the extent",
-                                       checkpoint=self.path, file=name, key=task.ri.storage_index.fqn)
+                                       checkpoint=tier.url, file=name, key=key)
+
+
+class _FileSet:
+    """Open file descriptors per (tier, file), opened on first use; missing files remembered."""
+
+    def __init__(self, tiers: list[StorageTier], sizes: dict[str, int]) -> None:
+        self.tiers = tiers
+        self._fds: dict[tuple[int, str], int | None] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, ti: int, name: str) -> int | None:
+        tier = self.tiers[ti]
+        if not tier.local:
+            return None
+        key = (ti, name)
         with self._lock:
-            self.bytes_read += n
+            if key not in self._fds:
+                try:
+                    self._fds[key] = os.open(tier.path(name), os.O_RDONLY)
+                except FileNotFoundError:
+                    self._fds[key] = None
+            fd = self._fds[key]
+        if fd is None:
+            raise FileNotFoundError(name)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
 
 
 class _ReadTask:

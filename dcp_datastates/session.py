@@ -22,7 +22,7 @@ import torch
 
 from .errors import SnapshotError
 
-_SNAPSHOT, _FAILED, _COMMITTED = 0, 1, 2
+_SNAPSHOT, _FAILED, _COMMITTED, _PERSISTED, _PERSIST_FAILED = 0, 1, 2, 3, 4
 _MSG_BYTES = 1024
 STAGES = ("save_called", "snapshot_done", "data_written", "committed")
 
@@ -31,13 +31,15 @@ class SaveSession:
     def __init__(self, *, lazy: bool, cross_process: bool = False) -> None:
         self.id = uuid.uuid4().hex[:12]
         self.lazy = lazy
-        self.flags = torch.zeros(4, dtype=torch.int64)
+        self.flags = torch.zeros(6, dtype=torch.int64)
         self.msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+        self.persist_msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
         # CLOCK_MONOTONIC is system-wide on Linux, so stamps from the PROCESS-mode daemon compare
         self.stamps = torch.zeros(len(STAGES), dtype=torch.float64)
         if cross_process:
             self.flags.share_memory_()
             self.msg.share_memory_()
+            self.persist_msg.share_memory_()
             self.stamps.share_memory_()
         self.stamps[0] = time.monotonic()
         self._event = threading.Event()
@@ -75,6 +77,27 @@ class SaveSession:
         self.msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         self.flags[_FAILED] = 1
         self._event.set()
+
+    def mark_persisted(self, error: BaseException | None = None) -> None:
+        """This rank's part of the slow-tier flush is over (coordinator: every tier committed)."""
+        if error is not None:
+            text = f"{type(error).__name__}: {error}".encode()[: _MSG_BYTES - 1]
+            self.persist_msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            self.flags[_PERSIST_FAILED] = 1
+        self.flags[_PERSISTED] = 1
+
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.flags[_PERSISTED]:
+            if self.failed:
+                raise SnapshotError(f"save failed: {self.error_text()}")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        if self.flags[_PERSIST_FAILED]:
+            raw = bytes(self.persist_msg.numpy()).rstrip(b"\0").decode(errors="replace")
+            raise SnapshotError(f"flush to a persistent tier failed: {raw}")
+        return True
 
     def mark_committed(self) -> None:
         self.stamp("committed")

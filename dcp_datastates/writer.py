@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import sys
 import time
 import uuid
@@ -101,6 +102,12 @@ class DataStatesWriter(StorageWriter):
         storage_options: passed to fsspec for URLs.
         async_mode: ``"thread"`` or ``"process"``; detected from ``dcp.async_save``
             when left ``None``.
+        persist_to: slower tiers (paths or fsspec URLs of this checkpoint's directory on
+            each), flushed in the background after ``path`` holds the data.  Each commits on
+            its own; see ``tiers/persist.py``.
+        persist: flush this save to ``persist_to`` (a run-level checkpointer turns it off
+            for the checkpoints it does not persist).
+        persist_options: fsspec storage options for the ``persist_to`` URLs.
     """
 
     _synchronize_after_execute: bool = False
@@ -108,7 +115,9 @@ class DataStatesWriter(StorageWriter):
     def __init__(self, path: str | None = None, *, overwrite: bool = False,
                  thread_count: int = 4, host_cache_bytes: int | None = None,
                  allow_pickle: bool = False, sync_files: bool = True,
-                 storage_options: dict | None = None, async_mode: str | None = None) -> None:
+                 storage_options: dict | None = None, async_mode: str | None = None,
+                 persist_to: list[str] | str | None = None, persist: bool = True,
+                 persist_options: dict | None = None) -> None:
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
@@ -125,6 +134,12 @@ class DataStatesWriter(StorageWriter):
         self.sync_files = sync_files
         self.storage_options = storage_options
         self.async_mode = async_mode
+        if isinstance(persist_to, str):
+            persist_to = [persist_to]
+        self.persist_to = [str(p) for p in (persist_to or [])]
+        self.persist = persist
+        self.persist_options = persist_options
+        self._persist_futs: list = []
         self.rank = 0
         self.is_coordinator = True
         self.use_collectives = True
@@ -298,10 +313,12 @@ class DataStatesWriter(StorageWriter):
         fut: Future = Future()
         if not copy_items:
             session.mark_snapshot()
+            self._start_uploads({}, rank, session)
             fut.set_result(self._results(results, names, [], session))
             return fut
         self.tier.makedirs()
-        sinks = [self.tier.open_sink(n) for n in names]
+        persisting = bool(self.persist_to and self.persist)
+        sinks = [self.tier.open_sink(n, drop_cache=not persisting) for n in names]
         ready = getattr(session, "ready", None) if lazy else None
         if ready is None:
             ready = _ready_events(copy_items)
@@ -320,6 +337,7 @@ class DataStatesWriter(StorageWriter):
             try:
                 job_result = _f.result()
                 session.stamp("data_written")
+                self._start_uploads(dict(zip(names, job_result.file_sizes)), rank, session)
                 fut.set_result(self._results(results, names, job_result.file_sizes, session,
                                              job_result.timings))
             except BaseException as e:  # noqa: BLE001
@@ -327,13 +345,65 @@ class DataStatesWriter(StorageWriter):
                 fut.set_exception(CheckpointError(f"writing rank {rank}'s data failed: {e}",
                                                   checkpoint=self.path, file=names[0]))
 
-        import threading
         threading.Thread(target=on_snapshot, daemon=True, name="dcpds-snapwatch").start()
         job.durable.add_done_callback(done)
         if not lazy:
             # synchronous dcp.save: DCP waits on the future right away anyway
             job.durable.exception()
         return fut
+
+    # ---------------------------------------------------------- persistence
+    def _persist_tiers(self) -> list[StorageTier]:
+        return [StorageTier(u, self.persist_options) for u in self.persist_to] if self.persist else []
+
+    def _start_uploads(self, files: dict[str, int], rank: int, session) -> None:
+        """Phase 1 of the slow-tier commit: this rank's files, then its marker."""
+        from .tiers.persist import upload_rank
+        self._persist_futs = [upload_rank(self.tier, dst, files, rank, self.save_id)
+                              for dst in self._persist_tiers()]
+        self._upload_futs = list(self._persist_futs)
+        if not self._persist_futs:
+            session.mark_persisted()
+            return
+        if not self.is_coordinator or not self.use_collectives:
+            _when_all(self._persist_futs, lambda err: session.mark_persisted(err))
+
+    def _start_commits(self, manifest: Manifest, body: bytes, name: str) -> None:
+        """Phase 2 (coordinator): commit the manifest on each slow tier once all ranks uploaded."""
+        from .tiers.persist import commit_when_complete
+        tiers = self._persist_tiers()
+        if not tiers:
+            return
+        session = self._session
+        if not self.use_collectives:
+            # every rank commits its own rank manifest after its own upload
+            futs = []
+            for f, tier in zip(self._upload_futs, tiers):
+                futs.append(_chain(f, lambda tier=tier: tier.commit_bytes(name, body)))
+            self._persist_futs = futs
+            _when_all(futs, lambda err: session.mark_persisted(err) if session else None)
+            return
+        lock = threading.Lock()
+
+        def record(url: str) -> None:
+            with lock:
+                _record_persisted(self.tier, url)
+        ranks = list(range(manifest.world_size))
+        self._persist_futs = [commit_when_complete(t, body, ranks, self.save_id, on_commit=record)
+                              for t in tiers]
+        _when_all(self._upload_futs + self._persist_futs,
+                  lambda err: session.mark_persisted(err) if session else None)
+
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        """Block until the last save reached every ``persist_to`` tier.
+
+        On the coordinator this means every slow tier committed its copy; on other ranks,
+        that this rank's files and marker are uploaded.  Raises if the flush failed after
+        its retries; returns ``False`` on timeout."""
+        s = self._session
+        if s is None or not self.persist_to or not self.persist:
+            return True
+        return s.wait_persisted(timeout)
 
     def _encode_value(self, planner, item) -> tuple:
         fqn = item.index.fqn
@@ -399,7 +469,9 @@ class DataStatesWriter(StorageWriter):
             manifest.ranks = [self.rank]
             name = f"{RANK_MANIFEST_PREFIX}{self.rank:05d}"
         old = self._referenced_files() if self.overwrite else set()
-        self.tier.commit_bytes(name, encode_manifest(manifest), sync=self.sync_files)
+        body = encode_manifest(manifest)
+        self.tier.commit_bytes(name, body, sync=self.sync_files)
+        self._start_commits(manifest, body, name)
         if self._session is not None:
             self._session.mark_committed()
             log.debug("%s stage timings: %s", self.path, self._session.timings())
@@ -426,6 +498,8 @@ class DataStatesWriter(StorageWriter):
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_job"] = None
+        d["_persist_futs"] = []
+        d.pop("_upload_futs", None)
         d.pop("tier", None)
         return d
 
@@ -477,6 +551,63 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
                     tensors=tensors, values=values, planner_data=planner_data,
                     block_size=BLOCK_SIZE, created_unix=time.time(), torch_version=torch.__version__,
                     writer=f"dcp-datastates {__version__}")
+
+
+PERSISTED_RECORD = ".persisted"
+
+
+def _record_persisted(tier: StorageTier, url: str) -> None:
+    """Note in the fast tier's copy which slower tiers committed theirs (for `inspect`)."""
+    import msgpack
+    try:
+        have = msgpack.unpackb(tier.read_bytes(PERSISTED_RECORD)) if tier.exists(PERSISTED_RECORD) else []
+    except Exception:  # noqa: BLE001 - a damaged record is rebuilt
+        have = []
+    if url not in have:
+        have.append(url)
+    tier.commit_bytes(PERSISTED_RECORD, msgpack.packb(have))
+
+
+def _when_all(futs, callback) -> None:
+    """Call ``callback(first_error_or_None)`` once every future is done."""
+    if not futs:
+        callback(None)
+        return
+    lock = threading.Lock()
+    left = [len(futs)]
+    errors: list = []
+
+    def done(f):
+        e = f.exception()
+        with lock:
+            if e is not None:
+                errors.append(e)
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            if errors:
+                log.error("flush to a persistent tier failed: %s", errors[0])
+            callback(errors[0] if errors else None)
+    for f in futs:
+        f.add_done_callback(done)
+
+
+def _chain(fut, then):
+    """A future that runs ``then()`` after ``fut`` succeeds."""
+    from concurrent.futures import Future as CFuture
+    out: CFuture = CFuture()
+
+    def done(f):
+        e = f.exception()
+        if e is not None:
+            out.set_exception(e)
+            return
+        try:
+            out.set_result(then())
+        except BaseException as err:  # noqa: BLE001
+            out.set_exception(err)
+    fut.add_done_callback(done)
+    return out
 
 
 def _lookup_original(planner, item):

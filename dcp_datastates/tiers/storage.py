@@ -41,9 +41,10 @@ class Sink:
 class LocalSink(Sink):
     supports_random_writes = True
 
-    def __init__(self, path: str, name: str, o_direct: bool = False) -> None:
+    def __init__(self, path: str, name: str, o_direct: bool = False, drop_cache: bool = True) -> None:
         self.path = path
         self.name = name
+        self.drop_cache = drop_cache
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.fd = os.open(path, flags, 0o644)
         self.size = 0
@@ -65,6 +66,7 @@ class LocalSink(Sink):
         try:
             if sync:
                 os.fsync(self.fd)
+            if sync and self.drop_cache:
                 try:  # drop the now-clean pages: a checkpoint should not evict the trainer's cache
                     os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 except (AttributeError, OSError):
@@ -176,9 +178,10 @@ class StorageTier:
         except FileNotFoundError:
             return []
 
-    def open_sink(self, name: str, o_direct: bool = False) -> Sink:
+    def open_sink(self, name: str, o_direct: bool = False, drop_cache: bool = True) -> Sink:
+        """``drop_cache=False`` keeps the written pages cached: a later tier re-reads them."""
         if self.local:
-            return LocalSink(self.path(name), name, o_direct)
+            return LocalSink(self.path(name), name, o_direct, drop_cache)
         return SequentialSink(self.fs, self.path(name), name)
 
     def read_bytes(self, name: str) -> bytes:

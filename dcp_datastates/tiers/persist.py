@@ -1,0 +1,126 @@
+"""Background flush of a committed fast-tier copy to slower tiers, with a per-tier commit.
+
+Ranks share nothing but the process group and the persistent tier, and the flush runs
+after ``dcp.save`` has returned, when collectives would collide with training.  So the
+commit protocol uses the persistent tier itself (two phases, no collectives):
+
+1. every rank uploads its own data files from its fast tier (node-local NVMe) and then
+   writes a small marker ``.uploaded.rank-NNNNN.<save_id>`` listing them;
+2. the coordinator waits until the markers of every rank of the save are present, then
+   writes the manifest last: on object stores that PUT is the commit, on file systems it
+   is a rename.  Until then the slow tier's copy is invisible to readers.
+
+Uploads are retried with exponential backoff; a tier that still fails is reported through
+the save's ``wait_persisted()`` and the logs, and its copy never commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import msgpack
+
+from ..format.manifest import MANIFEST_NAME
+from .storage import StorageTier
+
+log = logging.getLogger(__name__)
+
+MARKER_PREFIX = ".uploaded.rank-"
+UPLOAD_PIECE = 64 << 20
+
+
+def marker_name(rank: int, save_id: str) -> str:
+    return f"{MARKER_PREFIX}{rank:05d}.{save_id}"
+
+
+def with_retries(fn, what: str, *, attempts: int = 4, base_delay: float = 0.2):
+    delay = base_delay
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - storage errors come in many types
+            if i == attempts - 1:
+                raise
+            log.warning("%s failed (%s); retry %d/%d in %.1fs", what, e, i + 1, attempts - 1, delay)
+            time.sleep(delay)
+            delay *= 4
+
+
+def copy_file(src: StorageTier, dst: StorageTier, name: str) -> int:
+    """Stream one file from ``src`` to ``dst`` in large pieces (multipart on object stores)."""
+    size = src.size(name)
+    sink = dst.open_sink(name)
+    try:
+        buf = bytearray(min(UPLOAD_PIECE, max(size, 1)))
+        mv = memoryview(buf)
+        off = 0
+        while off < size:
+            n = min(len(buf), size - off)
+            got = src.read_into(name, off, mv[:n])
+            if got != n:
+                raise OSError(f"short read of {name} from {src.url}: {got} of {n} bytes")
+            sink.pwrite(mv[:n], off)
+            off += n
+        sink.close(sync=True)
+    except BaseException:
+        sink.abort()
+        raise
+    return size
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(4, thread_name_prefix="dcpds-persist")
+        return _pool
+
+
+def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank: int,
+                save_id: str) -> Future:
+    """Phase 1 on one rank: upload its files, then its marker."""
+    def run() -> None:
+        dst.makedirs()
+        for name in sorted(files):
+            with_retries(lambda: copy_file(src, dst, name), f"upload of {name} to {dst.url}")
+        body = msgpack.packb({"rank": rank, "save_id": save_id, "files": files}, use_bin_type=True)
+        with_retries(lambda: dst.commit_bytes(marker_name(rank, save_id), body),
+                     f"marker upload to {dst.url}")
+        log.debug("rank %d uploaded %d files to %s", rank, len(files), dst.url)
+    return _executor().submit(run)
+
+
+def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], save_id: str,
+                         *, timeout: float = 3600.0, on_commit=None) -> Future:
+    """Phase 2 on the coordinator: wait for every rank's marker, then write the manifest."""
+    def run() -> None:
+        deadline = time.monotonic() + timeout
+        want = {marker_name(r, save_id) for r in ranks}
+        delay = 0.05
+        while True:
+            have = set(dst.listdir())
+            if want <= have:
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(want - have)[:4]
+                raise TimeoutError(f"persist to {dst.url}: ranks did not finish uploading "
+                                   f"within {timeout:.0f}s (missing {missing})")
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        with_retries(lambda: dst.commit_bytes(MANIFEST_NAME, manifest), f"manifest commit on {dst.url}")
+        for m in want:
+            try:
+                dst.remove(m)
+            except Exception:  # pragma: no cover - markers are harmless leftovers
+                pass
+        log.info("persisted %s", dst.url)
+        if on_commit is not None:
+            on_commit(dst.url)
+    return _executor().submit(run)
