@@ -11,10 +11,11 @@ from .providers import TypeProvider, register_provider, unregister_provider  # n
 from .reader import DataStatesReader  # noqa: E402
 from .writer import DataStatesWriter  # noqa: E402
 from .guard import SnapshotGuard, async_save  # noqa: E402
+from .checkpointer import Checkpointer  # noqa: E402
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner  # noqa: E402
 
 __all__ = [
-    "CheckpointError", "CheckpointExistsError", "ChecksumMismatch", "CoverageError",
+    "CheckpointError", "CheckpointExistsError", "Checkpointer", "ChecksumMismatch", "CoverageError",
     "DataStatesLoadPlanner", "DataStatesSavePlanner",
     "DataFileError", "DataStatesReader", "DataStatesWriter", "ManifestError", "MissingKeyError",
     "NotACheckpointError", "PickleNotAllowedError", "SnapshotError", "SnapshotGuard",

@@ -471,6 +471,10 @@ class DataStatesWriter(StorageWriter):
         old = self._referenced_files() if self.overwrite else set()
         body = encode_manifest(manifest)
         self.tier.commit_bytes(name, body, sync=self.sync_files)
+        if self.use_collectives:
+            # DCP broadcasts this Metadata to every rank as the save's result: a run-level
+            # checkpointer on another node uses it to commit the manifest on its own disk.
+            metadata.storage_data = {"dcp_datastates.manifest": body}
         self._start_commits(manifest, body, name)
         if self._session is not None:
             self._session.mark_committed()

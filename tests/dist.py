@@ -15,11 +15,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, errq):
+def _entry(rank, world, store_file, fn, args, errq):
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A FileStore rendezvous: no port to pick, so no race with other processes for it.
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -35,10 +36,11 @@ def _entry(rank, world, port, fn, args, errq):
 
 def run_ranks(world: int, fn, *args, timeout: float = 240) -> None:
     """Spawn ``world`` processes running ``fn(rank, world, *args)``; re-raise the first failure."""
+    import tempfile
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errq), daemon=False)
+    store_file = os.path.join(tempfile.mkdtemp(prefix="dcpds-store-"), "store")
+    procs = [ctx.Process(target=_entry, args=(r, world, store_file, fn, args, errq), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()

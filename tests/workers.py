@@ -172,3 +172,36 @@ def load_expect_coverage_error(rank, world, ours_dir):
         assert "covers only" in str(e)
         return
     raise AssertionError("a load that cannot fill the destination must raise")
+
+
+# ----------------------------------------------------------------- tiers
+
+def _tier_state(rank):
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(5)
+    full = torch.randn(64, 1024)
+    return full, {"w": distribute_tensor(full, mesh, [Shard(0)]), "meta": {"step": 5}}
+
+
+def tiered_save_node_local(rank, world, base):
+    from dcp_datastates import Checkpointer
+    full, sd = _tier_state(rank)
+    c = Checkpointer([os.path.join(base, f"node{rank}"), os.path.join(base, "pfs")],
+                     node_local=True, async_mode="thread")
+    c.save(5, sd)
+    c.wait_persisted(120)
+    assert c.committed_steps(0) == [5]  # the manifest was committed on this node too
+    dist.barrier()
+
+
+def tiered_restore_node_local(rank, world, base):
+    from dcp_datastates import Checkpointer
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(5)
+    full = torch.randn(64, 1024)
+    sd = {"w": distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)]), "meta": {"step": -1}}
+    c = Checkpointer([os.path.join(base, f"node{rank}"), os.path.join(base, "pfs")], node_local=True)
+    assert c.load(sd) == 5
+    assert torch.equal(sd["w"].full_tensor(), full) and sd["meta"] == {"step": 5}
+    served = c.last_restore["served"]
+    assert served.get(c.step_path(0, 5), 0) > 0 and served.get(c.step_path(1, 5), 0) > 0, served

@@ -159,13 +159,26 @@ class StorageTier:
         else:
             self.fs.makedirs(self.root, exist_ok=True)
 
+    def _fresh(self, p: str) -> None:
+        """Drop fsspec's listing cache: other ranks and processes write here too."""
+        try:
+            self.fs.invalidate_cache(p)
+        except Exception:  # pragma: no cover
+            pass
+
     def exists(self, name: str) -> bool:
         p = self.path(name)
-        return os.path.exists(p) if self.local else self.fs.exists(p)
+        if self.local:
+            return os.path.exists(p)
+        self._fresh(self.root)
+        return self.fs.exists(p)
 
     def size(self, name: str) -> int:
         p = self.path(name)
-        return os.path.getsize(p) if self.local else int(self.fs.size(p))
+        if self.local:
+            return os.path.getsize(p)
+        self._fresh(self.root)
+        return int(self.fs.size(p))
 
     def listdir(self) -> list[str]:
         if self.local:
@@ -173,6 +186,7 @@ class StorageTier:
                 return sorted(os.listdir(self.root))
             except FileNotFoundError:
                 return []
+        self._fresh(self.root)
         try:
             return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.root, detail=False))
         except FileNotFoundError:

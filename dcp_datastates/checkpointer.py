@@ -1,0 +1,319 @@
+"""A run-level checkpointer over tiers, for users without torchtitan.
+
+    ckpt = Checkpointer(["/local_nvme/run1", "s3://bucket/run1"], keep=[2, 10])
+    ckpt.save(step, state)          # async by default; returns at once
+    ...                              # forward, backward
+    ckpt.wait_snapshot()            # or SnapshotGuard(optimizer, ckpt); then optimizer.step()
+    ckpt.load(state)                # newest committed step, fastest complete copy
+
+Layout: ``<tier>/step-<N>/`` on every tier, the same names as torchtitan, so its discovery
+(``step-N/.metadata``) sees only committed steps.
+
+Rules, the ones users were burned by elsewhere:
+
+* a step counts only once its manifest is committed on a tier; an in-flight save is never
+  "latest" and is never the reason anything is purged;
+* retention runs after a save has committed, per tier (``keep``), and never deletes the
+  newest step committed on the slowest tier, nor a step still being flushed to a slower tier;
+* the first tier may be node-local: pass ``node_local=True`` and every rank keeps and purges its
+  own directory; rank 0 alone purges the shared tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import threading
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .errors import CheckpointError
+from .format.manifest import MANIFEST_NAME, RANK_MANIFEST_PREFIX
+from .guard import async_save
+from .reader import DataStatesReader
+from .tiers import StorageTier
+from .writer import DataStatesWriter
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST_KEY = "dcp_datastates.manifest"
+
+
+def _join(base: str, name: str) -> str:
+    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
+
+
+class Checkpointer:
+    """Save, discover, retain and restore steps over ordered tiers (fastest first).
+
+    Args:
+        tiers: run directories, fastest first (local paths or fsspec URLs).
+        keep: steps to keep per tier (an int applies to all; ``None`` or 0 keeps all).
+        persist_every: flush every k-th save to the slower tiers (1: every save).
+        async_mode: ``"thread"`` (default), ``"process"``, or ``None`` for synchronous saves.
+        process_group: the group DCP uses (a gloo group for async saves).
+        node_local: the first tier is private to each node (each rank sees only its own).
+        storage_options: fsspec options per tier (a list aligned with ``tiers``).
+        writer_options: further ``DataStatesWriter`` keyword arguments.
+    """
+
+    def __init__(self, tiers: list[str], *, keep: list[int] | int | None = None,
+                 persist_every: int = 1, async_mode: str | None = "thread", process_group=None,
+                 node_local: bool = False, storage_options: list[dict | None] | None = None,
+                 **writer_options) -> None:
+        if not tiers:
+            raise ValueError("Checkpointer needs at least one tier")
+        if persist_every < 1:
+            raise ValueError(f"persist_every must be >= 1, got {persist_every}")
+        self.tiers = [str(t) for t in tiers]
+        if keep is None or isinstance(keep, int):
+            keep = [keep or 0] * len(self.tiers)
+        if len(keep) != len(self.tiers):
+            raise ValueError(f"keep has {len(keep)} entries for {len(self.tiers)} tiers")
+        self.keep = list(keep)
+        self.persist_every = persist_every
+        self.async_mode = async_mode
+        self.pg = process_group
+        self.node_local = node_local
+        self.storage_options = list(storage_options or [None] * len(self.tiers))
+        self.writer_options = writer_options
+        self._saves = 0
+        self._inflight: dict | None = None  # {"step", "writer", "future", "persist"}
+        self._persisting: dict[int, DataStatesWriter] = {}
+        self._lock = threading.Lock()
+        self._purge_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ paths
+    def step_path(self, tier: int, step: int) -> str:
+        return _join(self.tiers[tier], f"step-{step}")
+
+    def _tier(self, i: int, step: int | None = None) -> StorageTier:
+        url = self.tiers[i] if step is None else self.step_path(i, step)
+        return StorageTier(url, self.storage_options[i])
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.pg) if dist.is_available() and dist.is_initialized() else 0
+
+    # ------------------------------------------------------------------- save
+    def save(self, step: int, state: dict):
+        """Checkpoint ``state`` as ``step``; waits for the previous save to commit first."""
+        self.wait()
+        persist = self._saves % self.persist_every == 0 and len(self.tiers) > 1
+        self._saves += 1
+        writer = DataStatesWriter(
+            self.step_path(0, step), storage_options=self.storage_options[0],
+            persist_to=[self.step_path(i, step) for i in range(1, len(self.tiers))],
+            persist=persist, persist_options=self.storage_options[1] if len(self.tiers) > 1 else None,
+            overwrite=True, async_mode=self.async_mode, **self.writer_options)
+        if self.async_mode is None:
+            md = dcp.save(state, storage_writer=writer, process_group=self.pg)
+            self._inflight = {"step": step, "writer": writer, "future": None, "persist": persist}
+            self._on_committed(md)
+            return None
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
+        fut = async_save(state, storage_writer=writer, process_group=self.pg,
+                         async_checkpointer_type=kind)
+        self._inflight = {"step": step, "writer": writer, "future": fut, "persist": persist}
+        return fut
+
+    def wait_snapshot(self, timeout: float | None = None) -> bool:
+        """Training may mutate the state once this returns (see ``DataStatesWriter.wait_snapshot``)."""
+        cur = self._inflight
+        return True if cur is None else cur["writer"].wait_snapshot(timeout)
+
+    def register_step_pre_hook(self, optimizer):
+        """Make ``optimizer.step()`` wait for the current save's snapshot."""
+        return optimizer.register_step_pre_hook(lambda *a, **k: self.wait_snapshot())
+
+    def wait(self) -> None:
+        """Wait until the in-flight save is committed on the first tier (then purge)."""
+        cur = self._inflight
+        if cur is None or cur["future"] is None:
+            return
+        fut = cur["future"]
+        fut = getattr(fut, "upload_completion", fut)
+        md = fut.result()
+        self._on_committed(md)
+
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        """Wait until every save so far reached the slower tiers."""
+        self.wait()
+        ok = True
+        for step, w in list(self._persisting.items()):
+            ok = w.wait_persisted(timeout) and ok
+            with self._lock:
+                self._persisting.pop(step, None)
+        self._join_purge()
+        self._purge()
+        return ok
+
+    def _on_committed(self, md) -> None:
+        cur, self._inflight = self._inflight, None
+        if cur is None:
+            return
+        step, writer = cur["step"], cur["writer"]
+        body = None
+        if md is not None and isinstance(getattr(md, "storage_data", None), dict):
+            body = md.storage_data.get(MANIFEST_KEY)
+        if self.node_local and body is not None:
+            # the coordinator committed the manifest on its node; commit it on this node too
+            t = self._tier(0, step)
+            if not t.exists(MANIFEST_NAME):
+                t.makedirs()
+                t.commit_bytes(MANIFEST_NAME, body)
+        if cur["persist"]:
+            with self._lock:
+                self._persisting[step] = writer
+            threading.Thread(target=self._after_persist, args=(step, writer), daemon=True,
+                             name="dcpds-persist-wait").start()
+        self._start_purge()
+
+    def _after_persist(self, step: int, writer: DataStatesWriter) -> None:
+        try:
+            writer.wait_persisted()
+        except Exception as e:  # noqa: BLE001 - reported, the fast copy stays
+            log.error("step %d did not reach the slower tiers: %s", step, e)
+        with self._lock:
+            self._persisting.pop(step, None)
+        self._start_purge()
+
+    # -------------------------------------------------------------- discovery
+    def _step_dirs(self, i: int) -> list[int]:
+        out = []
+        for name in self._tier(i).listdir():
+            m = STEP_DIR.match(name)
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def is_committed(self, i: int, step: int) -> bool:
+        t = self._tier(i, step)
+        if t.exists(MANIFEST_NAME):
+            return True
+        names = [n for n in t.listdir() if n.startswith(RANK_MANIFEST_PREFIX) and "tmp" not in n]
+        if not names:
+            return False
+        try:
+            from .reader import load_manifest
+            load_manifest(t)
+            return True
+        except CheckpointError:
+            return False
+
+    def committed_steps(self, i: int) -> list[int]:
+        """Steps whose copy on tier ``i`` is committed (in-flight saves excluded)."""
+        inflight = self._inflight["step"] if self._inflight else None
+        return [s for s in self._step_dirs(i) if s != inflight and self.is_committed(i, s)]
+
+    def latest_step(self) -> int | None:
+        steps = set()
+        for i in range(len(self.tiers)):
+            steps.update(self.committed_steps(i))
+        return max(steps) if steps else None
+
+    # ---------------------------------------------------------------- restore
+    def load(self, state: dict, step: int | None = None) -> int | None:
+        """Load ``step`` (default: the newest committed) into ``state``; return the step loaded.
+
+        Every rank reads each byte from the fastest tier holding a valid copy; a step that no
+        tier can serve completely is skipped for the next older one."""
+        self.wait()
+        candidates = set()
+        for i in range(len(self.tiers)):
+            candidates.update(self.committed_steps(i))
+        if dist.is_available() and dist.is_initialized():
+            everyone: list = [None] * dist.get_world_size(self.pg)
+            dist.all_gather_object(everyone, sorted(candidates), group=self.pg)
+            candidates = set().union(*map(set, everyone))
+        order = [step] if step is not None else sorted(candidates, reverse=True)
+        last_error = None
+        for s in order:
+            reader = DataStatesReader(
+                self.step_path(0, s), storage_options=self.storage_options[0],
+                fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
+                fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None)
+            try:
+                dcp.load(state, storage_reader=reader, process_group=self.pg)
+            except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                log.warning("step %d could not be restored from any tier (%s); trying an older one",
+                            s, str(e).splitlines()[0][:300])
+                last_error = e
+                continue
+            log.info("restored step %d (manifest from %s; %s)", s, reader.manifest_tier,
+                     ", ".join(f"{n / 2**20:.1f} MiB from {u}" for u, n in reader.served.items()))
+            self.last_restore = {"step": s, "manifest_tier": reader.manifest_tier, "served": dict(reader.served)}
+            return s
+        if last_error is not None and step is not None:
+            raise last_error
+        return None
+
+    # ---------------------------------------------------------------- retention
+    def _start_purge(self) -> None:
+        if not any(self.keep):
+            return
+        self._join_purge()
+        self._purge_thread = threading.Thread(target=self._purge, daemon=True, name="dcpds-purge")
+        self._purge_thread.start()
+
+    def _join_purge(self) -> None:
+        t = self._purge_thread
+        if t is not None:
+            t.join()
+
+    def _purge(self) -> None:
+        try:
+            slowest = len(self.tiers) - 1
+            durable = self.committed_steps(slowest)
+            protect = set()
+            if durable:
+                protect.add(durable[-1])  # the newest durable checkpoint stays everywhere
+            with self._lock:
+                protect.update(self._persisting)  # sources of flushes in flight
+            if self._inflight:
+                protect.add(self._inflight["step"])
+            for i, k in enumerate(self.keep):
+                if not k:
+                    continue
+                mine = (i == 0 and self.node_local) or self.rank == 0
+                if not mine:
+                    continue
+                committed = self.committed_steps(i)
+                keep_set = set(committed[-k:]) | protect
+                newest = committed[-1] if committed else None
+                for s in self._step_dirs(i):
+                    if s in keep_set:
+                        continue
+                    if s in committed or (newest is not None and s < newest):
+                        self._remove_step(i, s, committed=s in committed)
+        except Exception:  # noqa: BLE001 - retention must never break training
+            log.exception("retention pass failed")
+
+    def _remove_step(self, i: int, step: int, *, committed: bool) -> None:
+        t = self._tier(i, step)
+        log.info("retention: removing %s step %d on %s", "committed" if committed else "uncommitted",
+                 step, self.tiers[i])
+        if t.local:
+            try:
+                # the manifest goes first: a half-deleted step is never mistaken for committed
+                t.remove(MANIFEST_NAME)
+                shutil.rmtree(t.root)
+            except FileNotFoundError:
+                pass
+        else:
+            try:
+                t.remove(MANIFEST_NAME)
+                t.fs.rm(t.root, recursive=True)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.wait()
+        self._join_purge()

@@ -1,0 +1,128 @@
+"""Multi-level flush: per-tier commit, tier-aware restore with fallbacks, retention, S3."""
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from tests import workers
+from tests.dist import run_ranks
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"big": torch.randn(3 << 20, generator=g),  # 12 MiB: multipart on S3 (5 MiB parts)
+            "bf": torch.randn(300, 70, generator=g).bfloat16(), "meta": {"step": seed, "tag": "x"}}
+
+
+def _zeros(sd):
+    return {"big": torch.zeros_like(sd["big"]), "bf": torch.zeros_like(sd["bf"]), "meta": {"step": -1, "tag": ""}}
+
+
+def _equal(a, b):
+    return torch.equal(a["big"], b["big"]) and torch.equal(a["bf"], b["bf"]) and a["meta"] == b["meta"]
+
+
+def test_three_tiers_commit_on_every_tier_and_each_loads_alone(tmp_path, s3):
+    bucket = s3.make_bucket("three-tier")
+    t1, t2, t3 = str(tmp_path / "nvme/step-1"), str(tmp_path / "pfs/step-1"), f"{bucket}/run/step-1"
+    sd = _state(1)
+    w = DataStatesWriter(t1, persist_to=[t2, t3], persist_options=s3.options())
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    assert w.wait_persisted(60)
+    for path, opts in ((t1, None), (t2, None), (t3, s3.options())):
+        out = _zeros(sd)
+        dcp.load(out, storage_reader=DataStatesReader(path, storage_options=opts), no_dist=True)
+        assert _equal(out, sd), path
+    import s3fs
+    fs = s3fs.S3FileSystem(**s3.options())
+    names = fs.ls(t3, detail=True)
+    data = [n for n in names if n["name"].endswith(".dsd")]
+    assert data and all("-" in n["ETag"] for n in data if n["size"] > (5 << 20))  # multipart ETags
+    assert not [n for n in names if ".uploaded." in n["name"]]  # markers cleaned after commit
+    assert open(os.path.join(t1, ".persisted"), "rb").read()  # index of committed tiers
+
+
+def _ckpt(tmp_path, **kw):
+    return Checkpointer([str(tmp_path / "nvme"), str(tmp_path / "pfs")], async_mode=None, **kw)
+
+
+def _load(c):
+    out = _zeros(_state())
+    step = c.load(out)
+    return step, out, c.last_restore
+
+
+def test_restore_prefers_fast_tier(tmp_path):
+    c = _ckpt(tmp_path)
+    c.save(1, _state(1))
+    c.wait_persisted(60)
+    step, out, info = _load(c)
+    assert step == 1 and _equal(out, _state(1))
+    assert list(info["served"]) == [c.step_path(0, 1)] and info["manifest_tier"] == c.step_path(0, 1)
+
+
+def test_fallback_when_fast_copy_deleted(tmp_path):
+    c = _ckpt(tmp_path)
+    c.save(1, _state(1))
+    c.wait_persisted(60)
+    shutil.rmtree(c.step_path(0, 1))
+    step, out, info = _load(c)
+    assert step == 1 and _equal(out, _state(1)) and info["manifest_tier"] == c.step_path(1, 1)
+
+
+def test_fallback_when_fast_copy_corrupt(tmp_path):
+    c = _ckpt(tmp_path)
+    c.save(1, _state(1))
+    c.wait_persisted(60)
+    d = c.step_path(0, 1)
+    f = os.path.join(d, sorted(n for n in os.listdir(d) if n.endswith(".dsd"))[0])
+    raw = bytearray(open(f, "rb").read())
+    raw[100] ^= 0xFF
+    open(f, "wb").write(raw)
+    step, out, info = _load(c)
+    assert step == 1 and _equal(out, _state(1))
+    assert info["served"].get(c.step_path(1, 1), 0) > 0  # the damaged range came from the slow tier
+
+
+def test_fallback_when_fast_copy_partial(tmp_path):
+    c = _ckpt(tmp_path)
+    c.save(1, _state(1))
+    c.wait_persisted(60)
+    os.remove(os.path.join(c.step_path(0, 1), ".metadata"))  # as if the commit never happened
+    step, out, info = _load(c)
+    assert step == 1 and _equal(out, _state(1)) and info["manifest_tier"] == c.step_path(1, 1)
+
+
+def test_mixed_node_local_copies_restart_with_fewer_ranks(tmp_path):
+    base = str(tmp_path)
+    run_ranks(2, workers.tiered_save_node_local, base)
+    assert sorted(os.listdir(os.path.join(base, "node1", "step-5")))  # node 1 has its own copy
+    shutil.rmtree(os.path.join(base, "node1"))  # node 1 is gone
+    run_ranks(1, workers.tiered_restore_node_local, base)
+
+
+def test_retention_keeps_last_durable_and_ignores_inflight(tmp_path):
+    c = Checkpointer([str(tmp_path / "nvme"), str(tmp_path / "pfs")], keep=[1, 2],
+                     persist_every=2, async_mode=None)
+    for step in range(1, 7):  # persisted: 1, 3, 5
+        c.save(step, _state(step))
+        c.wait_persisted(60)
+    assert c.committed_steps(1) == [3, 5]
+    # tier 1 keeps its newest (6) and the newest durable step (5), never only an unpersisted one
+    assert c.committed_steps(0) == [5, 6]
+    # a crashed save (data, no manifest) is never latest
+    os.makedirs(c.step_path(0, 9))
+    open(os.path.join(c.step_path(0, 9), "data-r00000-000000000000-00.dsd"), "wb").write(b"x")
+    assert c.latest_step() == 6
+    # an in-flight async save is not latest either, and is not counted by retention
+    ca = Checkpointer([str(tmp_path / "nvme"), str(tmp_path / "pfs")], keep=[1, 2], async_mode="thread")
+    ca.save(7, _state(7))
+    assert ca.latest_step() == 6 or ca._inflight is None
+    ca.wait_persisted(60)
+    assert ca.latest_step() == 9 - 2  # step 7 now committed; the crashed step-9 still ignored
+    step, out, _ = _load(ca)
+    assert step == 7 and _equal(out, _state(7))
