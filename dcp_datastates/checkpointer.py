@@ -129,7 +129,10 @@ class Checkpointer:
 
     def register_step_pre_hook(self, optimizer):
         """Make ``optimizer.step()`` wait for the current save's snapshot."""
-        return optimizer.register_step_pre_hook(lambda *a, **k: self.wait_snapshot())
+        def hook(*_args, **_kwargs):
+            self.wait_snapshot()
+            return None
+        return optimizer.register_step_pre_hook(hook)
 
     def wait(self) -> None:
         """Wait until the in-flight save is committed on the first tier (then purge)."""
