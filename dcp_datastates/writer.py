@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import __version__
+from . import _faults
 from .engine import CopyItem, get_engine
 from .engine.host_cache import default_host_cache_bytes, shared_host_cache
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
@@ -237,6 +238,7 @@ class DataStatesWriter(StorageWriter):
         try:
             self.tier = StorageTier(self.path, self.storage_options)
             self.tier.makedirs()
+            _faults.point("plan")
             if not self.overwrite and self._committed_here():
                 raise CheckpointExistsError(
                     "a committed checkpoint already exists here; pass overwrite=True to "
@@ -484,6 +486,12 @@ class DataStatesWriter(StorageWriter):
         for stale in old - set(manifest.files):
             if DATA_FILE.match(stale):
                 self.tier.remove(stale)
+        if self.use_collectives:
+            from .tiers.persist import remove_stale
+            # leftovers of interrupted saves: only when this directory is shared by all ranks
+            # (every data file of the save visible), never another node's files
+            if set(manifest.files) <= set(self.tier.listdir()):
+                remove_stale(self.tier, set(manifest.files))
 
     def _referenced_files(self) -> set[str]:
         try:

@@ -15,12 +15,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, store_file, fn, args, errq):
+def _entry(rank, world, port, fn, args, errq):
+    import datetime
+
     import torch.distributed as dist
-    # A FileStore rendezvous: no port to pick, so no race with other processes for it.
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    # The parent owns the rendezvous store (bound to port 0 by the OS): no port race.
+    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
+                          timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -36,11 +40,15 @@ def _entry(rank, world, store_file, fn, args, errq):
 
 def run_ranks(world: int, fn, *args, timeout: float = 240) -> None:
     """Spawn ``world`` processes running ``fn(rank, world, *args)``; re-raise the first failure."""
-    import tempfile
+    import datetime
+
+    import torch.distributed as dist
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
-    store_file = os.path.join(tempfile.mkdtemp(prefix="dcpds-store-"), "store")
-    procs = [ctx.Process(target=_entry, args=(r, world, store_file, fn, args, errq), daemon=False)
+    master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
+                           timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+    port = master.port
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errq), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _faults
 from ..format.checksum import BLOCK_SIZE
 from .host_cache import HostCache
 
@@ -233,6 +234,7 @@ class SnapshotEngine:
                 self.cache.free(off, b.nbytes)
                 raise
             self._flush.submit(self._flush_batch, job, b, view, off, event)
+            _faults.point("copy")
             # a source is no longer needed once its last piece is issued (kept until the
             # copy completes through `flat` of this frame for GPU; CPU copies are synchronous)
         self._snapshot_done(job, copier)
@@ -262,6 +264,7 @@ class SnapshotEngine:
                 p.item.sums[first:first + len(sums)] = sums
             if b.nbytes:
                 job.sinks[b.file].pwrite(mv, b.file_offset)
+                _faults.point("write")
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         finally:

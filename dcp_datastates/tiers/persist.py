@@ -32,6 +32,26 @@ MARKER_PREFIX = ".uploaded.rank-"
 UPLOAD_PIECE = 64 << 20
 
 
+def remove_stale(tier: StorageTier, keep: set[str]) -> list[str]:
+    """After a commit: remove what earlier, interrupted saves left in this directory
+    (data files the manifest does not reference, partial copies, markers, temp manifests)."""
+    import re
+    stale_data = re.compile(r"^data-r\d{5}-[0-9a-f]{12}-\d{2}\.dsd(\.part)?$")
+    removed = []
+    for name in tier.listdir():
+        if name in keep:
+            continue
+        if stale_data.match(name) or name.startswith(MARKER_PREFIX) or name.startswith(".metadata.tmp-"):
+            try:
+                tier.remove(name)
+                removed.append(name)
+            except Exception:  # noqa: BLE001 - leftovers are invisible anyway
+                pass
+    if removed:
+        log.info("removed %d leftovers of interrupted saves from %s", len(removed), tier.url)
+    return removed
+
+
 def marker_name(rank: int, save_id: str) -> str:
     return f"{MARKER_PREFIX}{rank:05d}.{save_id}"
 
@@ -72,6 +92,8 @@ def _copy_local(src: StorageTier, dst: StorageTier, name: str, size: int) -> int
 
 def copy_file(src: StorageTier, dst: StorageTier, name: str) -> int:
     """Stream one file from ``src`` to ``dst`` in large pieces (multipart on object stores)."""
+    from .. import _faults
+    _faults.point("persist")
     size = src.size(name)
     if src.local and dst.local and hasattr(__import__("os"), "copy_file_range"):
         try:
@@ -156,11 +178,8 @@ def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], sa
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
         with_retries(lambda: dst.commit_bytes(MANIFEST_NAME, manifest), f"manifest commit on {dst.url}")
-        for m in want:
-            try:
-                dst.remove(m)
-            except Exception:  # pragma: no cover - markers are harmless leftovers
-                pass
+        from ..format import decode_manifest
+        remove_stale(dst, set(decode_manifest(manifest, source=dst.url).files))
         log.info("persisted %s", dst.url)
         if on_commit is not None:
             on_commit(dst.url)

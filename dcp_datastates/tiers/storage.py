@@ -243,6 +243,9 @@ class StorageTier:
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if name == ".metadata":
+                from .. import _faults
+                _faults.point("manifest")  # temp file durable, rename not yet done
             os.replace(tmp, self.path(name))
             if sync:
                 self.sync_dir()

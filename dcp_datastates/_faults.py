@@ -1,0 +1,25 @@
+"""Fault points for the crash-consistency harness (tests/test_crash.py).
+
+Off unless ``DCP_DATASTATES_FAULT`` names a phase when the process starts: then the
+first thread to reach that phase writes ``DCP_DATASTATES_FAULT_READY`` (a file path) and
+sleeps until the harness SIGKILLs the process.  Phases: plan, copy, write, manifest, persist.
+In normal runs a point costs one comparison with None.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_PHASE = os.environ.get("DCP_DATASTATES_FAULT") or None
+_READY = os.environ.get("DCP_DATASTATES_FAULT_READY")
+
+
+def point(phase: str) -> None:
+    if _PHASE is None or phase != _PHASE:
+        return
+    if _READY:
+        with open(_READY, "w") as f:
+            f.write(f"{phase} {os.getpid()}\n")
+    while True:  # wait for SIGKILL
+        time.sleep(1)
