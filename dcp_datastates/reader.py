@@ -234,8 +234,10 @@ class DataStatesReader(StorageReader):
             raise ManifestError("value listed in metadata is missing from the manifest",
                                 checkpoint=self.path, key=fqn)
         if xxhash.xxh3_64_intdigest(v.data) != v.checksum:
-            raise ChecksumMismatch("value bytes do not match their checksum", checkpoint=self.path,
-                                   file=MANIFEST_NAME, key=fqn)
+            v = self._value_from_fallback(fqn)
+            if v is None:
+                raise ChecksumMismatch("value bytes do not match their checksum", checkpoint=self.path,
+                                       file=MANIFEST_NAME, key=fqn)
         if v.encoding == "msgpack":
             try:
                 value = decode_value(v.data)
@@ -267,6 +269,17 @@ class DataStatesReader(StorageReader):
             planner.load_value(ri, torch.load(buf, weights_only=False))
         else:
             planner.load_bytes(ri, buf)
+
+    def _value_from_fallback(self, fqn: str):
+        for tier in self._tiers()[1:]:
+            try:
+                other = load_manifest(tier).values.get(fqn)
+            except (NotACheckpointError, ManifestError, OSError):
+                continue
+            if other is not None and xxhash.xxh3_64_intdigest(other.data) == other.checksum:
+                log.warning("value %s is damaged in %s; using the copy in %s", fqn, self.path, tier.url)
+                return other
+        return None
 
     def _make_task(self, ri, planner, m: Manifest) -> "_ReadTask":
         fqn = ri.storage_index.fqn

@@ -205,3 +205,25 @@ def tiered_restore_node_local(rank, world, base):
     assert torch.equal(sd["w"].full_tensor(), full) and sd["meta"] == {"step": 5}
     served = c.last_restore["served"]
     assert served.get(c.step_path(0, 5), 0) > 0 and served.get(c.step_path(1, 5), 0) > 0, served
+
+
+# ----------------------------------------------------------------- corruption
+
+def corruption_state_full():
+    g = torch.Generator().manual_seed(77)
+    return {"w": torch.randn(64, 1024, generator=g), "r": torch.randn(300, 7, generator=g),
+            "small": {str(i): torch.randn(10, generator=g) for i in range(5)},
+            "meta": {"step": 9, "name": "corruption"}}
+
+
+def corruption_save(rank, world, base):
+    full = corruption_state_full()
+    mesh = init_device_mesh("cpu", (world,))
+    sd = dict(full)
+    sd["w"] = distribute_tensor(full["w"], mesh, [Shard(0)])
+    w = DataStatesWriter(os.path.join(base, "t1"), persist_to=[os.path.join(base, "t2")])
+    dcp.save(sd, storage_writer=w)
+    assert w.wait_persisted(120)
+    dist.barrier()
+    if rank == 0:  # the coordinator's commit of t2 may trail the other rank's upload
+        assert os.path.exists(os.path.join(base, "t2", ".metadata"))
