@@ -150,7 +150,7 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
                 save_id: str) -> Future:
     """Phase 1 on one rank: upload its files, then its marker."""
     def run() -> None:
-        dst.makedirs()
+        with_retries(dst.makedirs, f"creating {dst.url}")
         for name in sorted(files):
             with_retries(lambda: copy_file(src, dst, name), f"upload of {name} to {dst.url}")
         body = msgpack.packb({"rank": rank, "save_id": save_id, "files": files}, use_bin_type=True)
