@@ -1,15 +1,17 @@
 # Two entry points for a fresh machine:
 #   make demo   - runs the main job (2-rank FSDP2 on CPU, save/reload, table against DCP)
-#   make test   - runs the test suite
-# Each creates and uses .venv with torch==2.13.0 (CPU build).  To bring your own torch:
+#   make test   - runs the test suite (core suite, then the torchtitan suite in its own env)
+# Each creates and uses its own environment with torch==2.13.0 (CPU build).  To bring your own:
 #   make test TORCH_SPEC= VENV_FLAGS=--system-site-packages
 PYTHON ?= python3
 VENV ?= .venv
+TITAN_VENV ?= .venv-titan
 TORCH_SPEC ?= torch==2.13.0
 VENV_FLAGS ?=
 PY := $(VENV)/bin/python
+TPY := $(TITAN_VENV)/bin/python
 
-.PHONY: env demo test test-long bench clean
+.PHONY: env env-titan demo test test-core test-torchtitan test-long bench clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -18,19 +20,37 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	@touch $@
 
+# torchtitan pins its own data stack (datasets, fsspec); it gets an environment of its own
+$(TITAN_VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV_FLAGS) $(TITAN_VENV)
+	$(TPY) -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(TPY) -m pip install -q "$(TORCH_SPEC)"; fi
+	$(TPY) -m pip install -q -e ".[torchtitan]" pytest
+	@touch $@
+
 env: $(VENV)/.ready
+
+env-titan: $(TITAN_VENV)/.ready
 
 demo: env
 	$(PY) -m dcp_datastates demo
 
-test: env
+test: test-core test-torchtitan
+
+test-core: env
 	$(PY) -m pytest -q tests
 
-test-long: env
+test-torchtitan: env-titan
+	$(TPY) -m pytest -q tests/test_torchtitan.py
+
+test-long: env env-titan
 	$(PY) -m pytest -q -m "slow or not slow" tests
+	$(TPY) -m pytest -q tests/test_torchtitan.py
 
 bench: env
 	$(PY) benchmarks/bench_core.py
+	$(PY) benchmarks/bench_async.py
+	$(PY) benchmarks/bench_tiers.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(TITAN_VENV) runs .pytest_cache

@@ -86,6 +86,7 @@ class Checkpointer:
         self._persisting: dict[int, DataStatesWriter] = {}
         self._lock = threading.Lock()
         self._purge_thread: threading.Thread | None = None
+        self._purge_lock = threading.RLock()
 
     # ------------------------------------------------------------------ paths
     def step_path(self, tier: int, step: int) -> str:
@@ -262,13 +263,15 @@ class Checkpointer:
     def _start_purge(self) -> None:
         if not any(self.keep):
             return
-        self._join_purge()
-        self._purge_thread = threading.Thread(target=self._purge, daemon=True, name="dcpds-purge")
-        self._purge_thread.start()
+        with self._purge_lock:  # one retention pass at a time; the commit and flush threads both ask
+            self._join_purge()
+            t = threading.Thread(target=self._purge, daemon=True, name="dcpds-purge")
+            t.start()
+            self._purge_thread = t
 
     def _join_purge(self) -> None:
         t = self._purge_thread
-        if t is not None:
+        if t is not None and t is not threading.current_thread():
             t.join()
 
     def _purge(self) -> None:

@@ -1,0 +1,146 @@
+"""torchtitan with dcp-datastates as its checkpoint backend (tested with torchtitan 0.3.0).
+
+Activate it without touching torchtitan, with its override mechanism::
+
+    torchrun ... -m torchtitan.train ... --checkpoint.enable \\
+        --override.imports dcp_datastates.integrations.torchtitan.use_datastates
+
+``DataStatesCheckpointManager`` subclasses torchtitan's ``CheckpointManager`` and
+
+* saves through ``DataStatesWriter`` and loads through ``DataStatesReader`` (``dcp_save`` /
+  ``dcp_load``), in every ``--checkpoint.async_mode``: ``disabled`` is a synchronous save;
+  ``async`` is a THREAD-mode lazy snapshot; ``async_with_pinned_mem`` is a PROCESS-mode lazy
+  snapshot (the host cache is pinned when a GPU is used);
+* maps ``maybe_wait_for_staging()``, which torchtitan calls right before ``optimizer.step()``,
+  onto ``wait_snapshot()`` in both async modes, so the optimizer never mutates state that is
+  still being copied;
+* keeps torchtitan's discovery (``step-N/.metadata``: our manifest, committed last) and its
+  purge, counting only committed steps and never the save in flight.
+
+HuggingFace exports (``last_save_in_hf``, ``initial_load_in_hf``) go to torchtitan's own code.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.checkpointer.dcp import AsyncMode
+from torchtitan.config.override import derive, override
+from torchtitan.tools import filesystem
+
+from .. import DataStatesReader, DataStatesWriter, async_save
+
+log = logging.getLogger(__name__)
+
+MODEL = "model"
+
+
+class _NoStager:
+    def close(self) -> None:
+        pass
+
+
+class DataStatesCheckpointManager(CheckpointManager):
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        host_cache_bytes: int = 0
+        """Host staging cache per process in bytes (0: dcp-datastates' default, 2 GiB)."""
+
+        thread_count: int = 4
+        """Flush threads per rank."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._ds_config = config
+        self._ds_writer: DataStatesWriter | None = None
+        self._ds_inflight: str | None = None
+        # torchtitan builds a pinned DefaultStager for async_with_pinned_mem when this is None;
+        # we stage lazily ourselves, so give it a stand-in that is never used.
+        self.stager = _NoStager()
+
+    # ------------------------------------------------------------------ save
+    def dcp_save(self, state_dict, checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False):
+        if to_hf:
+            return super().dcp_save(state_dict, checkpoint_id, async_mode,
+                                    enable_garbage_collection, to_hf)
+        writer = DataStatesWriter(
+            checkpoint_id, overwrite=True, thread_count=self._ds_config.thread_count,
+            host_cache_bytes=self._ds_config.host_cache_bytes or None)
+        self._ds_writer = writer
+        if async_mode == AsyncMode.DISABLED:
+            dcp.save(state_dict, storage_writer=writer)
+            if enable_garbage_collection:
+                from torchtitan.tools.utils import GarbageCollection
+                GarbageCollection.collect("GC collection invoked by checkpointer.")
+            return None
+        kind = (AsyncCheckpointerType.PROCESS if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
+                else AsyncCheckpointerType.THREAD)
+        self._ds_inflight = checkpoint_id
+        upload = async_save(state_dict, storage_writer=writer, process_group=self.pg,
+                            async_checkpointer_type=kind)
+        upload.add_done_callback(lambda _f: setattr(self, "_ds_inflight", None))
+        if async_mode == AsyncMode.ASYNC:
+            return upload
+        # torchtitan expects (staging, upload) here: staging completes at the snapshot
+        staging: Future = Future()
+
+        def snapshot() -> None:
+            try:
+                writer.wait_snapshot()
+                staging.set_result(None)
+            except BaseException as e:  # noqa: BLE001
+                staging.set_exception(e)
+        threading.Thread(target=snapshot, daemon=True, name="dcpds-titan-staging").start()
+        return AsyncSaveResponse(staging_completion=staging, upload_completion=upload)
+
+    def _maybe_wait_for_staging(self) -> None:
+        """Called by torchtitan right before ``optimizer.step()``: the lazy-snapshot barrier."""
+        if self._ds_writer is not None:
+            self._ds_writer.wait_snapshot()
+        super()._maybe_wait_for_staging()
+
+    # ------------------------------------------------------------------ load
+    def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf:
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        dcp.load(state_dict, storage_reader=DataStatesReader(checkpoint_id))
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(state_dict)
+
+    # ----------------------------------------------------------------- purge
+    def _purge_stale_checkpoints(self):
+        """Keep the newest ``keep_latest_k`` *committed* steps; the save in flight and steps
+        without a committed manifest never count (torchtitan's own purge counts both)."""
+        if not self._should_purge():
+            return
+        committed = []
+        for name in filesystem.listdir(self.folder):
+            m = re.fullmatch(r"step-(\d+)", name)
+            if not m:
+                continue
+            path = filesystem.join(self.folder, name)
+            if path == self._ds_inflight:
+                continue
+            if filesystem.isfile(filesystem.join(path, ".metadata")):
+                committed.append((int(m.group(1)), path))
+        committed.sort()
+        for _, path in committed[: -self.keep_latest_k]:
+            assert self.purge_thread is not None
+            self.purge_queue.put(path)
+
+
+@override(target=CheckpointManager.Config, exact=True,
+          description="use dcp-datastates as the DCP storage backend")
+def use_datastates(cfg: CheckpointManager.Config) -> DataStatesCheckpointManager.Config:
+    return derive(cfg, DataStatesCheckpointManager.Config)
+
+
+__all__ = ["DataStatesCheckpointManager", "use_datastates"]
