@@ -56,3 +56,8 @@ def test_dtensor_placements_and_meshes(tmp_path):
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_async_save_snapshot_is_consistent(tmp_path, mode):
     run_ranks(2, workers.async_mutation, str(tmp_path), mode)
+
+
+@pytest.mark.parametrize("world,mode", [(1, "thread"), (1, "process"), (2, "process")])
+def test_snapshot_guard(tmp_path, world, mode):
+    run_ranks(world, workers.guard_roundtrip, str(tmp_path), mode)

@@ -227,3 +227,33 @@ def corruption_save(rank, world, base):
     dist.barrier()
     if rank == 0:  # the coordinator's commit of t2 may trail the other rank's upload
         assert os.path.exists(os.path.join(base, "t2", ".metadata"))
+
+
+def guard_roundtrip(rank, world, base, mode):
+    """SnapshotGuard: optimizer.step() waits for the lazy snapshot, THREAD or PROCESS."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from dcp_datastates import SnapshotGuard, async_save
+    pg = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = nn.Linear(1024, 1024)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(4, 1024)).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    path = os.path.join(base, f"guard-{mode}")
+    writer = DataStatesWriter(path, host_cache_bytes=1 << 20)  # 1 MiB cache, 4 MiB of weights
+    guard = SnapshotGuard(opt, writer)
+    ctype = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    fut = async_save({"m": model.state_dict()}, storage_writer=writer, process_group=pg,
+                     async_checkpointer_type=ctype)
+    opt.step()  # mutates every parameter in place, after the guard's wait
+    guard.remove()
+    fut.result()
+    assert guard.waits == 1
+    assert not torch.equal(model.weight, before["weight"])
+    out = {"m": {k: torch.zeros_like(v) for k, v in before.items()}}
+    dcp.load(out, storage_reader=DataStatesReader(path), process_group=pg)
+    for k in before:
+        assert torch.equal(out["m"][k], before[k]), (mode, k)
+    t = writer.timings()
+    assert "snapshot_done_s" in t, t
