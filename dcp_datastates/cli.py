@@ -31,30 +31,59 @@ def _progress(done: int, total: int, label: str) -> None:
 
 # ----------------------------------------------------------------- inspect
 
+def _opts(args) -> dict | None:
+    return json.loads(args.storage_options) if getattr(args, "storage_options", None) else None
+
+
+def _rank_of(file: str) -> int | None:
+    import re
+    m = re.match(r"^data-r(\d{5})-", file)
+    return int(m.group(1)) if m else None
+
+
 def cmd_inspect(args) -> int:
+    import msgpack
+
     from .reader import load_manifest
     from .tiers import StorageTier
-    m = load_manifest(StorageTier(args.path))
+    tier = StorageTier(args.path, _opts(args))
+    m = load_manifest(tier)
+    tiers = [args.path]
+    try:
+        if tier.exists(".persisted"):
+            tiers += list(msgpack.unpackb(tier.read_bytes(".persisted")))
+    except Exception:  # noqa: BLE001 - the record is informational
+        pass
     rows = []
     for fqn, t in sorted(m.tensors.items()):
         nbytes = sum((c.extent.nbytes if c.extent else sum(p[2].nbytes for p in c.parts.values()))
                      for c in t.chunks)
+        per_rank: dict = {}
+        for c in t.chunks:
+            f = c.extent.file if c.extent else next(iter(c.parts.values()))[2].file
+            r = _rank_of(f)
+            per_rank[r] = per_rank.get(r, 0) + 1
         rows.append({"key": fqn, "dtype": t.dtype, "shape": list(t.size), "chunks": len(t.chunks),
+                     "chunks_per_rank": {str(k): v for k, v in sorted(per_rank.items(), key=str)},
                      "bytes": nbytes})
     for fqn, v in sorted(m.values.items()):
         rows.append({"key": fqn, "dtype": f"value/{v.encoding}", "shape": [], "chunks": 1,
                      "bytes": len(v.data)})
     info = {"path": args.path, "format_version": 1, "save_id": m.save_id, "world_size": m.world_size,
-            "files": m.files, "total_bytes": sum(m.files.values()), "entries": rows}
+            "files": m.files, "total_bytes": sum(m.files.values()), "committed_tiers": tiers,
+            "entries": rows}
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
     print(f"checkpoint {args.path}: format v1, save {m.save_id}, world size {m.world_size}, "
           f"{len(m.files)} data files, {_fmt_bytes(sum(m.files.values()))}")
+    print("committed on: " + ", ".join(tiers))
     kw = max([len(r["key"]) for r in rows] + [3])
-    print(f"{'key':<{kw}}  {'dtype':<14} {'shape':<20} {'chunks':>6} {'bytes':>12}")
+    print(f"{'key':<{kw}}  {'dtype':<14} {'shape':<20} {'chunks (per rank)':<22} {'bytes':>12}")
     for r in rows:
-        print(f"{r['key']:<{kw}}  {r['dtype']:<14} {str(r['shape']):<20} {r['chunks']:>6} "
+        cpr = r.get("chunks_per_rank") or {}
+        chunks = f"{r['chunks']} (" + " ".join(f"r{k}:{v}" for k, v in cpr.items()) + ")" if cpr else str(r["chunks"])
+        print(f"{r['key']:<{kw}}  {r['dtype']:<14} {str(r['shape']):<20} {chunks:<22} "
               f"{_fmt_bytes(r['bytes']):>12}")
     return 0
 
@@ -112,7 +141,7 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
 
 
 def cmd_verify(args) -> int:
-    problems = verify_checkpoint(args.path, progress=None if args.json else _progress)
+    problems = verify_checkpoint(args.path, _opts(args), progress=None if args.json else _progress)
     if args.json:
         print(json.dumps({"path": args.path, "ok": not problems, "problems": problems}))
     elif problems:
@@ -249,6 +278,46 @@ def cmd_demo(args) -> int:
     return 0 if equal and not problems else 1
 
 
+# ----------------------------------------------------------------- convert
+
+def cmd_convert(args) -> int:
+    from . import convert
+    if args.to == "dcp":
+        convert.to_dcp(args.src, args.dst)
+    elif args.to == "datastates":
+        convert.from_dcp(args.src, args.dst, allow_pickle=args.allow_pickle)
+    else:
+        shard = int(args.max_shard_bytes) if args.max_shard_bytes else None
+        files = convert.to_safetensors(args.src, args.dst, max_shard_bytes=shard)
+        if not args.json:
+            print(f"wrote {len(files)} safetensors file(s) under {args.dst}")
+    if args.json:
+        print(json.dumps({"src": args.src, "dst": args.dst, "to": args.to, "ok": True}))
+    elif args.to != "safetensors":
+        print(f"converted {args.src} -> {args.dst} ({args.to})")
+    return 0
+
+
+# ------------------------------------------------------------------- bench
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    res = run_bench(args.out, gb=args.gb, charts=not args.no_charts, progress=None if args.json else _progress)
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    print(f"{'backend':<34} {'save s':>8} {'save GB/s':>10} {'load s':>8} {'load GB/s':>10}")
+    for r in res["rows"]:
+        print(f"{r['name']:<34} {r['save_s']:>8.2f} {r['save_GBps']:>10.2f} "
+              f"{r.get('load_s', float('nan')):>8.2f} {r.get('load_GBps', float('nan')):>10.2f}")
+    t = res["timeline"]
+    print("\none async two-tier checkpoint, seconds after the save call: " +
+          ", ".join(f"{k[:-2]} {v:.2f}" for k, v in t.items()))
+    for c in res.get("charts", []):
+        print(f"chart: {c}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dcp-datastates", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -257,11 +326,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--depth", type=int, default=6)
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("convert", help="to/from DCP's FileSystemWriter format, to safetensors")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", choices=["dcp", "datastates", "safetensors"], required=True,
+                   help="dcp: ours -> DCP; datastates: DCP -> ours; safetensors: ours -> safetensors")
+    p.add_argument("--max-shard-bytes", help="safetensors: shard into files of at most this size")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="datastates: keep values msgpack cannot express, as pickle")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("bench", help="benchmark against DCP in one run; table and PNG charts")
+    p.add_argument("--out", default="bench-out", help="directory for checkpoints and charts")
+    p.add_argument("--gb", type=float, default=0.5, help="state size in GB")
+    p.add_argument("--no-charts", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_bench)
     for name, fn, help_ in (("inspect", cmd_inspect, "list keys, dtypes, shapes, chunks and bytes"),
                             ("verify", cmd_verify, "check every checksum; exit 1 on damage")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("path", help="checkpoint directory or fsspec URL")
         p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--storage-options", help="fsspec options as JSON, for URLs")
         p.set_defaults(fn=fn)
     args = ap.parse_args(argv)
     return args.fn(args)

@@ -24,7 +24,7 @@ from .errors import SnapshotError
 
 _SNAPSHOT, _FAILED, _COMMITTED, _PERSISTED, _PERSIST_FAILED = 0, 1, 2, 3, 4
 _MSG_BYTES = 1024
-STAGES = ("save_called", "snapshot_done", "data_written", "committed")
+STAGES = ("save_called", "snapshot_done", "data_written", "committed", "persisted")
 
 
 class SaveSession:
@@ -84,6 +84,8 @@ class SaveSession:
             text = f"{type(error).__name__}: {error}".encode()[: _MSG_BYTES - 1]
             self.persist_msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
             self.flags[_PERSIST_FAILED] = 1
+        else:
+            self.stamp("persisted")
         self.flags[_PERSISTED] = 1
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
