@@ -87,6 +87,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._purge_thread: threading.Thread | None = None
         self._purge_lock = threading.RLock()
+        self.last_timings: dict[str, float] = {}  # stage timings of the newest save (seconds)
 
     # ------------------------------------------------------------------ paths
     def step_path(self, tier: int, step: int) -> str:
@@ -162,6 +163,7 @@ class Checkpointer:
         if cur is None:
             return
         step, writer = cur["step"], cur["writer"]
+        self.last_timings = writer.timings()
         body = None
         if md is not None and isinstance(getattr(md, "storage_data", None), dict):
             body = md.storage_data.get(MANIFEST_KEY)
@@ -181,6 +183,7 @@ class Checkpointer:
     def _after_persist(self, step: int, writer: DataStatesWriter) -> None:
         try:
             writer.wait_persisted()
+            self.last_timings = writer.timings()
         except Exception as e:  # noqa: BLE001 - reported, the fast copy stays
             log.error("step %d did not reach the slower tiers: %s", step, e)
         with self._lock:

@@ -156,126 +156,9 @@ def cmd_verify(args) -> int:
 
 # -------------------------------------------------------------------- demo
 
-def _demo_model(width: int, depth: int):
-    import torch.nn as nn
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers)
-
-
-def _demo_state(world: int, width: int, depth: int, steps: int, seed: int):
-    import torch
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    torch.manual_seed(seed)
-    mesh = init_device_mesh("cpu", (world,))
-    model = _demo_model(width, depth)
-    for layer in model:
-        if hasattr(layer, "weight"):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        model(torch.randn(16, width)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    msd, osd = get_state_dict(model, opt)
-    return model, opt, {"model": msd, "optim": osd, "train": {"step": steps}}
-
-
-def _demo_rank(rank, world, port, out_dir, width, depth, results):
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    from . import DataStatesWriter
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _, _, sd = _demo_state(world, width, depth, 2, 0)
-        timings = {}
-        for name, make in (("dcp-datastates", lambda p: DataStatesWriter(p)),
-                           ("FileSystemWriter", lambda p: dcp.FileSystemWriter(p, thread_count=4))):
-            path = os.path.join(out_dir, name)
-            dist.barrier()
-            t0 = time.perf_counter()
-            dcp.save(sd, storage_writer=make(path))
-            dist.barrier()
-            timings[name] = time.perf_counter() - t0
-        if rank == 0:
-            results.put(timings)
-    finally:
-        dist.destroy_process_group()
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-               if not n.startswith("."))
-
-
 def cmd_demo(args) -> int:
-    import tempfile
-
-    import torch
-    import torch.distributed.checkpoint as dcp
-    import torch.multiprocessing as mp
-
-    from . import DataStatesReader
-    from .reader import load_manifest
-    from .tiers import StorageTier
-
-    base = args.out or tempfile.mkdtemp(prefix="dcpds-demo-")
-    os.makedirs(base, exist_ok=True)
-    world, width, depth = 2, args.width, args.depth
-    print(f"demo: {world}-rank FSDP2 training on CPU/gloo, MLP {depth}x{width}, Adam; "
-          f"checkpoints under {base}")
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_demo_rank, args=(r, world, port, base, width, depth, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        print("demo: a training rank failed", file=sys.stderr)
-        return 1
-    save_t = q.get()
-
-    # Reload both checkpoints into ONE process (2 -> 1 reshard) and compare.
-    ours, ref = os.path.join(base, "dcp-datastates"), os.path.join(base, "FileSystemWriter")
-    m = load_manifest(StorageTier(ours))
-    load_t = {}
-    loaded = {}
-    for name, path, reader in (("dcp-datastates", ours, DataStatesReader(ours)),
-                               ("FileSystemWriter", ref, dcp.FileSystemReader(ref))):
-        t0 = time.perf_counter()
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-        loaded[name] = _load_state_dict_from_keys(storage_reader=reader)
-        load_t[name] = time.perf_counter() - t0
-    import torch.utils._pytree as pytree
-    a, b = pytree.tree_leaves(loaded["dcp-datastates"]), pytree.tree_leaves(loaded["FileSystemWriter"])
-    equal = len(a) == len(b) and all(
-        (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y) for x, y in zip(a, b))
-    size = sum(m.files.values())
-    print()
-    print(f"{'backend':<18} {'save s':>8} {'save GB/s':>10} {'load 2->1 s':>12} {'load GB/s':>10} {'on disk':>10}")
-    for name, path in (("dcp-datastates", ours), ("FileSystemWriter", ref)):
-        nbytes = _dir_bytes(path)
-        print(f"{name:<18} {save_t[name]:>8.2f} {size / save_t[name] / 1e9:>10.2f} "
-              f"{load_t[name]:>12.2f} {size / load_t[name] / 1e9:>10.2f} {_fmt_bytes(nbytes):>10}")
-    print()
-    print(f"state: {_fmt_bytes(size)} of tensors, {len(m.tensors)} tensors, {len(m.values)} values")
-    print(f"2-rank save reloaded into 1 rank: {'identical to DCP FileSystemReader' if equal else 'MISMATCH'}")
-    problems = verify_checkpoint(ours)
-    print(f"verify: {'OK' if not problems else problems}")
-    return 0 if equal and not problems else 1
+    from .demo import run_demo
+    return run_demo(args.out, width=args.width, depth=args.depth, steps=args.steps, kill_at=args.kill_at)
 
 
 # ----------------------------------------------------------------- convert
@@ -321,10 +204,12 @@ def cmd_bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dcp-datastates", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("demo", help="2-rank FSDP2 training, save, reshard-load, compare with DCP")
+    p = sub.add_parser("demo", help="the main job: 2-rank FSDP2 training; save vs DCP; kill and resume")
     p.add_argument("--out", help="directory for the checkpoints (default: a temp dir)")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--steps", type=int, default=12, help="training steps of the kill/resume run")
+    p.add_argument("--kill-at", type=int, default=7, help="SIGKILL the run after this step")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("convert", help="to/from DCP's FileSystemWriter format, to safetensors")
     p.add_argument("src")
