@@ -157,7 +157,7 @@ def cmd_verify(args) -> int:
 # -------------------------------------------------------------------- demo
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .cli_demo import run_demo
     return run_demo(args.out, width=args.width, depth=args.depth, steps=args.steps, kill_at=args.kill_at)
 
 

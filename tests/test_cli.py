@@ -137,3 +137,11 @@ def test_python_api_conversions(ckpt, tmp_path):
     dcp.load(out, storage_reader=DataStatesReader(str(tmp_path / "b")), no_dist=True)
     assert _equal(out, _state())
     assert to_safetensors(ckpt, str(tmp_path / "s.safetensors"))
+
+
+def test_demo_runs_kills_and_resumes(tmp_path):
+    r = cli("demo", "--out", str(tmp_path / "demo"), "--width", "256", "--depth", "2", "--steps", "8",
+            "--kill-at", "5")
+    assert "demo passed" in r.stdout, r.stdout[-3000:]
+    assert "identical to DCP FileSystemReader" in r.stdout and "resumed from step" in r.stdout
+    assert os.path.exists(tmp_path / "demo" / "timeline.png")

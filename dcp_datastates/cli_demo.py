@@ -1,4 +1,4 @@
-"""The main job behind ``make demo`` / ``dcp-datastates demo``.
+"""The main job behind ``make demo`` / ``dcp-datastates demo`` (part of the CLI: it prints).
 
 1. A 2-rank FSDP2 training step on CPU/gloo is saved with dcp-datastates and with DCP's
    FileSystemWriter, both are reloaded into one process (2 -> 1 reshard), compared, and timed.
@@ -182,7 +182,7 @@ def _spawn_train(run, steps, width, depth, every):
 
 
 def _launch(run, steps, width, depth, every):
-    code = (f"from dcp_datastates.demo import _spawn_train; "
+    code = (f"from dcp_datastates.cli_demo import _spawn_train; "
             f"_spawn_train({run!r}, {steps}, {width}, {depth}, {every})")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
