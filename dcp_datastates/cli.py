@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 
 
 def _fmt_bytes(n: float) -> str:

@@ -377,7 +377,6 @@ class _ReadTask:
         self._buf = None
         self._direct = False
         self._buf_lock = threading.Lock()
-        fqn = ri.storage_index.fqn
         if chunk.extent is None:  # provider chunk: read every part whole, rebuild, then narrow
             self.parts_layout = {}
             pos = 0

@@ -4,7 +4,6 @@ import os
 import pickle
 import struct
 
-import msgpack
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -13,6 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.format.manifest import MAGIC
+from tests.manifest_tools import rewrite_manifest
 
 W = torch.arange(4096 * 3, dtype=torch.float32).reshape(3, 4096)
 
@@ -66,13 +66,7 @@ def test_corrupt_manifest_byte(ckpt):
     assert "checksum mismatch" in _err(lambda: _load(ckpt))
 
 
-def _rewrite_body(path, mutate):
-    m = os.path.join(path, ".metadata")
-    data = open(m, "rb").read()
-    body = msgpack.unpackb(data[len(MAGIC):-8], raw=False, strict_map_key=False)
-    mutate(body)
-    payload = msgpack.packb(body, use_bin_type=True)
-    open(m, "wb").write(MAGIC + payload + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload)))
+_rewrite_body = rewrite_manifest
 
 
 def test_unknown_format_version(ckpt):

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 
-import msgpack
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import xxhash
 
 from dcp_datastates import DataStatesReader
 from dcp_datastates.cli import verify_checkpoint
 from dcp_datastates.format.manifest import MAGIC
+from tests.manifest_tools import rewrite_manifest
 from dcp_datastates.reader import load_manifest
 from dcp_datastates.tiers import StorageTier
 from tests import workers
@@ -65,13 +63,7 @@ def _flip(path, offset):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def _rewrite_manifest(d, mutate):
-    p = os.path.join(d, ".metadata")
-    data = open(p, "rb").read()
-    body = msgpack.unpackb(data[len(MAGIC):-8], raw=False, strict_map_key=False)
-    mutate(body)
-    payload = msgpack.packb(body, use_bin_type=True)
-    open(p, "wb").write(MAGIC + payload + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload)))
+_rewrite_manifest = rewrite_manifest
 
 
 def _ext_of(d, fqn_prefix, which=0):

@@ -56,7 +56,6 @@ def test_large_tensor_streams_through_small_cache(tmp_path):
     # 8 MiB tensor through a 1 MiB cache: nested chunking plus back-pressure
     t = torch.randn(2 << 20)
     path = str(tmp_path / "c")
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType  # noqa: F401
     w = DataStatesWriter(path, host_cache_bytes=1 << 20)
     w.stage({"t": t})  # lazy (copying) path, as async_save would take
     dcp.save({"t": t}, storage_writer=w, no_dist=True)

@@ -3,7 +3,6 @@
 import os
 import shutil
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
