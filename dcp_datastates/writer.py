@@ -109,6 +109,10 @@ class DataStatesWriter(StorageWriter):
         persist: flush this save to ``persist_to`` (a run-level checkpointer turns it off
             for the checkpoints it does not persist).
         persist_options: fsspec storage options for the ``persist_to`` URLs.
+        o_direct: write local data files with O_DIRECT from the page-aligned host cache,
+            bypassing the page cache (on by default; the file system is probed and writes fall
+            back to buffered where it refuses).  Off: large CPU tensors of a synchronous save are
+            written straight from their own memory through the page cache.
     """
 
     _synchronize_after_execute: bool = False
@@ -118,7 +122,7 @@ class DataStatesWriter(StorageWriter):
                  allow_pickle: bool = False, sync_files: bool = True,
                  storage_options: dict | None = None, async_mode: str | None = None,
                  persist_to: list[str] | str | None = None, persist: bool = True,
-                 persist_options: dict | None = None) -> None:
+                 persist_options: dict | None = None, o_direct: bool = True) -> None:
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
@@ -140,6 +144,7 @@ class DataStatesWriter(StorageWriter):
         self.persist_to = [str(p) for p in (persist_to or [])]
         self.persist = persist
         self.persist_options = persist_options
+        self.o_direct = o_direct
         self._persist_futs: list = []
         self.rank = 0
         self.is_coordinator = True
@@ -320,13 +325,14 @@ class DataStatesWriter(StorageWriter):
             return fut
         self.tier.makedirs()
         persisting = bool(self.persist_to and self.persist)
-        sinks = [self.tier.open_sink(n, drop_cache=not persisting) for n in names]
+        sinks = [self.tier.open_sink(n, o_direct=self.o_direct, drop_cache=not persisting) for n in names]
         ready = getattr(session, "ready", None) if lazy else None
         if ready is None:
             ready = _ready_events(copy_items)
         engine = get_engine(shared_host_cache(self.host_cache_bytes, _want_pinned(copy_items)),
                             self.thread_count)
-        job = engine.submit(copy_items, sinks, copy=lazy or _any_gpu(copy_items), label=label,
+        direct_io = any(getattr(s, "o_direct", False) for s in sinks)
+        job = engine.submit(copy_items, sinks, copy=lazy or direct_io or _any_gpu(copy_items), label=label,
                             ready_event=ready)
         self._job = job
 

@@ -59,7 +59,10 @@ class HostCache:
             log.info("host cache: %d MiB pinned", self.capacity >> 20)
             return buf
         log.info("host cache: %d MiB (pageable)", self.capacity >> 20)
-        return torch.empty(self.capacity, dtype=torch.uint8)
+        # page-aligned start, so that every 4 KiB-aligned slice can feed an O_DIRECT write
+        raw = torch.empty(self.capacity + ALIGNMENT, dtype=torch.uint8)
+        shift = (-raw.data_ptr()) % ALIGNMENT
+        return raw[shift:shift + self.capacity]
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer()[offset:offset + nbytes]

@@ -37,6 +37,7 @@ import torch
 
 from .. import _faults
 from ..format.checksum import BLOCK_SIZE
+from ..format.layout import align_up
 from .host_cache import HostCache
 
 log = logging.getLogger(__name__)
@@ -262,8 +263,16 @@ class SnapshotEngine:
                 sums = block_checksums(mv[p.dst_pos:p.dst_pos + p.nbytes])
                 first = p.src_start // BLOCK_SIZE
                 p.item.sums[first:first + len(sums)] = sums
-            if b.nbytes:
-                job.sinks[b.file].pwrite(mv, b.file_offset)
+            sink = job.sinks[b.file]
+            if b.nbytes and getattr(sink, "o_direct", False) and cache_off is not None:
+                padded = align_up(b.nbytes)  # O_DIRECT: whole blocks from the aligned cache
+                full = self.cache.view(cache_off, padded)
+                if padded > b.nbytes:
+                    full[b.nbytes:].zero_()
+                sink.pwrite(memoryview(full.numpy()), b.file_offset, logical=b.nbytes)
+                _faults.point("write")
+            elif b.nbytes:
+                sink.pwrite(mv, b.file_offset)
                 _faults.point("write")
         except BaseException as e:  # noqa: BLE001
             job.fail(e)

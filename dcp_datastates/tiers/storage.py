@@ -46,11 +46,21 @@ class LocalSink(Sink):
         self.name = name
         self.drop_cache = drop_cache
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self.fd = os.open(path, flags, 0o644)
+        self.o_direct = False
+        if o_direct and hasattr(os, "O_DIRECT"):
+            try:  # probe: some file systems refuse O_DIRECT (EINVAL); then write buffered
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.o_direct = True
+            except OSError as e:
+                log.debug("O_DIRECT refused for %s (%s); buffered writes", path, e)
+        if not self.o_direct:
+            self.fd = os.open(path, flags, 0o644)
         self.size = 0
         self._lock = threading.Lock()
 
-    def pwrite(self, buf, offset: int) -> None:
+    def pwrite(self, buf, offset: int, logical: int | None = None) -> None:
+        """Write ``buf`` at ``offset``.  With O_DIRECT, ``buf`` is block-padded and ``logical``
+        is the meaningful length (the file is truncated to its logical size at close)."""
         mv = memoryview(buf).cast("B")
         n = mv.nbytes
         done = 0
@@ -60,10 +70,12 @@ class LocalSink(Sink):
                 raise OSError(errno.EIO, f"short write to {self.path}")
             done += w
         with self._lock:
-            self.size = max(self.size, offset + n)
+            self.size = max(self.size, offset + (n if logical is None else logical))
 
     def close(self, sync: bool = True) -> int:
         try:
+            if self.o_direct:
+                os.ftruncate(self.fd, self.size)  # drop the padding of the last block
             if sync:
                 os.fsync(self.fd)
             if sync and self.drop_cache:
