@@ -82,6 +82,7 @@ def run_method(method: str, steps: int, every: int, base: str) -> dict:
     rss0 = rss()
     blocked = 0.0
     commits = []
+    done_at: dict = {}
     pending = None  # (future, t_call)
     writer = None
     stager = None
@@ -100,7 +101,7 @@ def run_method(method: str, steps: int, every: int, base: str) -> dict:
                 t = time.perf_counter()
                 pending[0].result()
                 blocked += time.perf_counter() - t
-                commits.append(time.perf_counter() - pending[1])
+                commits.append(done_at[pending[0]] - pending[1])
             path = os.path.join(base, f"{method}-step{step}")
             t = time.perf_counter()
             if method == "dcp_thread_default":
@@ -116,6 +117,8 @@ def run_method(method: str, steps: int, every: int, base: str) -> dict:
                 fut = async_save(state, storage_writer=writer)
                 waiter = writer.wait_snapshot
             blocked += time.perf_counter() - t
+            # the commit time is when the future completes, not when the loop next looks at it
+            fut.add_done_callback(lambda f: done_at.__setitem__(f, time.perf_counter()))
             pending = (fut, t, waiter)
     if pending is not None:
         t = time.perf_counter()
@@ -123,7 +126,8 @@ def run_method(method: str, steps: int, every: int, base: str) -> dict:
             pending[2]()
         pending[0].result()
         blocked += time.perf_counter() - t
-        commits.append(time.perf_counter() - pending[1])
+        time.sleep(0.01)  # let the done callback run
+        commits.append(done_at[pending[0]] - pending[1])
     total = time.perf_counter() - t_start
     stop.set()
     time.sleep(0.02)
