@@ -88,6 +88,7 @@ class Checkpointer:
         self._purge_thread: threading.Thread | None = None
         self._purge_lock = threading.RLock()
         self.last_timings: dict[str, float] = {}  # stage timings of the newest save (seconds)
+        self._helpers: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ paths
     def step_path(self, tier: int, step: int) -> str:
@@ -176,8 +177,10 @@ class Checkpointer:
         if cur["persist"]:
             with self._lock:
                 self._persisting[step] = writer
-            threading.Thread(target=self._after_persist, args=(step, writer), daemon=True,
-                             name="dcpds-persist-wait").start()
+            t = threading.Thread(target=self._after_persist, args=(step, writer), daemon=True,
+                                 name="dcpds-persist-wait")
+            t.start()
+            self._helpers = [h for h in self._helpers if h.is_alive()] + [t]
         self._start_purge()
 
     def _after_persist(self, step: int, writer: DataStatesWriter) -> None:
@@ -324,5 +327,8 @@ class Checkpointer:
                 pass
 
     def close(self) -> None:
+        """Wait for the save in flight, its flushes to slower tiers, and the retention pass."""
         self.wait()
+        for t in list(self._helpers):
+            t.join()
         self._join_purge()

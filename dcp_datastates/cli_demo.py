@@ -174,6 +174,8 @@ def train_worker(rank: int, world: int, port: int, run: str, steps: int, width: 
     ckpt.close()
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: the demo's workers have nothing left to clean up
 
 
 def _spawn_train(run, steps, width, depth, every):

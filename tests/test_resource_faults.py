@@ -166,8 +166,11 @@ def test_checkpoint_every_step_under_cache_pressure(tmp_path, steps):
         rss.append(_rss())
     c.close()
     assert c.committed_steps(0) == list(range(1, steps + 1))  # no deadlock, all committed
+    # bounded: allocator warm-up settles within tens of MiB, then no growth with the step count
     growth = max(rss[9:]) - rss[9]
-    assert growth < cache + (32 << 20), f"RSS grew by {growth >> 20} MiB over steps 10..{steps}"
+    assert growth < cache + (64 << 20), f"RSS grew by {growth >> 20} MiB over steps 10..{steps}"
+    late = max(rss[steps // 2:]) - max(rss[: steps // 2])
+    assert late < cache + (16 << 20), f"RSS still growing: +{late >> 20} MiB in the second half"
     for step in range(1, steps + 1):
         out = {"model": {k: torch.zeros(s) for k, s in shapes.items()}}
         assert c.load(out, step=step) == step
