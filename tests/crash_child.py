@@ -44,6 +44,8 @@ def _spawn_entry(rank, world, port, base, mode, step, started):
     _rank_main(rank, world, base, mode, step, started)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (see tests/dist.py)
 
 
 def main() -> int:
