@@ -85,6 +85,8 @@ def _compare_rank(rank, world, port, out_dir, width, depth, q):
             q.put(timings)
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (see train_worker)
 
 
 def _phase1(base: str, width: int, depth: int) -> dict:
