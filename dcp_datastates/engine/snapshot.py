@@ -26,6 +26,7 @@ own memory and only small ones pass through the cache.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -182,9 +183,18 @@ class SnapshotEngine:
         return job
 
     # -- stager -------------------------------------------------------------
+    def stop(self, timeout: float = 30.0) -> None:
+        """Let queued saves finish, then end the stager and flush threads (called at exit)."""
+        self._jobs.put(None)
+        self._stager.join(timeout)
+        self._flush.shutdown(wait=True)
+
     def _stage_loop(self) -> None:
         while True:
-            job, copy, ready = self._jobs.get()
+            entry = self._jobs.get()
+            if entry is None:  # stop(): no daemon thread may be left inside native code at exit
+                return
+            job, copy, ready = entry
             try:
                 self._stage(job, copy, ready)
             except BaseException as e:  # noqa: BLE001 - surfaced through the job
@@ -327,6 +337,22 @@ def _copier_for(items: list[CopyItem], ready):
 
 _engines: dict[tuple[int, int], SnapshotEngine] = {}
 _engine_lock = threading.Lock()
+
+
+def _stop_engines() -> None:
+    with _engine_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for eng in engines:
+        try:
+            eng.stop()
+        except Exception:  # pragma: no cover - exiting anyway
+            log.debug("engine stop failed", exc_info=True)
+
+
+# Stop the engines before Python joins non-daemon threads at shutdown (private hook since 3.9;
+# plain atexit otherwise, which runs later but still before module teardown).
+getattr(threading, "_register_atexit", atexit.register)(_stop_engines)
 
 
 def get_engine(cache: HostCache, io_threads: int) -> SnapshotEngine:
