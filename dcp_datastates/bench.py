@@ -57,7 +57,8 @@ def run_bench(out: str, *, gb: float = 0.5, charts: bool = True, progress=None) 
         t0 = time.perf_counter()
         dcp.load(tmpl, storage_reader=mk_r(path), no_dist=True)
         load_s = time.perf_counter() - t0
-        assert all(torch.equal(tmpl[k], sd[k]) for k in sd), name
+        if not all(torch.equal(tmpl[k], sd[k]) for k in sd):
+            raise RuntimeError(f"bench: {name} loaded different values than it saved")
         rows.append({"name": name, "save_s": save_s, "save_GBps": size / save_s / 1e9,
                      "load_s": load_s, "load_GBps": size / load_s / 1e9})
         shutil.rmtree(path, ignore_errors=True)

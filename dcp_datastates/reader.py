@@ -34,7 +34,7 @@ from torch.futures import Future
 
 from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestError,
                      NotACheckpointError, PickleNotAllowedError)
-from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name
+from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name, verify_blocks
 from .format.manifest import RANK_MANIFEST_PREFIX, Chunk, Extent
 from .format.values import decode_value
 from .providers import type_provider_named
@@ -55,14 +55,9 @@ def load_manifest(tier: StorageTier) -> Manifest:
         raise NotACheckpointError(
             "no committed manifest: this directory is missing, empty, or holds a save that "
             "never committed; load an earlier step", checkpoint=where)
-    merged: Manifest | None = None
-    for n in names:
-        m = decode_manifest(tier.read_bytes(n), source=f"{where}/{n}")
-        if merged is None:
-            merged = m
-        else:
-            merged.merge(m)
-    assert merged is not None
+    merged = decode_manifest(tier.read_bytes(names[0]), source=f"{where}/{names[0]}")
+    for n in names[1:]:
+        merged.merge(decode_manifest(tier.read_bytes(n), source=f"{where}/{n}"))
     missing = sorted(set(range(merged.world_size)) - set(merged.ranks))
     if missing:
         raise NotACheckpointError(
@@ -248,32 +243,24 @@ class DataStatesReader(StorageReader):
                 value = decode_value(v.data)
             except ValueError as e:
                 raise ManifestError(f"value does not decode: {e}", checkpoint=self.path, key=fqn) from None
-            if hasattr(planner, "load_value"):
-                planner.load_value(ri, value)
-                return
-            # Hand DCP's planner the bytes it expects.  They are made here, from plain
-            # values just decoded, so its torch.load cannot meet a foreign pickle.
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            buf.seek(0)
-            planner.load_bytes(ri, buf)
-            return
-        if not self.allow_pickle:
+        elif not self.allow_pickle:
             raise PickleNotAllowedError(
                 f"value was saved with pickle ({v.encoding}); loading it would run code from the "
                 "checkpoint. Pass allow_pickle=True to DataStatesReader only if you trust it",
                 checkpoint=self.path, key=fqn)
-        if v.encoding == "pickle":
-            value = pickle.loads(v.data)
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            buf.seek(0)
+        elif v.encoding == "pickle":
+            value = pickle.loads(v.data)  # explicit opt-in only (allow_pickle=True), checked above
         else:
-            buf = io.BytesIO(v.data)
+            value = torch.load(io.BytesIO(v.data), weights_only=False)  # same opt-in
         if hasattr(planner, "load_value"):
-            planner.load_value(ri, torch.load(buf, weights_only=False))
-        else:
-            planner.load_bytes(ri, buf)
+            planner.load_value(ri, value)
+            return
+        # Hand DCP's planner the bytes it expects.  They are made here from the value already
+        # decoded, so its torch.load never meets bytes read from storage.
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        buf.seek(0)
+        planner.load_bytes(ri, buf)
 
     def _value_from_fallback(self, fqn: str):
         for tier in self._tiers()[1:]:
@@ -336,7 +323,6 @@ class DataStatesReader(StorageReader):
             raise DataFileError(f"data file is truncated: wanted {n} bytes at offset {file_off}, "
                                 f"got {got}", checkpoint=tier.url, file=name, key=key)
         if self.verify:
-            from .format.checksum import verify_blocks
             bad = verify_blocks(mv, ext.sums, first_block, task.block_size)
             if bad is not None:
                 raise ChecksumMismatch(f"checksum mismatch in block {bad} (bytes "

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
+from collections import deque
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _faults
-from ..format.checksum import BLOCK_SIZE
+from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.layout import align_up
 from .host_cache import HostCache
 
@@ -108,13 +109,11 @@ def plan_batches(items: list[CopyItem], piece_bytes: int, *, direct_ok) -> list[
                 batches.append(cur)
         per_file[f] = batches
     out: list[_Batch] = []
-    queues = list(per_file.values())
-    i = 0
-    while any(queues):
-        q = queues[i % len(queues)]
-        if q:
-            out.append(q.pop(0))
-        i += 1
+    queues = [deque(q) for q in per_file.values() if q]
+    while queues:
+        for q in queues:
+            out.append(q.popleft())
+        queues = [q for q in queues if q]
     return out
 
 
@@ -268,7 +267,6 @@ class SnapshotEngine:
             if event is not None:
                 event.synchronize()
             mv = memoryview(view.numpy()) if view.numel() else memoryview(b"")
-            from ..format.checksum import block_checksums
             for p in b.pieces:
                 sums = block_checksums(mv[p.dst_pos:p.dst_pos + p.nbytes])
                 first = p.src_start // BLOCK_SIZE

@@ -132,8 +132,9 @@ class DataStatesCheckpointManager(CheckpointManager):
             if filesystem.isfile(filesystem.join(path, ".metadata")):
                 committed.append((int(m.group(1)), path))
         committed.sort()
+        if self.purge_thread is None:  # torchtitan starts it whenever keep_latest_k > 0
+            return
         for _, path in committed[: -self.keep_latest_k]:
-            assert self.purge_thread is not None
             self.purge_queue.put(path)
 
 
