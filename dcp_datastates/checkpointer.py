@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import threading
 
 import torch.distributed as dist
@@ -58,13 +57,18 @@ class Checkpointer:
         process_group: the group DCP uses (a gloo group for async saves).
         node_local: the first tier is private to each node (each rank sees only its own).
         storage_options: fsspec options per tier (a list aligned with ``tiers``).
+        incremental: save each step as an incremental checkpoint on the newest committed one:
+            unchanged bytes are referenced, not written again (off by default, so that every
+            step directory is self-contained and can be copied or deleted on its own).  With it
+            on, delete steps only through retention (``keep``), which never removes bytes a
+            retained step still uses.
         writer_options: further ``DataStatesWriter`` keyword arguments.
     """
 
     def __init__(self, tiers: list[str], *, keep: list[int] | int | None = None,
                  persist_every: int = 1, async_mode: str | None = "thread", process_group=None,
                  node_local: bool = False, storage_options: list[dict | None] | None = None,
-                 **writer_options) -> None:
+                 incremental: bool = False, **writer_options) -> None:
         if not tiers:
             raise ValueError("Checkpointer needs at least one tier")
         if persist_every < 1:
@@ -81,6 +85,9 @@ class Checkpointer:
         self.node_local = node_local
         self.storage_options = list(storage_options or [None] * len(self.tiers))
         self.writer_options = writer_options
+        self.incremental = incremental
+        self._last_committed: int | None = None  # newest step this process committed
+        self._manifests: dict[int, object] = {}  # step -> Manifest, while it flushes to slower tiers
         self._saves = 0
         self._inflight: dict | None = None  # {"step", "writer", "future", "persist"}
         self._persisting: dict[int, DataStatesWriter] = {}
@@ -108,22 +115,32 @@ class Checkpointer:
         self.wait()
         persist = self._saves % self.persist_every == 0 and len(self.tiers) > 1
         self._saves += 1
+        base = self._base_for(step) if self.incremental else None
         writer = DataStatesWriter(
             self.step_path(0, step), storage_options=self.storage_options[0],
             persist_to=[self.step_path(i, step) for i in range(1, len(self.tiers))],
             persist=persist, persist_options=self.storage_options[1] if len(self.tiers) > 1 else None,
-            overwrite=True, async_mode=self.async_mode, **self.writer_options)
+            overwrite=True, async_mode=self.async_mode,
+            incremental_base=None if base is None else f"step-{base}", **self.writer_options)
         if self.async_mode is None:
             md = dcp.save(state, storage_writer=writer, process_group=self.pg)
-            self._inflight = {"step": step, "writer": writer, "future": None, "persist": persist}
+            self._inflight = {"step": step, "writer": writer, "future": None, "persist": persist,
+                              "base": base}
             self._on_committed(md)
             return None
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
         fut = async_save(state, storage_writer=writer, process_group=self.pg,
                          async_checkpointer_type=kind)
-        self._inflight = {"step": step, "writer": writer, "future": fut, "persist": persist}
+        self._inflight = {"step": step, "writer": writer, "future": fut, "persist": persist, "base": base}
         return fut
+
+    def _base_for(self, step: int) -> int | None:
+        """The step an incremental save builds on: the newest committed before ``step``."""
+        if self._last_committed is not None and self._last_committed < step:
+            return self._last_committed
+        older = [s for s in self.committed_steps(0) if s < step]
+        return older[-1] if older else None
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
         """Training may mutate the state once this returns (see ``DataStatesWriter.wait_snapshot``)."""
@@ -174,9 +191,13 @@ class Checkpointer:
             if not t.exists(MANIFEST_NAME):
                 t.makedirs()
                 t.commit_bytes(MANIFEST_NAME, body)
+        self._last_committed = step if self._last_committed is None else max(self._last_committed, step)
         if cur["persist"]:
             with self._lock:
                 self._persisting[step] = writer
+                if body is not None:
+                    from .format import decode_manifest
+                    self._manifests[step] = decode_manifest(body, source=self.step_path(0, step))
             t = threading.Thread(target=self._after_persist, args=(step, writer), daemon=True,
                                  name="dcpds-persist-wait")
             t.start()
@@ -191,6 +212,7 @@ class Checkpointer:
             log.error("step %d did not reach the slower tiers: %s", step, e)
         with self._lock:
             self._persisting.pop(step, None)
+            self._manifests.pop(step, None)
         self._start_purge()
 
     # -------------------------------------------------------------- discovery
@@ -281,6 +303,7 @@ class Checkpointer:
             t.join()
 
     def _purge(self) -> None:
+        from .tiers.retention import purge_steps
         try:
             slowest = len(self.tiers) - 1
             durable = self.committed_steps(slowest)
@@ -289,8 +312,12 @@ class Checkpointer:
                 protect.add(durable[-1])  # the newest durable checkpoint stays everywhere
             with self._lock:
                 protect.update(self._persisting)  # sources of flushes in flight
-            if self._inflight:
-                protect.add(self._inflight["step"])
+                also = [(f"step-{s}", m) for s, m in self._manifests.items()]
+            cur = self._inflight
+            if cur:
+                protect.add(cur["step"])
+                if cur.get("base") is not None:
+                    protect.add(cur["base"])  # an incremental save in flight reads from it
             for i, k in enumerate(self.keep):
                 if not k:
                     continue
@@ -300,31 +327,15 @@ class Checkpointer:
                 committed = self.committed_steps(i)
                 keep_set = set(committed[-k:]) | protect
                 newest = committed[-1] if committed else None
-                for s in self._step_dirs(i):
-                    if s in keep_set:
-                        continue
-                    if s in committed or (newest is not None and s < newest):
-                        self._remove_step(i, s, committed=s in committed)
+                drop = [s for s in self._step_dirs(i) if s not in keep_set
+                        and (s in committed or (newest is not None and s < newest))]
+                if drop:
+                    log.info("retention: purging steps %s on %s", drop, self.tiers[i])
+                    # bytes of retained steps, and of steps still flushing to this tier, stay
+                    purge_steps(self._tier(i), [f"step-{s}" for s in drop],
+                                also=also if i > 0 else [])
         except Exception:  # noqa: BLE001 - retention must never break training
             log.exception("retention pass failed")
-
-    def _remove_step(self, i: int, step: int, *, committed: bool) -> None:
-        t = self._tier(i, step)
-        log.info("retention: removing %s step %d on %s", "committed" if committed else "uncommitted",
-                 step, self.tiers[i])
-        if t.local:
-            try:
-                # the manifest goes first: a half-deleted step is never mistaken for committed
-                t.remove(MANIFEST_NAME)
-                shutil.rmtree(t.root)
-            except FileNotFoundError:
-                pass
-        else:
-            try:
-                t.remove(MANIFEST_NAME)
-                t.fs.rm(t.root, recursive=True)
-            except FileNotFoundError:
-                pass
 
     def close(self) -> None:
         """Wait for the save in flight, its flushes to slower tiers, and the retention pass."""

@@ -39,12 +39,74 @@ def _rank_of(file: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def usage(m) -> tuple[int, dict[str, int]]:
+    """Bytes of a checkpoint's extents that it owns (its own files) and that it shares from
+    earlier checkpoints of the run (incremental saves), per earlier checkpoint."""
+    owned, shared = 0, {}
+    for t in m.tensors.values():
+        for c in t.chunks:
+            exts = [c.extent] if c.extent is not None else [p[2] for p in c.parts.values()]
+            for e in exts:
+                for seg in e.segs:
+                    home = m.homes.get(seg.file)
+                    if home is None:
+                        owned += seg.nbytes
+                    else:
+                        shared[home] = shared.get(home, 0) + seg.nbytes
+    return owned, shared
+
+
+def inspect_run(tier) -> list[dict]:
+    """One row per committed step under a run directory: bytes owned, shared from earlier
+    steps, and owned bytes that later steps still reference."""
+    import re
+
+    from .errors import CheckpointError
+    from .reader import load_manifest
+    rows = []
+    for name in tier.listdir():
+        if not re.match(r"^step-\d+$", name):
+            continue
+        try:
+            m = load_manifest(_child(tier, name))
+        except CheckpointError:
+            continue
+        owned, shared = usage(m)
+        rows.append({"step": int(name.split("-")[1]), "dir": name, "owned_bytes": owned,
+                     "shared_bytes": sum(shared.values()), "shared_from": shared, "used_by_later": 0})
+    rows.sort(key=lambda r: r["step"])
+    by_dir = {r["dir"]: r for r in rows}
+    for r in rows:
+        for home, n in r["shared_from"].items():
+            if home in by_dir:
+                by_dir[home]["used_by_later"] += n
+    return rows
+
+
+def _child(tier, name):
+    from .tiers import StorageTier
+    sep = "" if tier.url.endswith("/") else "/"
+    return StorageTier(f"{tier.url}{sep}{name}", tier.storage_options)
+
+
 def cmd_inspect(args) -> int:
     import msgpack
 
+    from .format import MANIFEST_NAME
     from .reader import load_manifest
     from .tiers import StorageTier
     tier = StorageTier(args.path, _opts(args))
+    if not tier.exists(MANIFEST_NAME) and any(n.startswith("step-") for n in tier.listdir()):
+        rows = inspect_run(tier)
+        if args.json:
+            print(json.dumps({"path": args.path, "steps": rows}, indent=1))
+            return 0
+        print(f"run {args.path}: {len(rows)} committed steps")
+        print(f"{'step':>8}  {'owned':>12}  {'shared':>12}  {'used by later':>14}")
+        for r in rows:
+            print(f"{r['step']:>8}  {_fmt_bytes(r['owned_bytes']):>12}  {_fmt_bytes(r['shared_bytes']):>12}  "
+                  f"{_fmt_bytes(r['used_by_later']):>14}")
+        return 0
     m = load_manifest(tier)
     tiers = [args.path]
     try:
@@ -58,7 +120,8 @@ def cmd_inspect(args) -> int:
                      for c in t.chunks)
         per_rank: dict = {}
         for c in t.chunks:
-            f = c.extent.file if c.extent else next(iter(c.parts.values()))[2].file
+            e = c.extent if c.extent else next(iter(c.parts.values()))[2]
+            f = e.segs[0].file if e.segs else ""
             r = _rank_of(f)
             per_rank[r] = per_rank.get(r, 0) + 1
         rows.append({"key": fqn, "dtype": t.dtype, "shape": list(t.size), "chunks": len(t.chunks),
@@ -67,14 +130,19 @@ def cmd_inspect(args) -> int:
     for fqn, v in sorted(m.values.items()):
         rows.append({"key": fqn, "dtype": f"value/{v.encoding}", "shape": [], "chunks": 1,
                      "bytes": len(v.data)})
-    info = {"path": args.path, "format_version": 1, "save_id": m.save_id, "world_size": m.world_size,
-            "files": m.files, "total_bytes": sum(m.files.values()), "committed_tiers": tiers,
-            "entries": rows}
+    owned, shared = usage(m)
+    own_files = {n: sz for n, sz in m.files.items() if n not in m.homes}
+    info = {"path": args.path, "format_version": m.version, "save_id": m.save_id,
+            "world_size": m.world_size, "files": own_files, "total_bytes": sum(own_files.values()),
+            "owned_bytes": owned, "shared_bytes": sum(shared.values()), "shared_from": shared,
+            "committed_tiers": tiers, "entries": rows}
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    print(f"checkpoint {args.path}: format v1, save {m.save_id}, world size {m.world_size}, "
-          f"{len(m.files)} data files, {_fmt_bytes(sum(m.files.values()))}")
+    print(f"checkpoint {args.path}: format v{m.version}, save {m.save_id}, world size {m.world_size}, "
+          f"{len(own_files)} data files, {_fmt_bytes(sum(own_files.values()))}")
+    print(f"owns {_fmt_bytes(owned)} of tensor data, shares {_fmt_bytes(sum(shared.values()))}"
+          + (" from " + ", ".join(f"{h} ({_fmt_bytes(n)})" for h, n in sorted(shared.items())) if shared else ""))
     print("committed on: " + ", ".join(tiers))
     kw = max([len(r["key"]) for r in rows] + [3])
     print(f"{'key':<{kw}}  {'dtype':<14} {'shape':<20} {'chunks (per rank)':<22} {'bytes':>12}")
@@ -113,25 +181,29 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
         if xxhash.xxh3_64_intdigest(v.data) != v.checksum:
             problems.append(f"value {fqn}: checksum mismatch in the manifest")
     sizes = {}
+    homes = {name: tier.sibling(home) for name, home in m.homes.items()}
     for name, want in m.files.items():
+        where = f" (in {m.homes[name]})" if name in m.homes else ""
         try:
-            sizes[name] = tier.size(name)
+            sizes[name] = homes.get(name, tier).size(name)
         except (FileNotFoundError, OSError):
-            problems.append(f"file {name}: missing")
+            problems.append(f"file {name}{where}: missing")
             continue
         if sizes[name] < want:
-            problems.append(f"file {name}: truncated ({sizes[name]} of {want} bytes)")
+            problems.append(f"file {name}{where}: truncated ({sizes[name]} of {want} bytes)")
     total = sum(e.nbytes for _, e in extents) or 1
     done = 0
     for fqn, e in extents:
-        if e.file not in sizes or sizes[e.file] < e.offset + e.nbytes:
-            problems.append(f"tensor {fqn}: extent in {e.file} is missing or truncated")
+        if any(s.file not in sizes or sizes[s.file] < s.offset + s.nbytes for s in e.segs):
+            problems.append(f"tensor {fqn}: extent in {', '.join(sorted(e.files()))} is missing or truncated")
             continue
         buf = bytearray(e.nbytes)
-        tier.read_into(e.file, e.offset, buf)
+        for name, off, pos, n in e.locate(0, e.nbytes):
+            homes.get(name, tier).read_into(name, off, memoryview(buf)[pos:pos + n])
         bad = verify_blocks(buf, e.sums, 0, m.block_size)
         if bad is not None:
-            problems.append(f"tensor {fqn}: checksum mismatch in {e.file} block {bad}")
+            (name, off, _p, _n), = e.locate(bad * m.block_size, 1)
+            problems.append(f"tensor {fqn}: checksum mismatch in {name} block {bad} (file offset {off})")
         done += e.nbytes
         if progress:
             progress(done, total, "verify")

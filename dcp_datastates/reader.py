@@ -188,7 +188,7 @@ class DataStatesReader(StorageReader):
             if ri.type == LoadItemType.BYTE_IO:
                 self._load_value(ri, planner, m)
         tasks = [self._make_task(ri, planner, m) for ri in tensor_items]
-        files = _FileSet(tiers, m.files)
+        files = _FileSet(tiers, m.homes)
         try:
             pieces = [(t, i) for t in tasks for i in range(len(t.ranges))]
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcpds-read") as pool:
@@ -315,31 +315,48 @@ class DataStatesReader(StorageReader):
             if dfd is not None:
                 got = _read_direct(dfd, file_off, mv)
             else:
-                got = tier.read_into(name, file_off, mv, fd=files.fd(ti, name))
+                got = files.tier_for(ti, name).read_into(name, file_off, mv, fd=files.fd(ti, name))
         except FileNotFoundError:
-            raise DataFileError("data file is missing; the checkpoint is incomplete or was damaged, "
-                                "load another tier or step", checkpoint=tier.url, file=name, key=key) from None
+            home = files.homes.get(name)
+            where = f" (kept in the earlier checkpoint {home!r} this one is incremental on)" if home else ""
+            raise DataFileError(f"data file is missing{where}; the checkpoint is incomplete or was "
+                                "damaged, load another tier or step", checkpoint=tier.url, file=name,
+                                key=key) from None
         if got != n:
             raise DataFileError(f"data file is truncated: wanted {n} bytes at offset {file_off}, "
                                 f"got {got}", checkpoint=tier.url, file=name, key=key)
         if self.verify:
             bad = verify_blocks(mv, ext.sums, first_block, task.block_size)
             if bad is not None:
-                raise ChecksumMismatch(f"checksum mismatch in block {bad} (bytes "
-                                       f"{ext.offset + bad * task.block_size}+) of the extent",
+                raise ChecksumMismatch(f"checksum mismatch in block {bad} (chunk bytes "
+                                       f"{bad * task.block_size}+, file offset {file_off + (bad - first_block) * task.block_size}+)",
                                        checkpoint=tier.url, file=name, key=key)
 
 
 class _FileSet:
     """Open file descriptors per (tier, file), opened on first use; missing files remembered."""
 
-    def __init__(self, tiers: list[StorageTier], sizes: dict[str, int]) -> None:
+    def __init__(self, tiers: list[StorageTier], homes: dict[str, str]) -> None:
         self.tiers = tiers
+        self.homes = homes
         self._fds: dict[tuple[int, str], int | None] = {}
+        self._siblings: dict[tuple[int, str], StorageTier] = {}
         self._lock = threading.Lock()
 
+    def tier_for(self, ti: int, name: str) -> StorageTier:
+        """The directory of tier ``ti`` that holds ``name``: the checkpoint's own, or the
+        earlier checkpoint of the run that an incremental save took the file from."""
+        home = self.homes.get(name)
+        if home is None:
+            return self.tiers[ti]
+        with self._lock:
+            t = self._siblings.get((ti, home))
+            if t is None:
+                t = self._siblings[(ti, home)] = self.tiers[ti].sibling(home)
+            return t
+
     def fd(self, ti: int, name: str) -> int | None:
-        tier = self.tiers[ti]
+        tier = self.tier_for(ti, name)
         if not tier.local:
             return None
         key = (ti, name)
@@ -356,7 +373,7 @@ class _FileSet:
 
     def direct_fd(self, ti: int, name: str) -> int | None:
         """An O_DIRECT descriptor (None where the file system refuses it)."""
-        tier = self.tiers[ti]
+        tier = self.tier_for(ti, name)
         if not tier.local or not hasattr(os, "O_DIRECT"):
             return None
         key = (ti, "\0direct", name)
@@ -460,12 +477,15 @@ class _ReadTask:
             self._add_ranges(ext, r0, r1 - r0, 0)
 
     def _add_ranges(self, ext: Extent, start: int, n: int, buf_off: int) -> None:
+        """Queue chunk bytes ``[start, start + n)`` (block-aligned start) for reading into the
+        buffer at ``buf_off``: per segment, in pieces of at most ``READ_PIECE``."""
         bs = self.block_size
         step = max(bs, READ_PIECE // bs * bs)
-        for s in range(0, n, step):
-            k = min(step, n - s)
-            self.ranges.append((ext.file, ext.offset + start + s, k, buf_off + s,
-                                (start + s) // bs, ext))
+        for name, file_off, pos, length in ext.locate(start, n):
+            for s in range(0, length, step):
+                k = min(step, length - s)
+                self.ranges.append((name, file_off + s, k, buf_off + pos + s,
+                                    (start + pos + s) // bs, ext))
 
     def buffer(self):
         with self._buf_lock:

@@ -42,7 +42,8 @@ from .engine.host_cache import default_host_cache_bytes, shared_host_cache
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .format import BLOCK_SIZE, MANIFEST_NAME, Manifest, dtype_name, encode_manifest
 from .format.layout import FileLayout
-from .format.manifest import RANK_MANIFEST_PREFIX, Chunk, Extent, TensorEntry, ValueEntry
+from .format.checksum import DIGEST_BYTES
+from .format.manifest import RANK_MANIFEST_PREFIX, Chunk, Extent, Seg, TensorEntry, ValueEntry
 from .providers import ObjectProvider, provider_for
 from .session import SaveSession
 from .tiers import StorageTier
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 DATA_FILE = re.compile(r"^data-r\d{5}-[0-9a-f]{12}-\d{2}\.dsd$")
 STRIPE_MIN_BYTES = 64 << 20  # below this per file, more files only add fsyncs
+DEFAULT_DEDUP_UNIT = 4 << 20
 
 
 def _data_file_name(rank: int, save_id: str, stripe: int) -> str:
@@ -109,6 +111,13 @@ class DataStatesWriter(StorageWriter):
         persist: flush this save to ``persist_to`` (a run-level checkpointer turns it off
             for the checkpoints it does not persist).
         persist_options: fsspec storage options for the ``persist_to`` URLs.
+        incremental_base: a committed checkpoint of the same run, in a sibling directory of
+            ``path`` (``"step-90"`` or its full path).  Chunks whose bytes are unchanged since
+            that checkpoint are not written again: the new manifest points at the base's bytes
+            (per dedup unit).  ``None`` (default) writes a self-contained checkpoint.  A missing
+            or unreadable base is logged and the save is written in full.
+        dedup_unit_bytes: granularity of incremental reuse, a multiple of 1 MiB (default 4 MiB;
+            ``docs/benchmarks.md`` has the measurement behind it).
         o_direct: write local data files with O_DIRECT from the page-aligned host cache,
             bypassing the page cache (on by default; the file system is probed and writes fall
             back to buffered where it refuses).  Off: large CPU tensors of a synchronous save are
@@ -122,7 +131,9 @@ class DataStatesWriter(StorageWriter):
                  allow_pickle: bool = False, sync_files: bool = True,
                  storage_options: dict | None = None, async_mode: str | None = None,
                  persist_to: list[str] | str | None = None, persist: bool = True,
-                 persist_options: dict | None = None, o_direct: bool = True) -> None:
+                 persist_options: dict | None = None, o_direct: bool = True,
+                 incremental_base: str | None = None,
+                 dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT) -> None:
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
@@ -145,6 +156,13 @@ class DataStatesWriter(StorageWriter):
         self.persist = persist
         self.persist_options = persist_options
         self.o_direct = o_direct
+        if dedup_unit_bytes <= 0 or dedup_unit_bytes % BLOCK_SIZE:
+            raise ValueError(f"dedup_unit_bytes must be a positive multiple of {BLOCK_SIZE}, "
+                             f"got {dedup_unit_bytes}")
+        self.incremental_base = None if incremental_base is None else str(incremental_base)
+        self.dedup_unit_bytes = dedup_unit_bytes
+        self._base: tuple | None = None  # (base dir name, Manifest, files this tier holds)
+        self.last_stats: dict[str, int] = {}
         self._persist_futs: list = []
         self.rank = 0
         self.is_coordinator = True
@@ -248,10 +266,54 @@ class DataStatesWriter(StorageWriter):
                 raise CheckpointExistsError(
                     "a committed checkpoint already exists here; pass overwrite=True to "
                     "DataStatesWriter to replace it, or save to a new path", checkpoint=self.path)
+            self._base = self._load_base()
         except BaseException as e:
             self._fail(e)
             raise
         return plan
+
+    def _load_base(self):
+        """The incremental base as seen from this rank's tier: (dir name, manifest, files here)."""
+        if self.incremental_base is None:
+            return None
+        from .reader import load_manifest
+        raw = self.incremental_base.rstrip("/")
+        name = raw.rpartition("/")[2]
+        if "/" in raw and StorageTier(raw, self.storage_options).parent().root != self.tier.parent().root:
+            raise ValueError(f"incremental_base {self.incremental_base!r} must be a sibling of the "
+                             f"checkpoint directory {self.path!r} (another step of the same run)")
+        if name == self.tier.name:
+            return None  # re-saving a step over itself: nothing to reference
+        base_tier = self.tier.sibling(name)
+        try:
+            m = load_manifest(base_tier)
+        except (CheckpointError, OSError) as e:
+            log.warning("incremental base %s is not usable (%s); writing %s in full",
+                        base_tier.url, str(e).splitlines()[0][:200], self.path)
+            return None
+        homes = {f: m.homes.get(f, name) for f in m.files}
+        listed: dict[str, set] = {}
+        here = set()
+        for f, home in homes.items():
+            if home not in listed:
+                listed[home] = set(self.tier.sibling(home).listdir())
+            if f in listed[home]:
+                here.add(f)
+        return name, m, frozenset(here), homes
+
+    def _base_extents(self, fqn: str, offsets: tuple) -> dict:
+        """Base extents of chunk ``(fqn, offsets)``: ``{part name or "": Extent}``."""
+        if self._base is None:
+            return {}
+        entry = self._base[1].tensors.get(fqn)
+        if entry is None:
+            return {}
+        for c in entry.chunks:
+            if c.offsets == offsets:
+                if c.extent is not None:
+                    return {"": c.extent}
+                return {k: ext for k, (_dt, _shape, ext) in c.parts.items()}
+        return {}
 
     def _committed_here(self) -> bool:
         if self.tier.exists(MANIFEST_NAME):
@@ -302,12 +364,16 @@ class DataStatesWriter(StorageWriter):
             k = min(range(n_files), key=lambda k: layouts[k].end)
             where[(i, j)] = (k, layouts[k].place(nbytes))
 
+        base_files = self._base[2] if self._base is not None else frozenset()
         for i, (item, prov, regions) in enumerate(resolved):
             fqn = item.index.fqn
             placed = []
+            bases = self._base_extents(fqn, tuple(item.index.offset) if item.index.offset is not None else ())
             for j, r in enumerate(regions):
                 k, off = where[(i, j)]
                 ci = CopyItem(f"{fqn}{'/' + r.name if r.name else ''}", r.source, off, r.nbytes, k)
+                ci.base = bases.get(r.name or "")
+                ci.base_files = base_files
                 copy_items.append(ci)
                 placed.append((r.name, dtype_name(r.source.dtype), list(r.source.shape), ci))
             if prov.name in ("tensor", "dtensor-shard"):
@@ -333,7 +399,7 @@ class DataStatesWriter(StorageWriter):
                             self.thread_count)
         direct_io = any(getattr(s, "o_direct", False) for s in sinks)
         job = engine.submit(copy_items, sinks, copy=lazy or direct_io or _any_gpu(copy_items), label=label,
-                            ready_event=ready)
+                            ready_event=ready, unit_bytes=self.dedup_unit_bytes)
         self._job = job
 
         def on_snapshot() -> None:
@@ -345,9 +411,13 @@ class DataStatesWriter(StorageWriter):
             try:
                 job_result = _f.result()
                 session.stamp("data_written")
-                self._start_uploads(dict(zip(names, job_result.file_sizes)), rank, session)
-                fut.set_result(self._results(results, names, job_result.file_sizes, session,
-                                             job_result.timings))
+                sizes = job_result.file_sizes
+                for n, sz in zip(names, sizes):
+                    if sz == 0:  # every byte of this stripe was reused from the base
+                        self.tier.remove(n)
+                res = self._results(results, names, sizes, session, job_result.timings)
+                self._start_uploads({n: sz for n, sz in zip(names, sizes) if sz > 0}, rank, session)
+                fut.set_result(res)
             except BaseException as e:  # noqa: BLE001
                 session.mark_failed(e)
                 fut.set_exception(CheckpointError(f"writing rank {rank}'s data failed: {e}",
@@ -367,7 +437,8 @@ class DataStatesWriter(StorageWriter):
     def _start_uploads(self, files: dict[str, int], rank: int, session) -> None:
         """Phase 1 of the slow-tier commit: this rank's files, then its marker."""
         from .tiers.persist import upload_rank
-        self._persist_futs = [upload_rank(self.tier, dst, files, rank, self.save_id)
+        refs = getattr(self, "_refs", {})
+        self._persist_futs = [upload_rank(self.tier, dst, files, rank, self.save_id, refs=refs)
                               for dst in self._persist_tiers()]
         self._upload_futs = list(self._persist_futs)
         if not self._persist_futs:
@@ -432,7 +503,22 @@ class DataStatesWriter(StorageWriter):
 
     def _results(self, results, names, sizes, session, timings=None) -> list[WriteResult]:
         out = []
-        files = dict(zip(names, sizes))
+        written = {n: sz for n, sz in zip(names, sizes) if sz > 0}
+        homes = self._base[3] if self._base is not None else {}
+        base_files = self._base[1].files if self._base is not None else {}
+        refs: dict[str, str] = {}
+
+        def wire(ci: CopyItem) -> list:
+            segs = []
+            for f, off, n in ci.segments():
+                if isinstance(f, str):
+                    refs[f] = homes[f]
+                    segs.append([f, off, n])
+                else:
+                    segs.append([names[f], off, n])
+            return [segs, ci.nbytes, b"".join(ci.sums)]
+
+        reused = 0
         for idx, (item, kind, payload) in enumerate(results):
             if kind == "v":
                 sd = {"k": "v", "v": list(payload)}
@@ -441,23 +527,29 @@ class DataStatesWriter(StorageWriter):
                 ci = payload
                 td = item.tensor_data
                 sd = {"k": "t", "dtype": dtype_name(td.properties.dtype), "sizes": list(td.chunk.sizes),
-                      "x": [names[ci.file], ci.offset, ci.nbytes, list(ci.sums)]}
+                      "x": wire(ci)}
                 nbytes = ci.nbytes
+                reused += ci.reused_bytes
             else:
                 pname, meta, placed = payload
                 td = item.tensor_data
-                parts = {name: [dt, shape, [names[ci.file], ci.offset, ci.nbytes, list(ci.sums)]]
-                         for name, dt, shape, ci in placed}
+                parts = {name: [dt, shape, wire(ci)] for name, dt, shape, ci in placed}
                 sd = {"k": "p", "dtype": dtype_name(td.properties.dtype), "sizes": list(td.chunk.sizes),
                       "p": pname, "m": meta, "parts": parts}
                 nbytes = sum(p[3].nbytes for p in placed)
-            if idx == 0:
-                sd["files"] = files
-                sd["rank"] = self.rank
-                if timings:
-                    sd["timings"] = timings
+                reused += sum(p[3].reused_bytes for p in placed)
             out.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=sd))
+        if out:
+            sd = out[0].storage_data
+            sd["files"] = {**written, **{f: base_files[f] for f in refs}}
+            sd["homes"] = refs
+            sd["rank"] = self.rank
+            if timings:
+                sd["timings"] = timings
         self.last_timings = dict(timings or {})
+        self._refs = {f: (refs[f], base_files[f]) for f in refs}
+        self.last_stats = {"bytes_written": sum(written.values()), "bytes_reused": reused,
+                           "files_written": len(written), "files_referenced": len(refs)}
         return out
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -489,15 +581,24 @@ class DataStatesWriter(StorageWriter):
             log.debug("%s stage timings: %s", self.path, self._session.timings())
         log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),
                  len(manifest.values), sum(manifest.files.values()) / 2**20)
-        for stale in old - set(manifest.files):
-            if DATA_FILE.match(stale):
-                self.tier.remove(stale)
-        if self.use_collectives:
-            from .tiers.persist import remove_stale
-            # leftovers of interrupted saves: only when this directory is shared by all ranks
-            # (every data file of the save visible), never another node's files
-            if set(manifest.files) <= set(self.tier.listdir()):
-                remove_stale(self.tier, set(manifest.files))
+        mine = {n for n in manifest.files if n not in manifest.homes}
+        listing = set(self.tier.listdir())
+        shared_dir = self.use_collectives and mine <= listing  # every rank's files visible here
+        leftovers = {n for n in (old | (listing if shared_dir else set()))
+                     if DATA_FILE.match(n) and n not in mine}
+        debris = any(n.startswith((".metadata.tmp-", ".uploaded.rank-")) for n in listing)
+        if leftovers or (shared_dir and debris):
+            # an incremental checkpoint of this run may still read files of an earlier save here
+            from .tiers.retention import referenced_from_siblings
+            spare = referenced_from_siblings(self.tier) if leftovers else set()
+            for stale in old - mine - spare:
+                if DATA_FILE.match(stale):
+                    self.tier.remove(stale)
+            if shared_dir:
+                from .tiers.persist import remove_stale
+                # leftovers of interrupted saves: only when this directory is shared by all
+                # ranks (every data file of the save visible), never another node's files
+                remove_stale(self.tier, mine | spare)
 
     def _referenced_files(self) -> set[str]:
         try:
@@ -524,6 +625,7 @@ class DataStatesWriter(StorageWriter):
 
 def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save_id: str) -> Manifest:
     files: dict[str, int] = {}
+    homes: dict[str, str] = {}
     tensors: dict[str, TensorEntry] = {}
     values: dict[str, ValueEntry] = {}
     ranks = []
@@ -532,6 +634,7 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
             sd = wr.storage_data
             if "files" in sd:
                 files.update(sd["files"])
+                homes.update(sd.get("homes") or {})
                 ranks.append(sd.get("rank", 0))
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -551,10 +654,9 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
             seen.add((fqn, offsets))
             entry = tensors[fqn]
             if sd["k"] == "t":
-                f, off, n, sums = sd["x"]
-                entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), Extent(f, off, n, list(sums))))
+                entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), _extent_from_wire(sd["x"])))
             else:
-                parts = {k: (dt, tuple(shape), Extent(x[0], x[1], x[2], list(x[3])))
+                parts = {k: (dt, tuple(shape), _extent_from_wire(x))
                          for k, (dt, shape, x) in sd["parts"].items()}
                 entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), None, sd["p"], sd["m"], parts))
     planner_data = {}
@@ -566,9 +668,15 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return Manifest(save_id=save_id, world_size=max(world, len(results)),
                     ranks=sorted(set(ranks)) or list(range(len(results))), files=files,
-                    tensors=tensors, values=values, planner_data=planner_data,
+                    homes=homes, tensors=tensors, values=values, planner_data=planner_data,
                     block_size=BLOCK_SIZE, created_unix=time.time(), torch_version=torch.__version__,
                     writer=f"dcp-datastates {__version__}")
+
+
+def _extent_from_wire(x) -> Extent:
+    segs, nbytes, sums = x
+    return Extent([Seg(f, o, n) for f, o, n in segs], nbytes,
+                  [sums[i:i + DIGEST_BYTES] for i in range(0, len(sums), DIGEST_BYTES)])
 
 
 PERSISTED_RECORD = ".persisted"

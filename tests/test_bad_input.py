@@ -161,12 +161,16 @@ def test_pickle_payload_in_value_never_runs(ckpt):
 
 
 @pytest.mark.parametrize("mutate,needle", [
-    (lambda b: b["tensors"]["w"]["chunks"][0]["x"].__setitem__(1, 1 << 60), "absurdly large"),
-    (lambda b: b["tensors"]["w"]["chunks"][0]["x"].__setitem__(2, -5), "negative"),
+    (lambda b: b["tensors"]["w"]["chunks"][0]["x"][0][0].__setitem__(1, 1 << 60), "absurdly large"),
+    (lambda b: b["tensors"]["w"]["chunks"][0]["x"][0][0].__setitem__(2, -5), "negative"),
+    (lambda b: b["tensors"]["w"]["chunks"][0]["x"].__setitem__(1, 7), "segments hold"),
+    (lambda b: b["tensors"]["w"]["chunks"][0]["x"].__setitem__(2, b"\0" * 8), "block digests"),
+    (lambda b: b.__setitem__("homes", {next(iter(b["files"])): "../elsewhere"}), "not a plain name"),
+    (lambda b: b.__setitem__("homes", {"data-unlisted.dsd": "step-1"}), "does not list"),
     (lambda b: b["tensors"]["w"].__setitem__("dtype", "evil"), "unknown dtype"),
     (lambda b: b["files"].__setitem__("../../etc/passwd", 10), "not a plain name"),
     (lambda b: b["files"].__setitem__("/abs/path", 10), "not a plain name"),
-    (lambda b: b["tensors"]["w"]["chunks"][0]["x"].__setitem__(0, "../x.dsd"), "not a plain name"),
+    (lambda b: b["tensors"]["w"]["chunks"][0]["x"][0][0].__setitem__(0, "../x.dsd"), "not a plain name"),
     (lambda b: b["tensors"]["w"].__setitem__("size", [1] * 100), "at most 64"),
 ])
 def test_hostile_manifest_fields_refused(ckpt, mutate, needle):

@@ -71,28 +71,29 @@ def _ext_of(d, fqn_prefix, which=0):
     return exts[which]
 
 
+def _flip_at(d, e, pos):
+    """Flip the byte at chunk position ``pos`` of extent ``e``; return its file."""
+    (name, off, _p, _n), = e.locate(pos, 1)
+    _flip(os.path.join(d, name), off)
+    return name
+
+
 def f_flip_extent_start(d):
-    e = _ext_of(d, "w")
-    _flip(os.path.join(d, e.file), e.offset)
-    return e.file, "w"
+    return _flip_at(d, _ext_of(d, "w"), 0), "w"
 
 
 def f_flip_extent_middle(d):
     e = _ext_of(d, "w", 1)
-    _flip(os.path.join(d, e.file), e.offset + e.nbytes // 2)
-    return e.file, "w"
+    return _flip_at(d, e, e.nbytes // 2), "w"
 
 
 def f_flip_extent_end(d):
     e = _ext_of(d, "r")
-    _flip(os.path.join(d, e.file), e.offset + e.nbytes - 1)
-    return e.file, "r"
+    return _flip_at(d, e, e.nbytes - 1), "r"
 
 
 def f_flip_small_tensor(d):
-    e = _ext_of(d, "small.3")
-    _flip(os.path.join(d, e.file), e.offset + 5)
-    return e.file, "small.3"
+    return _flip_at(d, _ext_of(d, "small.3"), 5), "small.3"
 
 
 def f_zero_block(d):
@@ -188,7 +189,7 @@ def f_manifest_garbage(d):
 
 
 def f_manifest_unknown_version(d):
-    _rewrite_manifest(d, lambda b: b.update(version=2))
+    _rewrite_manifest(d, lambda b: b.update(version=3))
     return ".metadata", None
 
 
@@ -202,7 +203,7 @@ def f_value_bytes(d):
 
 def f_extent_points_elsewhere(d):
     def mutate(b):
-        x = b["tensors"]["r"]["chunks"][0]["x"]
+        x = b["tensors"]["r"]["chunks"][0]["x"][0][0]
         x[1] = 0  # offset moved onto another tensor's bytes; checksums still say otherwise
     _rewrite_manifest(d, mutate)
     return None, "r"

@@ -10,11 +10,19 @@ and the place of its bytes in one data file).  The engine
    the cache is full) and copies the bytes out of the live tensors, on a CUDA
    side stream for GPU tensors or with a CPU memcpy otherwise;
 3. hands each filled batch at once to a pool of *flush* threads, which wait
-   for the batch's copy event, checksum its blocks, ``pwrite`` it and free
-   the cache space.  Copy and write therefore overlap;
+   for the batch's copy event, digest its blocks, reserve room at the end of
+   the item's stripe file, ``pwrite`` the batch there and free the cache
+   space.  Copy and write therefore overlap, and files stay dense in the
+   order pieces became ready;
 4. marks the job *snapshotted* once every byte has left the live tensors
    (training may mutate them from then on), and *durable* once every batch is
    written and the file is fsynced.
+
+Incremental saves: an item may carry the extent of the same chunk in the
+previous checkpoint (``base``).  The flush thread then compares the block
+digests of each *dedup unit* (``unit_bytes``, cut at piece boundaries too)
+with the base's; a unit whose digests all match is not written: its segment
+points at the base's bytes instead.
 
 Jobs run one after the other in submission order (back-to-back saves queue);
 their memory is bounded by the one shared host cache.
@@ -39,20 +47,41 @@ import torch
 
 from .. import _faults
 from ..format.checksum import BLOCK_SIZE, block_checksums
-from ..format.layout import align_up
+from ..format.layout import ALIGNMENT, align_up
 from .host_cache import HostCache
 
 log = logging.getLogger(__name__)
+
+PIECE_BYTES = 16 << 20  # largest batch: one copy, one write
 
 
 @dataclass(slots=True)
 class CopyItem:
     key: str
     source: torch.Tensor
-    offset: int  # where the extent starts in its file
+    offset: int  # virtual position in its stripe, used to coalesce neighbours into one batch
     nbytes: int
-    file: int = 0  # index of the job's sink (stripe file) that holds the extent
-    sums: list[int] = field(default_factory=list)
+    file: int = 0  # index of the job's sink (stripe file) that receives the item's new bytes
+    sums: list = field(default_factory=list)  # one digest per block, filled by the flush threads
+    base: object = None  # Extent of the same chunk in the base checkpoint (incremental saves)
+    base_files: frozenset = frozenset()  # base files this rank's tier holds (referencable)
+    # filled by the flush threads, in any order: (item_pos, file, file_offset, nbytes) where
+    # file is a sink index (new bytes) or a base file name (bytes reused from the base)
+    placed: list = field(default_factory=list)
+
+    def segments(self) -> list[tuple[object, int, int]]:
+        """``(file, offset, nbytes)`` in item order, neighbours in one file merged."""
+        out: list[list] = []
+        for _pos, f, off, n in sorted(self.placed, key=lambda p: p[0]):
+            if out and out[-1][0] == f and out[-1][1] + out[-1][2] == off and out[-1][2] % BLOCK_SIZE == 0:
+                out[-1][2] += n
+            else:
+                out.append([f, off, n])
+        return [tuple(x) for x in out]
+
+    @property
+    def reused_bytes(self) -> int:
+        return sum(p[3] for p in self.placed if isinstance(p[1], str))
 
 
 @dataclass(slots=True)
@@ -80,6 +109,30 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.reshape(-1).view(torch.uint8)
+
+
+def _units(p: _Piece, unit: int):
+    """Cut piece ``p`` into dedup units; yield ``(start, end, reuse)`` in item bytes, where
+    ``reuse`` lists the base segments holding identical bytes, or is None (write them)."""
+    it = p.item
+    start, end = p.src_start, p.src_start + p.nbytes
+    if p.nbytes == 0:
+        return
+    base = it.base
+    if base is None or base.nbytes != it.nbytes or len(base.sums) != len(it.sums):
+        yield start, end, None
+        return
+    a = start
+    while a < end:
+        z = min(end, (a // unit + 1) * unit)
+        b0, b1 = a // BLOCK_SIZE, -(-z // BLOCK_SIZE)
+        reuse = None
+        if it.sums[b0:b1] == base.sums[b0:b1]:
+            segs = base.locate(a, z - a)
+            if segs and all(f in it.base_files for f, _o, _p, _n in segs):
+                reuse = [(a + pos, f, off, n) for f, off, pos, n in segs]
+        yield a, z, reuse
+        a = z
 
 
 def plan_batches(items: list[CopyItem], piece_bytes: int, *, direct_ok) -> list[_Batch]:
@@ -159,7 +212,7 @@ class SaveJob:
 
 class SnapshotEngine:
     def __init__(self, cache: HostCache, *, io_threads: int = 4,
-                 piece_bytes: int = 16 << 20) -> None:
+                 piece_bytes: int = PIECE_BYTES) -> None:
         self.cache = cache
         self.io_threads = io_threads
         self.piece_bytes = max(BLOCK_SIZE, min(piece_bytes, cache.capacity // 4) // BLOCK_SIZE * BLOCK_SIZE)
@@ -170,14 +223,19 @@ class SnapshotEngine:
 
     # -- public -------------------------------------------------------------
     def submit(self, items: list[CopyItem], sinks: list, *, copy: bool, label: str = "",
-               ready_event=None) -> SaveJob:
+               ready_event=None, unit_bytes: int = PIECE_BYTES) -> SaveJob:
         """Queue a save of ``items`` into ``sinks`` (item.file indexes them).
 
-        ``ready_event`` (GPU) orders the copies after the producer kernels."""
+        ``ready_event`` (GPU) orders the copies after the producer kernels.  ``unit_bytes``
+        (a multiple of the block size) is the dedup granularity of items that have a base."""
+        if unit_bytes <= 0 or unit_bytes % BLOCK_SIZE:
+            raise ValueError(f"unit_bytes must be a positive multiple of {BLOCK_SIZE}, got {unit_bytes}")
         for it in items:
             nblocks = max(1, -(-it.nbytes // BLOCK_SIZE))
-            it.sums = [0] * nblocks
+            it.sums = [b""] * nblocks
+            it.placed = []
         job = SaveJob(items, sinks, label=label)
+        job.unit_bytes = unit_bytes
         self._jobs.put((job, copy, ready_event))
         return job
 
@@ -267,21 +325,44 @@ class SnapshotEngine:
             if event is not None:
                 event.synchronize()
             mv = memoryview(view.numpy()) if view.numel() else memoryview(b"")
+            spans: list[list[int]] = []  # batch ranges to write: [start, end]
+            new: list[tuple[_Piece, int, int]] = []  # (piece, item_start, item_end) to write
             for p in b.pieces:
                 sums = block_checksums(mv[p.dst_pos:p.dst_pos + p.nbytes])
                 first = p.src_start // BLOCK_SIZE
                 p.item.sums[first:first + len(sums)] = sums
+                for a, z, reuse in _units(p, job.unit_bytes):
+                    if reuse is not None:
+                        p.item.placed.extend(reuse)
+                        continue
+                    new.append((p, a, z))
+                    x, y = p.dst_pos + a - p.src_start, p.dst_pos + z - p.src_start
+                    if spans and x - spans[-1][1] < ALIGNMENT:  # only alignment padding between
+                        spans[-1][1] = y
+                    else:
+                        spans.append([x, y])
             sink = job.sinks[b.file]
-            if b.nbytes and getattr(sink, "o_direct", False) and cache_off is not None:
-                padded = align_up(b.nbytes)  # O_DIRECT: whole blocks from the aligned cache
-                full = self.cache.view(cache_off, padded)
-                if padded > b.nbytes:
-                    full[b.nbytes:].zero_()
-                sink.pwrite(memoryview(full.numpy()), b.file_offset, logical=b.nbytes)
+            direct = getattr(sink, "o_direct", False) and cache_off is not None
+            where = []
+            for x, y in spans:
+                n = y - x
+                off = sink.reserve(n)
+                where.append((x, y, off))
+                if direct:  # O_DIRECT: whole blocks from the aligned cache
+                    padded = align_up(n)
+                    full = self.cache.view(cache_off + x, padded)
+                    if x + padded > b.nbytes:
+                        full[b.nbytes - x:].zero_()
+                    sink.pwrite(memoryview(full.numpy()), off, logical=n)
+                else:
+                    sink.pwrite(mv[x:y], off)
                 _faults.point("write")
-            elif b.nbytes:
-                sink.pwrite(mv, b.file_offset)
-                _faults.point("write")
+            for p, a, z in new:
+                x = p.dst_pos + a - p.src_start
+                for sx, sy, off in where:
+                    if sx <= x < sy:
+                        p.item.placed.append((a, b.file, off + x - sx, z - a))
+                        break
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         finally:

@@ -4,6 +4,11 @@ File layout (``docs/format.md`` is the specification)::
 
     MAGIC (16 bytes)  msgpack map (the body)  xxh3-64 of the body (8 bytes, LE)
 
+Version 2 (written now) stores per-block xxh3-128 digests, lets an extent be a
+list of segments, and lets a file live in a sibling checkpoint of the same run
+(``homes``): that is how an incremental checkpoint references unchanged bytes
+of an earlier one.  Version 1 is still read.
+
 The magic starts with 0xFF, which is not a pickle opcode, so a tool that
 mistakes the file for DCP's pickled ``.metadata`` fails at the first byte.
 Decoding validates every field against hard limits before anything uses it:
@@ -22,12 +27,13 @@ import msgpack
 import xxhash
 
 from ..errors import ManifestError, UnsupportedFormatVersion
-from .checksum import BLOCK_SIZE
+from .checksum import BLOCK_SIZE, DIGEST_BYTES
 from .dtypes import dtype_from_name
 
 MAGIC = b"\xffDCP-DATASTATES\n"
 FORMAT_NAME = "dcp-datastates"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = ".metadata"  # torchtitan discovers step-N/.metadata; this file is the commit
 RANK_MANIFEST_PREFIX = ".manifest.rank-"  # use_collectives=False: one manifest per rank
 
@@ -41,15 +47,59 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 
 
 @dataclass(slots=True)
-class Extent:
-    """Bytes of one stored chunk: ``nbytes`` at ``offset`` in ``file``."""
+class Seg:
+    """``nbytes`` contiguous bytes at ``offset`` in data file ``file``."""
     file: str
     offset: int
     nbytes: int
-    sums: list[int]
+
+
+@dataclass(slots=True)
+class Extent:
+    """Bytes of one stored chunk: consecutive segments, one digest per block.
+
+    Usually one segment.  Several when the chunk was written in pieces that landed apart
+    in the file, or when an incremental save kept some pieces from an earlier checkpoint.
+    Every segment but the last holds whole blocks, so block ``b`` of the chunk never
+    straddles two files."""
+    segs: list[Seg]
+    nbytes: int
+    sums: list  # per block: 16-byte xxh3-128 digest (v2) or xxh3-64 int (v1)
+
+    @classmethod
+    def contiguous(cls, file: str, offset: int, nbytes: int, sums: list) -> "Extent":
+        return cls([Seg(file, offset, nbytes)], nbytes, sums)
+
+    @property
+    def file(self) -> str:
+        """The file of the first segment (the only one for most extents)."""
+        return self.segs[0].file if self.segs else ""
+
+    @property
+    def offset(self) -> int:
+        return self.segs[0].offset if self.segs else 0
+
+    def files(self) -> set[str]:
+        return {s.file for s in self.segs}
+
+    def locate(self, start: int, n: int) -> list[tuple[str, int, int, int]]:
+        """Where chunk bytes ``[start, start + n)`` are: ``(file, file_offset, pos, length)``
+        per segment touched, ``pos`` counted from ``start``."""
+        out = []
+        base = 0
+        end = start + n
+        for s in self.segs:
+            a, b = max(start, base), min(end, base + s.nbytes)
+            if a < b:
+                out.append((s.file, s.offset + a - base, a - start, b - a))
+            base += s.nbytes
+            if base >= end:
+                break
+        return out
 
     def to_wire(self) -> list:
-        return [self.file, self.offset, self.nbytes, self.sums]
+        return [[[s.file, s.offset, s.nbytes] for s in self.segs], self.nbytes,
+                b"".join(self.sums)]
 
 
 @dataclass(slots=True)
@@ -86,6 +136,8 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     values: dict[str, ValueEntry]
     planner_data: dict[str, list]
+    homes: dict[str, str] = field(default_factory=dict)  # file -> sibling checkpoint holding it
+    version: int = FORMAT_VERSION  # as read (1 or 2); always written as FORMAT_VERSION
     block_size: int = BLOCK_SIZE
     created_unix: float = 0.0
     torch_version: str = ""
@@ -96,6 +148,7 @@ class Manifest:
         """Fold a rank-local manifest (``use_collectives=False``) into this one."""
         for name, size in other.files.items():
             self.files[name] = size
+        self.homes.update(other.homes)
         for fqn, t in other.tensors.items():
             mine = self.tensors.get(fqn)
             if mine is None:
@@ -132,7 +185,9 @@ def encode_manifest(m: Manifest) -> bytes:
         "world_size": m.world_size,
         "ranks": m.ranks,
         "block_size": m.block_size,
+        "checksum": "xxh3-128",
         "files": m.files,
+        "homes": m.homes,
         "tensors": {k: {"dtype": t.dtype, "size": list(t.size),
                         "chunks": [_chunk_to_wire(c) for c in t.chunks]}
                     for k, t in m.tensors.items()},
@@ -183,9 +238,21 @@ def check_file_name(name) -> str:
     return name
 
 
-def _extent(v, files: dict[str, int], block_size: int, what: str) -> Extent:
-    if not isinstance(v, list) or len(v) != 4:
-        raise _Bad(f"{what}: extent must be [file, offset, nbytes, sums]")
+def _sums(v, want: int, version: int, what: str) -> list:
+    if version == 1:
+        if not isinstance(v, list) or len(v) != want:
+            raise _Bad(f"{what}: expected {want} block checksums")
+        for s in v:
+            _int(s, f"{what} checksum", 0, (1 << 64) - 1)
+        return v
+    if not isinstance(v, bytes) or len(v) != want * DIGEST_BYTES:
+        raise _Bad(f"{what}: expected {want} block digests of {DIGEST_BYTES} bytes")
+    return [v[i:i + DIGEST_BYTES] for i in range(0, len(v), DIGEST_BYTES)]
+
+
+def _seg(v, files: dict[str, int], what: str) -> Seg:
+    if not isinstance(v, list) or len(v) != 3:
+        raise _Bad(f"{what}: a segment must be [file, offset, nbytes]")
     name = check_file_name(v[0])
     if name not in files:
         raise _Bad(f"{what}: extent refers to file {name!r} not listed in the manifest")
@@ -193,13 +260,26 @@ def _extent(v, files: dict[str, int], block_size: int, what: str) -> Extent:
     n = _int(v[2], f"{what} nbytes")
     if off + n > files[name]:
         raise _Bad(f"{what}: extent [{off}, {off + n}) runs past the end of {name} ({files[name]} bytes)")
-    sums = v[3]
-    want = max(1, math.ceil(n / block_size))
-    if not isinstance(sums, list) or len(sums) != want:
-        raise _Bad(f"{what}: expected {want} block checksums")
-    for s in sums:
-        _int(s, f"{what} checksum", 0, (1 << 64) - 1)
-    return Extent(name, off, n, sums)
+    return Seg(name, off, n)
+
+
+def _extent(v, files: dict[str, int], block_size: int, what: str, version: int = FORMAT_VERSION) -> Extent:
+    if version == 1:
+        if not isinstance(v, list) or len(v) != 4:
+            raise _Bad(f"{what}: extent must be [file, offset, nbytes, sums]")
+        seg = _seg(v[:3], files, what)
+        return Extent([seg], seg.nbytes, _sums(v[3], max(1, math.ceil(seg.nbytes / block_size)), 1, what))
+    if not isinstance(v, list) or len(v) != 3 or not isinstance(v[0], list):
+        raise _Bad(f"{what}: extent must be [segments, nbytes, digests]")
+    n = _int(v[1], f"{what} nbytes")
+    if len(v[0]) > MAX_ENTRIES:
+        raise _Bad(f"{what}: too many segments")
+    segs = [_seg(x, files, what) for x in v[0]]
+    if sum(s.nbytes for s in segs) != n or (n and not segs):
+        raise _Bad(f"{what}: segments hold {sum(s.nbytes for s in segs)} bytes, the extent {n}")
+    if any(s.nbytes % block_size for s in segs[:-1]):
+        raise _Bad(f"{what}: a segment other than the last ends inside a checksum block")
+    return Extent(segs, n, _sums(v[2], max(1, math.ceil(n / block_size)), version, what))
 
 
 def decode_manifest(data: bytes, *, source: str = "<memory>") -> Manifest:
@@ -236,16 +316,24 @@ def _from_body(body) -> Manifest:
     if body.get("format") != FORMAT_NAME:
         raise _Bad(f"format is {body.get('format')!r}, expected {FORMAT_NAME!r}")
     version = _req(body, "version", int)
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise UnsupportedFormatVersion(
             f"format version {version} is not supported by this dcp-datastates "
-            f"(reads version {FORMAT_VERSION}); upgrade dcp-datastates")
+            f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade dcp-datastates")
     block_size = _int(_req(body, "block_size", int), "block_size", 4096, 1 << 34)
     world = _int(_req(body, "world_size", int), "world_size", 1, MAX_WORLD)
     ranks = [_int(r, "rank", 0, world - 1) for r in _req(body, "ranks", list)]
     files: dict[str, int] = {}
     for name, size in _req(body, "files", dict).items():
         files[check_file_name(name)] = _int(size, f"size of {name}")
+    homes: dict[str, str] = {}
+    raw_homes = (body.get("homes") or {}) if version >= 2 else {}
+    if not isinstance(raw_homes, dict):
+        raise _Bad("homes must be a map")
+    for name, home in raw_homes.items():
+        if check_file_name(name) not in files:
+            raise _Bad(f"home given for file {name!r}, which the manifest does not list")
+        homes[name] = check_file_name(home)
     tensors: dict[str, TensorEntry] = {}
     for fqn, t in _req(body, "tensors", dict).items():
         if not isinstance(fqn, str):
@@ -264,7 +352,7 @@ def _from_body(body) -> Manifest:
                     raise _Bad(f"{fqn}: chunk at {list(offs)} of size {list(sizes)} leaves the tensor {list(size)}")
             ext = None
             if "x" in c:
-                ext = _extent(c["x"], files, block_size, fqn)
+                ext = _extent(c["x"], files, block_size, fqn, version)
                 if ext.nbytes != math.prod(sizes) * item:
                     raise _Bad(f"{fqn}: extent holds {ext.nbytes} bytes, chunk needs {math.prod(sizes) * item}")
             chunk = Chunk(offs, sizes, ext)
@@ -276,7 +364,7 @@ def _from_body(body) -> Manifest:
                         raise _Bad(f"{fqn}: provider part {pname!r} is malformed")
                     pdt = dtype_from_name(pv[0])
                     pshape = _dims(pv[1], f"{fqn}.{pname} shape")
-                    pext = _extent(pv[2], files, block_size, f"{fqn}.{pname}")
+                    pext = _extent(pv[2], files, block_size, f"{fqn}.{pname}", version)
                     if pext.nbytes != math.prod(pshape) * pdt.itemsize:
                         raise _Bad(f"{fqn}.{pname}: extent size does not match its shape")
                     chunk.parts[str(pname)] = (pv[0], pshape, pext)
@@ -296,7 +384,8 @@ def _from_body(body) -> Manifest:
             raise _Bad(f"planner_data for {k!r} must be a list of str/int")
     return Manifest(
         save_id=str(body.get("save_id", "")), world_size=world, ranks=ranks, files=files,
-        tensors=tensors, values=values, planner_data=planner_data, block_size=block_size,
+        tensors=tensors, values=values, planner_data=planner_data, homes=homes, version=version,
+        block_size=block_size,
         created_unix=float(body.get("created_unix", 0.0) or 0.0),
         torch_version=str(body.get("torch", "")), writer=str(body.get("writer", "")),
         extra=body.get("extra") if isinstance(body.get("extra"), dict) else {},

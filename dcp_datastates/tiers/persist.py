@@ -147,12 +147,27 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank: int,
-                save_id: str) -> Future:
-    """Phase 1 on one rank: upload its files, then its marker."""
+                save_id: str, refs: dict[str, tuple[str, int]] | None = None) -> Future:
+    """Phase 1 on one rank: upload its files, then its marker.
+
+    ``refs`` are files of earlier checkpoints that this incremental save references
+    (``{name: (home directory, size)}``).  They normally are on ``dst`` already, next to it; one
+    that is not (its step was never persisted) is copied into its home directory there, so that
+    the slow tier's copy is complete without re-sending the rest."""
     def run() -> None:
         with_retries(dst.makedirs, f"creating {dst.url}")
         for name in sorted(files):
             with_retries(lambda: copy_file(src, dst, name), f"upload of {name} to {dst.url}")
+        for name, (home, size) in sorted((refs or {}).items()):
+            there = dst.sibling(home)
+            try:
+                if there.exists(name) and there.size(name) == size:
+                    continue
+            except OSError:
+                pass
+            with_retries(there.makedirs, f"creating {there.url}")
+            with_retries(lambda: copy_file(src.sibling(home), there, name),
+                         f"upload of referenced {home}/{name} to {there.url}")
         body = msgpack.packb({"rank": rank, "save_id": save_id, "files": files}, use_bin_type=True)
         with_retries(lambda: dst.commit_bytes(marker_name(rank, save_id), body),
                      f"marker upload to {dst.url}")

@@ -14,8 +14,11 @@ import os
 import posixpath
 import threading
 import uuid
+from collections import deque
 
 import fsspec
+
+from ..format.layout import align_up
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +31,15 @@ def _is_local(fs) -> bool:
 
 
 class Sink:
-    """Writes one data file; ``pwrite`` may be called from several threads."""
+    """Writes one data file; ``reserve`` and ``pwrite`` may be called from several threads.
+
+    The engine ``reserve``s an aligned range at the end of the file for each piece it is about
+    to write (append order, decided when the piece is ready), then ``pwrite``s it there."""
 
     name: str
     supports_random_writes: bool
 
+    def reserve(self, nbytes: int) -> int: ...
     def pwrite(self, buf, offset: int) -> None: ...
     def close(self, sync: bool = True) -> int: ...
     def abort(self) -> None: ...
@@ -56,7 +63,14 @@ class LocalSink(Sink):
         if not self.o_direct:
             self.fd = os.open(path, flags, 0o644)
         self.size = 0
+        self._end = 0
         self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> int:
+        with self._lock:
+            off = align_up(self._end)
+            self._end = off + nbytes
+            return off
 
     def pwrite(self, buf, offset: int, logical: int | None = None) -> None:
         """Write ``buf`` at ``offset``.  With O_DIRECT, ``buf`` is block-padded and ``logical``
@@ -99,7 +113,11 @@ class LocalSink(Sink):
 
 
 class SequentialSink(Sink):
-    """fsspec file opened for writing; out-of-order pieces wait until their turn."""
+    """fsspec file opened for writing (object stores append only).
+
+    Reserved pieces are written in reservation order: one that arrives early waits in memory
+    until the pieces before it are written (at most one per flush thread).  Unreserved writes
+    come from a single sequential caller and go straight through."""
 
     supports_random_writes = False
 
@@ -107,27 +125,41 @@ class SequentialSink(Sink):
         self.fs, self.path, self.name = fs, path, name
         self.f = fs.open(path, "wb")
         self.pos = 0
+        self._end = 0
+        self._order: deque[int] = deque()
         self.pending: dict[int, bytes] = {}
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> int:
+        with self._lock:
+            off = align_up(self._end)
+            self._end = off + nbytes
+            self._order.append(off)
+            return off
+
+    def _put(self, offset: int, data) -> None:
+        if offset < self.pos:
+            raise ValueError(f"overlapping writes to {self.path}")
+        if offset > self.pos:  # alignment padding between pieces
+            self.f.write(b"\0" * (offset - self.pos))
+        self.f.write(data)
+        self.pos = offset + len(data)
 
     def pwrite(self, buf, offset: int) -> None:
         data = bytes(memoryview(buf).cast("B"))  # the cache slot is recycled after return
-        with self._cv:
+        with self._lock:
+            if offset not in self._order:
+                self._put(offset, data)
+                self._end = max(self._end, self.pos)
+                return
             self.pending[offset] = data
-            while self.pending:
-                nxt = min(self.pending)
-                if nxt < self.pos:
-                    raise ValueError(f"overlapping writes to {self.path}")
-                if nxt > self.pos:
-                    # a gap is padding only when no earlier piece can still arrive; the engine
-                    # hands pieces over in file order per sink, so pad up to the next piece
-                    self.f.write(b"\0" * (nxt - self.pos))
-                    self.pos = nxt
-                chunk = self.pending.pop(nxt)
-                self.f.write(chunk)
-                self.pos += len(chunk)
+            while self._order and self._order[0] in self.pending:
+                off = self._order.popleft()
+                self._put(off, self.pending.pop(off))
 
     def close(self, sync: bool = True) -> int:
+        if self.pending or self._order:
+            raise OSError(f"{self.path}: {len(self._order)} reserved pieces were never written")
         self.f.close()
         return self.pos
 
@@ -161,6 +193,24 @@ class StorageTier:
 
     def __setstate__(self, state):
         self.__init__(state["url"], state["storage_options"])
+
+    def sibling(self, name: str) -> "StorageTier":
+        """The directory ``name`` next to this one (another checkpoint of the same run)."""
+        if self.local:
+            return StorageTier(os.path.join(os.path.dirname(self.root), name), self.storage_options)
+        head, _, _ = self.url.rstrip("/").rpartition("/")
+        return StorageTier(f"{head}/{name}", self.storage_options)
+
+    @property
+    def name(self) -> str:
+        """This directory's own name."""
+        return os.path.basename(self.root.rstrip("/")) if self.local else \
+            self.url.rstrip("/").rpartition("/")[2]
+
+    def parent(self) -> "StorageTier":
+        if self.local:
+            return StorageTier(os.path.dirname(self.root), self.storage_options)
+        return StorageTier(self.url.rstrip("/").rpartition("/")[0], self.storage_options)
 
     def path(self, name: str) -> str:
         return os.path.join(self.root, name) if self.local else posixpath.join(self.root, name)
