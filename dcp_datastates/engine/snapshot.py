@@ -280,6 +280,11 @@ class SnapshotEngine:
             for p in b.pieces:
                 if id(p.item) not in flat:
                     flat[id(p.item)] = _flat_bytes(copier.prepare(p.item.source))
+            if not b.direct and self._unchanged(job, b, flat):
+                # nothing to copy or write: every byte is in the base.  Counted off on a flush
+                # thread: the last batch finishes the job, which waits for this very stager
+                self._flush.submit(self._batch_done, job)
+                continue
             if b.direct:
                 p = b.pieces[0]
                 view = flat[id(p.item)][p.src_start:p.src_start + p.nbytes]
@@ -368,11 +373,46 @@ class SnapshotEngine:
         finally:
             if cache_off is not None:
                 self.cache.free(cache_off, b.nbytes)
-            with job._lock:
-                job._pending -= 1
-                last = job._pending == 0
-            if last and job.error is None:
-                self._finish(job)
+            self._batch_done(job)
+
+    def _batch_done(self, job: SaveJob) -> None:
+        with job._lock:
+            job._pending -= 1
+            last = job._pending == 0
+        if last and job.error is None:
+            self._finish(job)
+
+    @staticmethod
+    def _unchanged(job: SaveJob, b: _Batch, flat: dict) -> bool:
+        """Incremental saves: digest a CPU batch straight from the live tensors (stable until
+        the snapshot is done) and, when every unit matches the base, record the reuse and skip
+        the copy and the write.  Stops at the first block that differs, so a changed batch
+        costs one extra block digest before it takes the normal path."""
+        for p in b.pieces:
+            it = p.item
+            base = it.base
+            if base is None or it.source.device.type != "cpu" or base.nbytes != it.nbytes \
+                    or len(base.sums) != len(it.sums):
+                return False
+        reuse = []
+        for p in b.pieces:
+            it = p.item
+            if p.nbytes == 0:
+                continue
+            mv = memoryview(flat[id(it)][p.src_start:p.src_start + p.nbytes].numpy())
+            first = p.src_start // BLOCK_SIZE
+            for j, i in enumerate(range(0, p.nbytes, BLOCK_SIZE)):
+                d = block_checksums(mv[i:i + BLOCK_SIZE])[0]
+                if d != it.base.sums[first + j]:
+                    return False
+                it.sums[first + j] = d
+            for a, z, r in _units(p, job.unit_bytes):
+                if r is None:  # equal bytes, but the base's file is not on this tier
+                    return False
+                reuse.append((it, r))
+        for it, r in reuse:
+            it.placed.extend(r)
+        return True
 
     def _finish(self, job: SaveJob) -> None:
         try:
