@@ -95,6 +95,8 @@ class Checkpointer:
         self._purge_thread: threading.Thread | None = None
         self._purge_lock = threading.RLock()
         self.last_timings: dict[str, float] = {}  # stage timings of the newest save (seconds)
+        # bytes of the newest committed save, all ranks: written anew, and reused from earlier steps
+        self.last_stats: dict[str, int] = {}
         self._helpers: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ paths
@@ -192,12 +194,16 @@ class Checkpointer:
                 t.makedirs()
                 t.commit_bytes(MANIFEST_NAME, body)
         self._last_committed = step if self._last_committed is None else max(self._last_committed, step)
+        if body is not None:
+            from .format import decode_manifest
+            m = decode_manifest(body, source=self.step_path(0, step))
+            owned, shared = m.usage()
+            self.last_stats = {"bytes_written": owned, "bytes_reused": sum(shared.values())}
         if cur["persist"]:
             with self._lock:
                 self._persisting[step] = writer
                 if body is not None:
-                    from .format import decode_manifest
-                    self._manifests[step] = decode_manifest(body, source=self.step_path(0, step))
+                    self._manifests[step] = m
             t = threading.Thread(target=self._after_persist, args=(step, writer), daemon=True,
                                  name="dcpds-persist-wait")
             t.start()

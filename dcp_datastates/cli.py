@@ -39,23 +39,6 @@ def _rank_of(file: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def usage(m) -> tuple[int, dict[str, int]]:
-    """Bytes of a checkpoint's extents that it owns (its own files) and that it shares from
-    earlier checkpoints of the run (incremental saves), per earlier checkpoint."""
-    owned, shared = 0, {}
-    for t in m.tensors.values():
-        for c in t.chunks:
-            exts = [c.extent] if c.extent is not None else [p[2] for p in c.parts.values()]
-            for e in exts:
-                for seg in e.segs:
-                    home = m.homes.get(seg.file)
-                    if home is None:
-                        owned += seg.nbytes
-                    else:
-                        shared[home] = shared.get(home, 0) + seg.nbytes
-    return owned, shared
-
-
 def inspect_run(tier) -> list[dict]:
     """One row per committed step under a run directory: bytes owned, shared from earlier
     steps, and owned bytes that later steps still reference."""
@@ -63,15 +46,16 @@ def inspect_run(tier) -> list[dict]:
 
     from .errors import CheckpointError
     from .reader import load_manifest
+    from .tiers.retention import child
     rows = []
     for name in tier.listdir():
         if not re.match(r"^step-\d+$", name):
             continue
         try:
-            m = load_manifest(_child(tier, name))
+            m = load_manifest(child(tier, name))
         except CheckpointError:
             continue
-        owned, shared = usage(m)
+        owned, shared = m.usage()
         rows.append({"step": int(name.split("-")[1]), "dir": name, "owned_bytes": owned,
                      "shared_bytes": sum(shared.values()), "shared_from": shared, "used_by_later": 0})
     rows.sort(key=lambda r: r["step"])
@@ -81,12 +65,6 @@ def inspect_run(tier) -> list[dict]:
             if home in by_dir:
                 by_dir[home]["used_by_later"] += n
     return rows
-
-
-def _child(tier, name):
-    from .tiers import StorageTier
-    sep = "" if tier.url.endswith("/") else "/"
-    return StorageTier(f"{tier.url}{sep}{name}", tier.storage_options)
 
 
 def cmd_inspect(args) -> int:
@@ -130,7 +108,7 @@ def cmd_inspect(args) -> int:
     for fqn, v in sorted(m.values.items()):
         rows.append({"key": fqn, "dtype": f"value/{v.encoding}", "shape": [], "chunks": 1,
                      "bytes": len(v.data)})
-    owned, shared = usage(m)
+    owned, shared = m.usage()
     own_files = {n: sz for n, sz in m.files.items() if n not in m.homes}
     info = {"path": args.path, "format_version": m.version, "save_id": m.save_id,
             "world_size": m.world_size, "files": own_files, "total_bytes": sum(own_files.values()),

@@ -154,6 +154,7 @@ def test_purge_with_shared_extents(tmp_path):
     c = Checkpointer([str(tmp_path / "run")], keep=2, async_mode=None, incremental=True)
     _run_steps(c, range(1, 7))
     c.close()
+    assert c.last_stats["bytes_reused"] > 12 * MiB and 0 < c.last_stats["bytes_written"] < MiB
     assert c.committed_steps(0) == [5, 6]
     run = tmp_path / "run"
     # step 1 wrote the frozen weights; it stays only as a husk holding those files

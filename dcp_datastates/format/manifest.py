@@ -144,6 +144,22 @@ class Manifest:
     writer: str = ""
     extra: dict = field(default_factory=dict)
 
+    def usage(self) -> tuple[int, dict[str, int]]:
+        """Tensor bytes this checkpoint owns (in its own files) and, per earlier checkpoint of
+        the run, the bytes it shares from there (incremental saves)."""
+        owned, shared = 0, {}
+        for t in self.tensors.values():
+            for c in t.chunks:
+                exts = [c.extent] if c.extent is not None else [p[2] for p in c.parts.values()]
+                for e in exts:
+                    for seg in e.segs:
+                        home = self.homes.get(seg.file)
+                        if home is None:
+                            owned += seg.nbytes
+                        else:
+                            shared[home] = shared.get(home, 0) + seg.nbytes
+        return owned, shared
+
     def merge(self, other: "Manifest") -> None:
         """Fold a rank-local manifest (``use_collectives=False``) into this one."""
         for name, size in other.files.items():
