@@ -271,6 +271,10 @@ def test_incremental_steps_load_on_other_world_sizes(tmp_path):
         run_ranks(world, workers.incremental_load, base)
 
 
+def test_incremental_from_dcp_background_process(tmp_path):
+    run_ranks(2, workers.incremental_process_mode, str(tmp_path))
+
+
 def test_manifest_v1_still_loads(tmp_path):
     """Checkpoints written before incremental support (format v1) stay readable."""
     import msgpack
