@@ -167,6 +167,8 @@ def test_pickle_payload_in_value_never_runs(ckpt):
     (lambda b: b["tensors"]["w"]["chunks"][0]["x"].__setitem__(2, b"\0" * 8), "block digests"),
     (lambda b: b.__setitem__("homes", {next(iter(b["files"])): "../elsewhere"}), "not a plain name"),
     (lambda b: b.__setitem__("homes", {"data-unlisted.dsd": "step-1"}), "does not list"),
+    (lambda b: (b["files"].__setitem__("id_rsa", 10), b.__setitem__("homes", {"id_rsa": "home"})),
+     "not a data file"),
     (lambda b: b["tensors"]["w"].__setitem__("dtype", "evil"), "unknown dtype"),
     (lambda b: b["files"].__setitem__("../../etc/passwd", 10), "not a plain name"),
     (lambda b: b["files"].__setitem__("/abs/path", 10), "not a plain name"),

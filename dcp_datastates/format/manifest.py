@@ -349,6 +349,8 @@ def _from_body(body) -> Manifest:
     for name, home in raw_homes.items():
         if check_file_name(name) not in files:
             raise _Bad(f"home given for file {name!r}, which the manifest does not list")
+        if not name.endswith(".dsd"):  # only data files are ever read from a sibling directory
+            raise _Bad(f"file {name!r} in another directory is not a data file (*.dsd)")
         homes[name] = check_file_name(home)
     tensors: dict[str, TensorEntry] = {}
     for fqn, t in _req(body, "tensors", dict).items():
