@@ -22,6 +22,7 @@ step 4, and the reader merges them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -53,6 +54,16 @@ log = logging.getLogger(__name__)
 DATA_FILE = re.compile(r"^data-r\d{5}-[0-9a-f]{12}-\d{2}\.dsd$")
 STRIPE_MIN_BYTES = 64 << 20  # below this per file, more files only add fsyncs
 DEFAULT_DEDUP_UNIT = 4 << 20
+
+
+@dataclasses.dataclass
+class _Base:
+    """An incremental save's base, as one rank sees it."""
+    name: str  # its directory, a sibling of the new checkpoint's
+    manifest: Manifest
+    here: frozenset  # base files present on this rank's tier (the only ones it may reference)
+    homes: dict  # base file -> the directory that holds it
+    chunks: dict  # (fqn, offsets) -> Chunk
 
 
 def _data_file_name(rank: int, save_id: str, stripe: int) -> str:
@@ -161,7 +172,7 @@ class DataStatesWriter(StorageWriter):
                              f"got {dedup_unit_bytes}")
         self.incremental_base = None if incremental_base is None else str(incremental_base)
         self.dedup_unit_bytes = dedup_unit_bytes
-        self._base: tuple | None = None  # (base dir name, Manifest, files this tier holds)
+        self._base: _Base | None = None
         self.last_stats: dict[str, int] = {}
         self._persist_futs: list = []
         self.rank = 0
@@ -273,7 +284,7 @@ class DataStatesWriter(StorageWriter):
         return plan
 
     def _load_base(self):
-        """The incremental base as seen from this rank's tier: (dir name, manifest, files here)."""
+        """The incremental base as seen from this rank's tier (None: write in full)."""
         if self.incremental_base is None:
             return None
         from .reader import load_manifest
@@ -299,21 +310,17 @@ class DataStatesWriter(StorageWriter):
                 listed[home] = set(self.tier.sibling(home).listdir())
             if f in listed[home]:
                 here.add(f)
-        return name, m, frozenset(here), homes
+        chunks = {(fqn, c.offsets): c for fqn, t in m.tensors.items() for c in t.chunks}
+        return _Base(name, m, frozenset(here), homes, chunks)
 
     def _base_extents(self, fqn: str, offsets: tuple) -> dict:
         """Base extents of chunk ``(fqn, offsets)``: ``{part name or "": Extent}``."""
-        if self._base is None:
+        c = None if self._base is None else self._base.chunks.get((fqn, offsets))
+        if c is None:
             return {}
-        entry = self._base[1].tensors.get(fqn)
-        if entry is None:
-            return {}
-        for c in entry.chunks:
-            if c.offsets == offsets:
-                if c.extent is not None:
-                    return {"": c.extent}
-                return {k: ext for k, (_dt, _shape, ext) in c.parts.items()}
-        return {}
+        if c.extent is not None:
+            return {"": c.extent}
+        return {k: ext for k, (_dt, _shape, ext) in c.parts.items()}
 
     def _committed_here(self) -> bool:
         if self.tier.exists(MANIFEST_NAME):
@@ -323,7 +330,6 @@ class DataStatesWriter(StorageWriter):
         return False
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        import dataclasses
         save_id = self.save_id
         if len(plans) == 1 and not self.use_collectives:
             return [dataclasses.replace(plans[0], storage_data={"rank": self.rank, "save_id": save_id})]
@@ -364,7 +370,7 @@ class DataStatesWriter(StorageWriter):
             k = min(range(n_files), key=lambda k: layouts[k].end)
             where[(i, j)] = (k, layouts[k].place(nbytes))
 
-        base_files = self._base[2] if self._base is not None else frozenset()
+        base_files = self._base.here if self._base is not None else frozenset()
         for i, (item, prov, regions) in enumerate(resolved):
             fqn = item.index.fqn
             placed = []
@@ -504,8 +510,8 @@ class DataStatesWriter(StorageWriter):
     def _results(self, results, names, sizes, session, timings=None) -> list[WriteResult]:
         out = []
         written = {n: sz for n, sz in zip(names, sizes) if sz > 0}
-        homes = self._base[3] if self._base is not None else {}
-        base_files = self._base[1].files if self._base is not None else {}
+        homes = self._base.homes if self._base is not None else {}
+        base_files = self._base.manifest.files if self._base is not None else {}
         refs: dict[str, str] = {}
 
         def wire(ci: CopyItem) -> list:
