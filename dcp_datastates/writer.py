@@ -474,8 +474,12 @@ class DataStatesWriter(StorageWriter):
             with lock:
                 _record_persisted(self.tier, url)
         ranks = list(range(manifest.world_size))
-        self._persist_futs = [commit_when_complete(t, body, ranks, self.save_id, on_commit=record)
-                              for t in tiers]
+        give_up = [threading.Event() for _ in tiers]  # set when this rank's own upload fails
+        for f, ev in zip(self._upload_futs, give_up):
+            f.add_done_callback(lambda f, ev=ev: ev.set() if f.exception() is not None else None)
+        self._persist_futs = [commit_when_complete(t, body, ranks, self.save_id, on_commit=record,
+                                                   give_up=ev)
+                              for t, ev in zip(tiers, give_up)]
         _when_all(self._upload_futs + self._persist_futs,
                   lambda err: session.mark_persisted(err) if session else None)
 

@@ -66,6 +66,42 @@ def test_disk_full(small_fs, mode, caplog):
     assert _loads(ok, big)
 
 
+def test_full_persistent_tier_fails_the_flush_promptly(small_fs, tmp_path):
+    """The slow tier fills up: the flush is reported failed at once (no wait for a marker that
+    will never come), nothing is committed there, and the fast copy is intact."""
+    import time
+    sd = _sd(3, 4 << 20)  # 16 MiB: more than the 12 MiB tier holds
+    fast = str(tmp_path / "nvme" / "step-1")
+    w = DataStatesWriter(fast, persist_to=[os.path.join(small_fs, "run", "step-1")])
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    t = time.monotonic()
+    with pytest.raises(BaseException) as ei:
+        w.wait_persisted(timeout=120)
+    assert time.monotonic() - t < 60, "the commit kept waiting after the upload had failed"
+    assert "No space left" in str(ei.value) or "upload" in str(ei.value), repr(ei.value)
+    assert not os.path.exists(os.path.join(small_fs, "run", "step-1", ".metadata"))
+    assert _loads(fast, sd)
+
+
+def test_a_failed_rank_stops_the_coordinators_commit(tmp_path):
+    """Another rank's upload fails: its failure marker ends the coordinator's wait."""
+    import time
+    from dcp_datastates.tiers import StorageTier
+    from dcp_datastates.tiers.persist import commit_when_complete, marker_name, upload_rank
+    src, dst = StorageTier(str(tmp_path / "fast")), StorageTier(str(tmp_path / "slow"))
+    src.makedirs()
+    dst.makedirs()
+    dst.commit_bytes(marker_name(0, "abc"), b"")  # rank 0 uploaded
+    bad = upload_rank(src, dst, {"data-r00001-abc000000000-00.dsd": 10}, 1, "abc")  # source missing
+    with pytest.raises(FileNotFoundError):
+        bad.result(timeout=60)
+    t = time.monotonic()
+    fut = commit_when_complete(dst, b"manifest", [0, 1], "abc")
+    with pytest.raises(OSError, match=r"rank\(s\) \[1\] failed"):
+        fut.result(timeout=60)
+    assert time.monotonic() - t < 10 and not dst.exists(".metadata")
+
+
 def test_permission_denied():
     import pathlib
     import tempfile

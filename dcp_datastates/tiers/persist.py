@@ -29,6 +29,7 @@ from .storage import StorageTier
 log = logging.getLogger(__name__)
 
 MARKER_PREFIX = ".uploaded.rank-"
+FAILED_PREFIX = ".failed.rank-"  # a rank gave up uploading: the commit stops waiting for it
 UPLOAD_PIECE = 64 << 20
 
 
@@ -41,7 +42,7 @@ def remove_stale(tier: StorageTier, keep: set[str]) -> list[str]:
     for name in tier.listdir():
         if name in keep:
             continue
-        if stale_data.match(name) or name.startswith(MARKER_PREFIX) or name.startswith(".metadata.tmp-"):
+        if stale_data.match(name) or name.startswith((MARKER_PREFIX, FAILED_PREFIX, ".metadata.tmp-")):
             try:
                 tier.remove(name)
                 removed.append(name)
@@ -54,6 +55,10 @@ def remove_stale(tier: StorageTier, keep: set[str]) -> list[str]:
 
 def marker_name(rank: int, save_id: str) -> str:
     return f"{MARKER_PREFIX}{rank:05d}.{save_id}"
+
+
+def failed_name(rank: int, save_id: str) -> str:
+    return f"{FAILED_PREFIX}{rank:05d}.{save_id}"
 
 
 def with_retries(fn, what: str, *, attempts: int = 4, base_delay: float = 0.2):
@@ -155,6 +160,16 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
     that is not (its step was never persisted) is copied into its home directory there, so that
     the slow tier's copy is complete without re-sending the rest."""
     def run() -> None:
+        try:
+            upload()
+        except BaseException as e:
+            try:  # best effort: tell the coordinator not to wait for this rank
+                dst.commit_bytes(failed_name(rank, save_id), str(e).encode()[:4096])
+            except Exception:  # noqa: BLE001 - the tier may be gone altogether
+                pass
+            raise
+
+    def upload() -> None:
         with_retries(dst.makedirs, f"creating {dst.url}")
         for name in sorted(files):
             with_retries(lambda: copy_file(src, dst, name), f"upload of {name} to {dst.url}")
@@ -176,21 +191,35 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
 
 
 def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], save_id: str,
-                         *, timeout: float = 3600.0, on_commit=None) -> Future:
-    """Phase 2 on the coordinator: wait for every rank's marker, then write the manifest."""
+                         *, timeout: float = 3600.0, on_commit=None,
+                         give_up: threading.Event | None = None) -> Future:
+    """Phase 2 on the coordinator: wait for every rank's marker, then write the manifest.
+
+    Stops waiting, and never commits, as soon as a rank reports that its upload failed (its
+    ``.failed.rank-`` marker) or ``give_up`` is set (the coordinator's own upload failed)."""
     def run() -> None:
         deadline = time.monotonic() + timeout
         want = {marker_name(r, save_id) for r in ranks}
+        failed = {failed_name(r, save_id): r for r in ranks}
         delay = 0.05
         while True:
+            if give_up is not None and give_up.is_set():
+                raise OSError(f"persist to {dst.url}: this rank's upload failed; not committing")
             have = set(dst.listdir())
             if want <= have:
                 break
+            bad = sorted(r for n, r in failed.items() if n in have)
+            if bad:
+                raise OSError(f"persist to {dst.url}: the upload of rank(s) {bad[:8]} failed; "
+                              "not committing (see that rank's log)")
             if time.monotonic() > deadline:
                 missing = sorted(want - have)[:4]
                 raise TimeoutError(f"persist to {dst.url}: ranks did not finish uploading "
                                    f"within {timeout:.0f}s (missing {missing})")
-            time.sleep(delay)
+            if give_up is not None:
+                give_up.wait(delay)
+            else:
+                time.sleep(delay)
             delay = min(delay * 2, 2.0)
         with_retries(lambda: dst.commit_bytes(MANIFEST_NAME, manifest), f"manifest commit on {dst.url}")
         from ..format import decode_manifest
