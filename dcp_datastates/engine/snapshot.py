@@ -236,6 +236,8 @@ class SnapshotEngine:
             it.placed = []
         job = SaveJob(items, sinks, label=label)
         job.unit_bytes = unit_bytes
+        _job_started()
+        job.durable.add_done_callback(_job_ended)
         self._jobs.put((job, copy, ready_event))
         return job
 
@@ -452,6 +454,30 @@ def _copier_for(items: list[CopyItem], ready):
     if not cuda_ext.available():
         return _CpuCopier()
     return cuda_ext.D2HCopier(cuda_items[0].source.device.index or 0, ready)
+
+
+# Saves in flight in this process (submitted, not yet durable).  Flushes to slower tiers yield
+# to them: the fast tier's commit is what training waits for.
+_active = [0]
+_active_cv = threading.Condition()
+
+
+def _job_started() -> None:
+    with _active_cv:
+        _active[0] += 1
+
+
+def _job_ended(_fut=None) -> None:
+    with _active_cv:
+        _active[0] -= 1
+        _active_cv.notify_all()
+
+
+def wait_for_quiet(timeout: float) -> bool:
+    """Wait until no save of this process is writing to its first tier, at most ``timeout``
+    seconds (so a steady stream of saves still lets slower tiers progress)."""
+    with _active_cv:
+        return _active_cv.wait_for(lambda: _active[0] == 0, timeout)
 
 
 _engines: dict[tuple[int, int], SnapshotEngine] = {}

@@ -10,7 +10,9 @@ commit protocol uses the persistent tier itself (two phases, no collectives):
    writes the manifest last: on object stores that PUT is the commit, on file systems it
    is a rename.  Until then the slow tier's copy is invisible to readers.
 
-Uploads are retried with exponential backoff; a tier that still fails is reported through
+Uploads run at idle CPU priority and yield to the fast tier: before each piece they wait (a
+bounded time) until no save of this process is writing its first tier.  Uploads are retried
+with exponential backoff; a tier that still fails is reported through
 the save's ``wait_persisted()`` and the logs, and its copy never commits.
 """
 
@@ -23,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgpack
 
+from ..engine.snapshot import wait_for_quiet
 from ..format.manifest import MANIFEST_NAME
 from .storage import StorageTier
 
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 MARKER_PREFIX = ".uploaded.rank-"
 FAILED_PREFIX = ".failed.rank-"  # a rank gave up uploading: the commit stops waiting for it
 UPLOAD_PIECE = 64 << 20
+YIELD_S = 2.0  # before each piece, wait up to this long for this process's saves to finish writing
 
 
 def remove_stale(tier: StorageTier, keep: set[str]) -> list[str]:
@@ -81,7 +85,8 @@ def _copy_local(src: StorageTier, dst: StorageTier, name: str, size: int) -> int
     with open(src.path(name), "rb") as fi, open(tmp, "wb") as fo:
         left = size
         while left > 0:
-            n = os.copy_file_range(fi.fileno(), fo.fileno(), min(left, 1 << 30))
+            wait_for_quiet(YIELD_S)
+            n = os.copy_file_range(fi.fileno(), fo.fileno(), min(left, UPLOAD_PIECE))
             if n <= 0:
                 raise OSError(f"copy_file_range stopped with {left} bytes of {name} left")
             left -= n
@@ -111,6 +116,7 @@ def copy_file(src: StorageTier, dst: StorageTier, name: str) -> int:
         mv = memoryview(buf)
         off = 0
         while off < size:
+            wait_for_quiet(YIELD_S)
             n = min(len(buf), size - off)
             got = src.read_into(name, off, mv[:n])
             if got != n:
