@@ -23,22 +23,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .errors import CheckpointError
-from .format.manifest import MANIFEST_NAME, RANK_MANIFEST_PREFIX
+from .format.manifest import MANIFEST_NAME, is_manifest_name
 from .guard import async_save
 from .reader import DataStatesReader
 from .tiers import StorageTier
+from .tiers.retention import STEP_DIR
 from .writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST_KEY = "dcp_datastates.manifest"
 
 
@@ -234,7 +233,7 @@ class Checkpointer:
         t = self._tier(i, step)
         if t.exists(MANIFEST_NAME):
             return True
-        names = [n for n in t.listdir() if n.startswith(RANK_MANIFEST_PREFIX) and "tmp" not in n]
+        names = [n for n in t.listdir() if is_manifest_name(n)]
         if not names:
             return False
         try:

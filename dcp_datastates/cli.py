@@ -42,14 +42,12 @@ def _rank_of(file: str) -> int | None:
 def inspect_run(tier) -> list[dict]:
     """One row per committed step under a run directory: bytes owned, shared from earlier
     steps, and owned bytes that later steps still reference."""
-    import re
-
     from .errors import CheckpointError
     from .reader import load_manifest
-    from .tiers.retention import child
+    from .tiers.retention import STEP_DIR, child
     rows = []
     for name in tier.listdir():
-        if not re.match(r"^step-\d+$", name):
+        if not STEP_DIR.match(name):
             continue
         try:
             m = load_manifest(child(tier, name))

@@ -35,7 +35,7 @@ from torch.futures import Future
 from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestError,
                      NotACheckpointError, PickleNotAllowedError)
 from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name, verify_blocks
-from .format.manifest import RANK_MANIFEST_PREFIX, Chunk, Extent
+from .format.manifest import Chunk, Extent, is_manifest_name
 from .format.values import decode_value
 from .providers import type_provider_named
 from .tiers import StorageTier
@@ -50,7 +50,7 @@ def load_manifest(tier: StorageTier) -> Manifest:
     where = tier.url
     if tier.exists(MANIFEST_NAME):
         return decode_manifest(tier.read_bytes(MANIFEST_NAME), source=f"{where}/{MANIFEST_NAME}")
-    names = [n for n in tier.listdir() if n.startswith(RANK_MANIFEST_PREFIX) and "tmp" not in n]
+    names = [n for n in tier.listdir() if is_manifest_name(n) and n != MANIFEST_NAME]
     if not names:
         raise NotACheckpointError(
             "no committed manifest: this directory is missing, empty, or holds a save that "

@@ -111,6 +111,11 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _comparable(it: CopyItem) -> bool:
+    """The item has a base chunk of the same size, so their block digests line up."""
+    return it.base is not None and it.base.nbytes == it.nbytes and len(it.base.sums) == len(it.sums)
+
+
 def _units(p: _Piece, unit: int):
     """Cut piece ``p`` into dedup units; yield ``(start, end, reuse)`` in item bytes, where
     ``reuse`` lists the base segments holding identical bytes, or is None (write them)."""
@@ -119,7 +124,7 @@ def _units(p: _Piece, unit: int):
     if p.nbytes == 0:
         return
     base = it.base
-    if base is None or base.nbytes != it.nbytes or len(base.sums) != len(it.sums):
+    if not _comparable(it):
         yield start, end, None
         return
     a = start
@@ -332,8 +337,8 @@ class SnapshotEngine:
             if event is not None:
                 event.synchronize()
             mv = memoryview(view.numpy()) if view.numel() else memoryview(b"")
-            spans: list[list[int]] = []  # batch ranges to write: [start, end]
-            new: list[tuple[_Piece, int, int]] = []  # (piece, item_start, item_end) to write
+            # batch ranges to write, [start, end, units], each unit (item, item_start, nbytes)
+            spans: list[list] = []
             for p in b.pieces:
                 sums = block_checksums(mv[p.dst_pos:p.dst_pos + p.nbytes])
                 first = p.src_start // BLOCK_SIZE
@@ -342,19 +347,19 @@ class SnapshotEngine:
                     if reuse is not None:
                         p.item.placed.extend(reuse)
                         continue
-                    new.append((p, a, z))
                     x, y = p.dst_pos + a - p.src_start, p.dst_pos + z - p.src_start
                     if spans and x - spans[-1][1] < ALIGNMENT:  # only alignment padding between
                         spans[-1][1] = y
                     else:
-                        spans.append([x, y])
+                        spans.append([x, y, []])
+                    spans[-1][2].append((p.item, a, x, z - a))
             sink = job.sinks[b.file]
             direct = getattr(sink, "o_direct", False) and cache_off is not None
-            where = []
-            for x, y in spans:
+            for x, y, units in spans:
                 n = y - x
                 off = sink.reserve(n)
-                where.append((x, y, off))
+                for item, a, ux, un in units:
+                    item.placed.append((a, b.file, off + ux - x, un))
                 if direct:  # O_DIRECT: whole blocks from the aligned cache
                     padded = align_up(n)
                     full = self.cache.view(cache_off + x, padded)
@@ -364,12 +369,6 @@ class SnapshotEngine:
                 else:
                     sink.pwrite(mv[x:y], off)
                 _faults.point("write")
-            for p, a, z in new:
-                x = p.dst_pos + a - p.src_start
-                for sx, sy, off in where:
-                    if sx <= x < sy:
-                        p.item.placed.append((a, b.file, off + x - sx, z - a))
-                        break
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         finally:
@@ -390,12 +389,8 @@ class SnapshotEngine:
         the snapshot is done) and, when every unit matches the base, record the reuse and skip
         the copy and the write.  Stops at the first block that differs, so a changed batch
         costs one extra block digest before it takes the normal path."""
-        for p in b.pieces:
-            it = p.item
-            base = it.base
-            if base is None or it.source.device.type != "cpu" or base.nbytes != it.nbytes \
-                    or len(base.sums) != len(it.sums):
-                return False
+        if not all(_comparable(p.item) and p.item.source.device.type == "cpu" for p in b.pieces):
+            return False
         reuse = []
         for p in b.pieces:
             it = p.item

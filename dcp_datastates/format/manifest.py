@@ -37,6 +37,11 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = ".metadata"  # torchtitan discovers step-N/.metadata; this file is the commit
 RANK_MANIFEST_PREFIX = ".manifest.rank-"  # use_collectives=False: one manifest per rank
 
+def is_manifest_name(name: str) -> bool:
+    """A committed manifest: ``.metadata`` or one rank's manifest (not a temp file)."""
+    return name == MANIFEST_NAME or (name.startswith(RANK_MANIFEST_PREFIX) and "tmp" not in name)
+
+
 MAX_MANIFEST_BYTES = 1 << 31
 MAX_NDIM = 64
 MAX_DIM = 1 << 48

@@ -26,7 +26,7 @@ import re
 
 from .. import _faults
 from ..errors import CheckpointError
-from ..format.manifest import MANIFEST_NAME, RANK_MANIFEST_PREFIX, Manifest
+from ..format.manifest import Manifest, is_manifest_name
 from .storage import StorageTier
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,7 @@ def child(run: StorageTier, name: str) -> StorageTier:
 
 
 def _manifests(t: StorageTier) -> list[str]:
-    return [n for n in t.listdir() if n == MANIFEST_NAME
-            or (n.startswith(RANK_MANIFEST_PREFIX) and "tmp" not in n)]
+    return [n for n in t.listdir() if is_manifest_name(n)]
 
 
 def live_files(run: StorageTier, also: list[tuple[str, Manifest]] = ()) -> dict[str, set[str]]:
