@@ -14,6 +14,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.convert import from_dcp, to_dcp, to_safetensors
+from dcp_datastates.reader import load_manifest
+from dcp_datastates.tiers import StorageTier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,9 +63,10 @@ def test_inspect(ckpt):
 
 def test_verify_intact_and_damaged(ckpt):
     assert "OK" in cli("verify", ckpt).stdout
-    data = [n for n in os.listdir(ckpt) if n.endswith(".dsd")][0]
+    seg = load_manifest(StorageTier(ckpt)).tensors["w"].chunks[0].extent.segs[0]
+    data = seg.file
     with open(os.path.join(ckpt, data), "r+b") as f:
-        f.seek(10)
+        f.seek(seg.offset + 10)
         f.write(b"\x00\x01\x02")
     r = cli("verify", ckpt, check=False)
     assert r.returncode == 1 and "DAMAGED" in r.stdout and data in r.stdout and "tensor w" in r.stdout

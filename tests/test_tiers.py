@@ -7,6 +7,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.reader import load_manifest
+from dcp_datastates.tiers import StorageTier
 from tests import workers
 from tests.dist import run_ranks
 
@@ -78,9 +80,11 @@ def test_fallback_when_fast_copy_corrupt(tmp_path):
     c.save(1, _state(1))
     c.wait_persisted(60)
     d = c.step_path(0, 1)
-    f = os.path.join(d, sorted(n for n in os.listdir(d) if n.endswith(".dsd"))[0])
+    m = load_manifest(StorageTier(d))
+    seg = max((c.extent.segs[0] for e in m.tensors.values() for c in e.chunks), key=lambda s: s.nbytes)
+    f = os.path.join(d, seg.file)
     raw = bytearray(open(f, "rb").read())
-    raw[100] ^= 0xFF
+    raw[seg.offset + 100] ^= 0xFF  # a byte of tensor data
     open(f, "wb").write(raw)
     step, out, info = _load(c)
     assert step == 1 and _equal(out, _state(1))

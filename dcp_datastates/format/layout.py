@@ -13,6 +13,10 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+def align_down(n: int, alignment: int = ALIGNMENT) -> int:
+    return n // alignment * alignment
+
+
 class FileLayout:
     """Hands out aligned offsets in one append-only data file."""
 
