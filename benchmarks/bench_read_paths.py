@@ -40,7 +40,7 @@ from state import transformer_state  # noqa: E402
 from dcp_datastates import DataStatesWriter  # noqa: E402
 from dcp_datastates.reader import load_manifest  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
-from dcp_datastates.tiers.direct_io import StagingBuffer, dio_alignment, read_range  # noqa: E402
+from dcp_datastates.tiers.direct_io import STAGE_BYTES, StagingBuffer, dio_alignment, read_range  # noqa: E402
 
 PIECE = 16 << 20
 
@@ -122,7 +122,7 @@ def main() -> int:
             else:
                 st = getattr(local, "stage", None)
                 if st is None:
-                    st = local.stage = StagingBuffer(PIECE + 8192, huge_pages="4 KiB" not in method)
+                    st = local.stage = StagingBuffer(STAGE_BYTES, huge_pages="4 KiB" not in method)
                     stages.append(st)
                 got, _ = read_range(fds[f], o, mv, t.data_ptr(), direct_fd=dfds[f], stage=st, align=align)
             assert got == n, (fqn, o, got, n)

@@ -38,9 +38,8 @@ from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name, v
 from .format.manifest import Chunk, Extent, is_manifest_name
 from .format.values import decode_value
 from .providers import type_provider_named
-from .format.layout import ALIGNMENT
 from .tiers import StorageTier
-from .tiers.direct_io import StagingBuffer, dio_alignment, read_range
+from .tiers.direct_io import DIRECT_MIN, STAGE_BYTES, StagingBuffer, dio_alignment, read_range
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ class DataStatesReader(StorageReader):
         self.manifest: Manifest | None = None
         self.bytes_read = 0
         self.bytes_needed = 0
-        self.bytes_direct = 0  # of bytes_read, read with O_DIRECT into place
+        self.bytes_direct = 0  # of bytes_read, read through O_DIRECT (tiers/direct_io.py)
         self._lock = threading.Lock()
 
     # --------------------------------------------------------- StorageReader
@@ -321,8 +320,8 @@ class DataStatesReader(StorageReader):
             fd = files.fd(ti, name)
             if fd is not None:
                 dfd, align = files.direct_fd(ti, name) if self.o_direct else (None, None)
-                got, direct = read_range(fd, file_off, mv, addr, direct_fd=dfd, align=align,
-                                         stage=files.stage() if dfd is not None else None)
+                stage = files.stage() if dfd is not None and n >= DIRECT_MIN else None
+                got, direct = read_range(fd, file_off, mv, addr, direct_fd=dfd, align=align, stage=stage)
                 if direct:
                     with self._lock:
                         self.bytes_direct += direct
@@ -413,10 +412,10 @@ class _FileSet:
             return fd, self._align.get(key)
 
     def stage(self) -> StagingBuffer:
-        """This thread's staging buffer for O_DIRECT reads that cannot land in place."""
+        """This thread's staging buffer for O_DIRECT reads (made on first use)."""
         st = getattr(self._local, "stage", None)
         if st is None:
-            st = self._local.stage = StagingBuffer(READ_PIECE + 2 * ALIGNMENT)
+            st = self._local.stage = StagingBuffer(STAGE_BYTES)
             with self._lock:
                 self._stages.append(st)
         return st
