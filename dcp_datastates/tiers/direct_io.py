@@ -152,7 +152,8 @@ class StagingBuffer:
             pass
 
 
-def _pread_full(fd: int, mv: memoryview, offset: int) -> int:
+def pread_full(fd: int, mv: memoryview, offset: int) -> int:
+    """Fill ``mv`` from ``offset`` of ``fd``; returns the bytes read (short at end of file)."""
     got = 0
     n = mv.nbytes
     while got < n:
@@ -175,7 +176,7 @@ def _read_staged(direct_fd: int, offset: int, n: int, address: int, stage: Stagi
         a0 = align_down(start, off_align)
         take = min(n - done, round_bytes - (start - a0))
         a1 = -(-(start + take) // off_align) * off_align
-        got = _pread_full(direct_fd, stage.view[:a1 - a0], a0)
+        got = pread_full(direct_fd, stage.view[:a1 - a0], a0)
         valid = max(0, min(got - (start - a0), take))
         ctypes.memmove(address + done, stage.address + (start - a0), valid)  # releases the GIL
         done += valid
@@ -196,7 +197,7 @@ def read_range(fd: int, offset: int, mv: memoryview, address: int, *, direct_fd:
     n = mv.nbytes
     if direct_fd is None or stage is None or n < DIRECT_MIN or \
             (check_cache and _mostly_cached(fd, offset, n)):
-        return _pread_full(fd, mv, offset), 0
+        return pread_full(fd, mv, offset), 0
     _mem, off_align = align or DEFAULT_ALIGN
     try:
         got = _read_staged(direct_fd, offset, n, address, stage, off_align)
@@ -204,5 +205,5 @@ def read_range(fd: int, offset: int, mv: memoryview, address: int, *, direct_fd:
         if e.errno != errno.EINVAL:
             raise
         log.debug("O_DIRECT read refused (%s); reading buffered", e)
-        return _pread_full(fd, mv, offset), 0
+        return pread_full(fd, mv, offset), 0
     return got, got

@@ -19,6 +19,7 @@ from collections import deque
 import fsspec
 
 from ..format.layout import align_up
+from .direct_io import pread_full
 
 log = logging.getLogger(__name__)
 
@@ -276,13 +277,7 @@ class StorageTier:
             if own:
                 fd = os.open(self.path(name), os.O_RDONLY)
             try:
-                got = 0
-                while got < n:
-                    r = os.preadv(fd, [mv[got:got + _PWRITE_MAX]], offset + got)
-                    if r <= 0:
-                        break
-                    got += r
-                return got
+                return pread_full(fd, mv, offset)
             finally:
                 if own:
                     os.close(fd)
