@@ -37,6 +37,7 @@ def nbytes(sd: dict) -> int:
 
 def run_bench(out: str, *, gb: float = 0.5, charts: bool = True, progress=None) -> dict:
     from . import DataStatesReader, DataStatesWriter, async_save
+    from .tiers.direct_io import evict_from_page_cache
     os.makedirs(out, exist_ok=True)
     sd = transformer_state(gb, hidden=1024 if gb < 0.5 else 2048)
     size = nbytes(sd)
@@ -54,6 +55,7 @@ def run_bench(out: str, *, gb: float = 0.5, charts: bool = True, progress=None) 
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=mk_w(path), no_dist=True)
         save_s = time.perf_counter() - t0
+        evict_from_page_cache(path)  # cold load for every method (a buffered save leaves it cached)
         t0 = time.perf_counter()
         dcp.load(tmpl, storage_reader=mk_r(path), no_dist=True)
         load_s = time.perf_counter() - t0

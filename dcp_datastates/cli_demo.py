@@ -89,22 +89,6 @@ def _compare_rank(rank, world, port, out_dir, width, depth, q):
     os._exit(0)  # skip interpreter teardown (see train_worker)
 
 
-def _evict_from_page_cache(directory: str) -> None:
-    """Write back and drop a directory's files from the page cache (no privileges needed)."""
-    for name in os.listdir(directory):
-        try:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except (AttributeError, OSError):
-            pass
-        finally:
-            os.close(fd)
-
-
 def _phase1(base: str, width: int, depth: int) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
@@ -116,6 +100,7 @@ def _phase1(base: str, width: int, depth: int) -> dict:
     from .cli import verify_checkpoint
     from .reader import load_manifest
     from .tiers import StorageTier
+    from .tiers.direct_io import evict_from_page_cache
     out = os.path.join(base, "compare")
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
@@ -133,7 +118,7 @@ def _phase1(base: str, width: int, depth: int) -> dict:
     load_t, loaded = {}, {}
     for name, reader in (("dcp-datastates", DataStatesReader(ours)), ("FileSystemWriter", dcp.FileSystemReader(ref))):
         for d in (ours, ref):  # both cold: FileSystemWriter's files would otherwise still be cached
-            _evict_from_page_cache(d)
+            evict_from_page_cache(d)
         t0 = time.perf_counter()
         loaded[name] = _load_state_dict_from_keys(storage_reader=reader)  # into 1 process: 2 -> 1
         load_t[name] = time.perf_counter() - t0

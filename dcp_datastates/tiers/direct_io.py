@@ -95,6 +95,23 @@ def cached_bytes(fd: int, offset: int, nbytes: int) -> int | None:
     return st.nr_cache * os.sysconf("SC_PAGE_SIZE")
 
 
+def evict_from_page_cache(directory: str) -> None:
+    """Write back and drop a directory's files from the page cache (no privileges needed), so
+    that the next read of them is cold: for fair load benchmarks."""
+    for name in os.listdir(directory):
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (AttributeError, OSError):
+            pass
+        finally:
+            os.close(fd)
+
+
 def _mostly_cached(fd: int, offset: int, nbytes: int) -> bool:
     cached = cached_bytes(fd, offset, nbytes)
     return cached is not None and cached * 2 >= nbytes
