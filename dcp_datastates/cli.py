@@ -44,13 +44,13 @@ def inspect_run(tier) -> list[dict]:
     steps, and owned bytes that later steps still reference."""
     from .errors import CheckpointError
     from .reader import load_manifest
-    from .tiers.retention import STEP_DIR, child
+    from .tiers.retention import STEP_DIR
     rows = []
     for name in tier.listdir():
         if not STEP_DIR.match(name):
             continue
         try:
-            m = load_manifest(child(tier, name))
+            m = load_manifest(tier.child(name))
         except CheckpointError:
             continue
         owned, shared = m.usage()
@@ -97,8 +97,7 @@ def cmd_inspect(args) -> int:
         per_rank: dict = {}
         for c in t.chunks:
             e = c.extent if c.extent else next(iter(c.parts.values()))[2]
-            f = e.segs[0].file if e.segs else ""
-            r = _rank_of(f)
+            r = _rank_of(e.file)
             per_rank[r] = per_rank.get(r, 0) + 1
         rows.append({"key": fqn, "dtype": t.dtype, "shape": list(t.size), "chunks": len(t.chunks),
                      "chunks_per_rank": {str(k): v for k, v in sorted(per_rank.items(), key=str)},

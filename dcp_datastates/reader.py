@@ -352,7 +352,8 @@ class _FileSet:
         self.homes = homes
         self._fds: dict[tuple[int, str], int | None] = {}
         self._siblings: dict[tuple[int, str], StorageTier] = {}
-        self._align: dict[tuple, tuple[int, int]] = {}
+        # O_DIRECT descriptor and its alignment per (tier, file); (None, None) where refused
+        self._direct: dict[tuple[int, str], tuple] = {}
         self._local = threading.local()
         self._stages: list = []
         self._lock = threading.Lock()
@@ -391,25 +392,20 @@ class _FileSet:
         tier = self.tier_for(ti, name)
         if not tier.local or not hasattr(os, "O_DIRECT"):
             return None, None
-        key = (ti, "\0direct", name)
+        key = (ti, name)
         with self._lock:
-            if key not in self._fds:
-                self._fds[key] = None
+            if key not in self._direct:
+                self._direct[key] = (None, None)
                 try:
                     fd = os.open(tier.path(name), os.O_RDONLY | os.O_DIRECT)
-                except FileNotFoundError:
-                    raise
-                except OSError:
-                    fd = None
-                if fd is not None:
-                    align = dio_alignment(fd)
-                    if align is None:
-                        os.close(fd)
-                    else:
-                        self._fds[key] = fd
-                        self._align[key] = align
-            fd = self._fds[key]
-            return fd, self._align.get(key)
+                except OSError:  # refused (or missing: the buffered descriptor reports that)
+                    return self._direct[key]
+                align = dio_alignment(fd)
+                if align is None:
+                    os.close(fd)
+                else:
+                    self._direct[key] = (fd, align)
+            return self._direct[key]
 
     def stage(self) -> StagingBuffer:
         """This thread's staging buffer for O_DIRECT reads (made on first use)."""
@@ -424,7 +420,7 @@ class _FileSet:
         for st in self._stages:
             st.close()
         self._stages.clear()
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *(d for d, _a in self._direct.values())]:
             if fd is not None:
                 os.close(fd)
 

@@ -43,7 +43,6 @@ from .engine.host_cache import default_host_cache_bytes, shared_host_cache
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .format import BLOCK_SIZE, MANIFEST_NAME, Manifest, dtype_name, encode_manifest
 from .format.layout import FileLayout
-from .format.checksum import DIGEST_BYTES
 from .format.manifest import RANK_MANIFEST_PREFIX, Chunk, Extent, Seg, TensorEntry, ValueEntry
 from .providers import ObjectProvider, provider_for
 from .session import SaveSession
@@ -521,12 +520,12 @@ class DataStatesWriter(StorageWriter):
         def wire(ci: CopyItem) -> list:
             segs = []
             for f, off, n in ci.segments():
-                if isinstance(f, str):
+                if isinstance(f, str):  # a base file: referenced, not written
                     refs[f] = homes[f]
-                    segs.append([f, off, n])
                 else:
-                    segs.append([names[f], off, n])
-            return [segs, ci.nbytes, b"".join(ci.sums)]
+                    f = names[f]
+                segs.append(Seg(f, off, n))
+            return Extent(segs, ci.nbytes, ci.sums).to_wire()
 
         reused = 0
         for idx, (item, kind, payload) in enumerate(results):
@@ -664,9 +663,9 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
             seen.add((fqn, offsets))
             entry = tensors[fqn]
             if sd["k"] == "t":
-                entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), _extent_from_wire(sd["x"])))
+                entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), Extent.from_wire(sd["x"])))
             else:
-                parts = {k: (dt, tuple(shape), _extent_from_wire(x))
+                parts = {k: (dt, tuple(shape), Extent.from_wire(x))
                          for k, (dt, shape, x) in sd["parts"].items()}
                 entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), None, sd["p"], sd["m"], parts))
     planner_data = {}
@@ -681,12 +680,6 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
                     homes=homes, tensors=tensors, values=values, planner_data=planner_data,
                     block_size=BLOCK_SIZE, created_unix=time.time(), torch_version=torch.__version__,
                     writer=f"dcp-datastates {__version__}")
-
-
-def _extent_from_wire(x) -> Extent:
-    segs, nbytes, sums = x
-    return Extent([Seg(f, o, n) for f, o, n in segs], nbytes,
-                  [sums[i:i + DIGEST_BYTES] for i in range(0, len(sums), DIGEST_BYTES)])
 
 
 PERSISTED_RECORD = ".persisted"

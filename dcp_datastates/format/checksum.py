@@ -35,6 +35,11 @@ def block_checksums(buf, block_size: int = BLOCK_SIZE) -> list[bytes]:
     return [xxhash.xxh3_128_digest(mv[i:i + block_size]) for i in range(0, n, block_size)]
 
 
+def split_digests(joined: bytes) -> list[bytes]:
+    """The per-block digests of a manifest's concatenated digest field."""
+    return [joined[i:i + DIGEST_BYTES] for i in range(0, len(joined), DIGEST_BYTES)]
+
+
 def _digest_like(ref, data) -> bytes | int:
     if isinstance(ref, int):  # format v1
         return xxhash.xxh3_64_intdigest(data)

@@ -27,7 +27,7 @@ import msgpack
 import xxhash
 
 from ..errors import ManifestError, UnsupportedFormatVersion
-from .checksum import BLOCK_SIZE, DIGEST_BYTES
+from .checksum import BLOCK_SIZE, DIGEST_BYTES, split_digests
 from .dtypes import dtype_from_name
 
 MAGIC = b"\xffDCP-DATASTATES\n"
@@ -105,6 +105,13 @@ class Extent:
     def to_wire(self) -> list:
         return [[[s.file, s.offset, s.nbytes] for s in self.segs], self.nbytes,
                 b"".join(self.sums)]
+
+    @classmethod
+    def from_wire(cls, x) -> "Extent":
+        """Inverse of :meth:`to_wire` for trusted in-process data (the writer's results);
+        manifests read from storage go through the validating decoder instead."""
+        segs, nbytes, sums = x
+        return cls([Seg(f, o, n) for f, o, n in segs], nbytes, split_digests(sums))
 
 
 @dataclass(slots=True)
@@ -268,7 +275,7 @@ def _sums(v, want: int, version: int, what: str) -> list:
         return v
     if not isinstance(v, bytes) or len(v) != want * DIGEST_BYTES:
         raise _Bad(f"{what}: expected {want} block digests of {DIGEST_BYTES} bytes")
-    return [v[i:i + DIGEST_BYTES] for i in range(0, len(v), DIGEST_BYTES)]
+    return split_digests(v)
 
 
 def _seg(v, files: dict[str, int], what: str) -> Seg:

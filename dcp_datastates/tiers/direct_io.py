@@ -45,6 +45,7 @@ STAGE_BYTES = REQUEST_BYTES + ALIGNMENT
 DEFAULT_ALIGN = (ALIGNMENT, ALIGNMENT)  # (memory, file offset): always sufficient
 _MAX_IO = 1 << 30
 _HUGE = 2 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 _libc_handle = None
 
@@ -92,7 +93,7 @@ def cached_bytes(fd: int, offset: int, nbytes: int) -> int | None:
         log.debug("cachestat unavailable (errno %d): cold reads assumed", ctypes.get_errno())
         _cachestat_ok = False
         return None
-    return st.nr_cache * os.sysconf("SC_PAGE_SIZE")
+    return st.nr_cache * _PAGE
 
 
 def evict_from_page_cache(directory: str) -> None:
@@ -185,8 +186,8 @@ def _read_staged(direct_fd: int, offset: int, n: int, address: int, stage: Stagi
                  off_align: int) -> int:
     """Whole aligned blocks around ``[offset, offset + n)`` into ``stage`` with O_DIRECT, then
     the range into ``address``; as many rounds as the stage needs.  Short only at end of file."""
-    round_bytes = max(off_align, align_down(stage.nbytes - off_align, REQUEST_BYTES) or
-                      align_down(stage.nbytes - off_align, off_align))
+    room = stage.nbytes - off_align  # the partial block after a round must fit too
+    round_bytes = align_down(room, REQUEST_BYTES) or align_down(room, off_align)
     done = 0
     while done < n:
         start = offset + done

@@ -203,13 +203,15 @@ def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], sa
 
     Stops waiting, and never commits, as soon as a rank reports that its upload failed (its
     ``.failed.rank-`` marker) or ``give_up`` is set (the coordinator's own upload failed)."""
+    stop = give_up or threading.Event()
+
     def run() -> None:
         deadline = time.monotonic() + timeout
         want = {marker_name(r, save_id) for r in ranks}
         failed = {failed_name(r, save_id): r for r in ranks}
         delay = 0.05
         while True:
-            if give_up is not None and give_up.is_set():
+            if stop.is_set():
                 raise OSError(f"persist to {dst.url}: this rank's upload failed; not committing")
             have = set(dst.listdir())
             if want <= have:
@@ -222,10 +224,7 @@ def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], sa
                 missing = sorted(want - have)[:4]
                 raise TimeoutError(f"persist to {dst.url}: ranks did not finish uploading "
                                    f"within {timeout:.0f}s (missing {missing})")
-            if give_up is not None:
-                give_up.wait(delay)
-            else:
-                time.sleep(delay)
+            stop.wait(delay)
             delay = min(delay * 2, 2.0)
         with_retries(lambda: dst.commit_bytes(MANIFEST_NAME, manifest), f"manifest commit on {dst.url}")
         from ..format import decode_manifest

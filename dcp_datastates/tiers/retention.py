@@ -35,12 +35,6 @@ PURGED_MARK = ".purged"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def child(run: StorageTier, name: str) -> StorageTier:
-    sep = "" if run.url.endswith("/") else "/"
-    return StorageTier(f"{run.url}{sep}{name}" if not run.local else f"{run.root}/{name}",
-                       run.storage_options)
-
-
 def _manifests(t: StorageTier) -> list[str]:
     return [n for n in t.listdir() if is_manifest_name(n)]
 
@@ -55,7 +49,7 @@ def live_files(run: StorageTier, also: list[tuple[str, Manifest]] = ()) -> dict[
         for f in m.files:
             live.setdefault(m.homes.get(f, own_dir), set()).add(f)
     for name in run.listdir():
-        t = child(run, name)
+        t = run.child(name)
         if not STEP_DIR.match(name) or not _manifests(t):
             continue
         try:
@@ -74,7 +68,7 @@ def purge_steps(run: StorageTier, drop: list[str], *,
     """Purge step directories ``drop`` of ``run`` without breaking any retained step.
     Returns the directories removed completely (husks that stay are not listed)."""
     for name in drop:
-        t = child(run, name)
+        t = run.child(name)
         have = t.listdir()
         if not have:
             continue
@@ -86,8 +80,8 @@ def purge_steps(run: StorageTier, drop: list[str], *,
     live = live_files(run, also)
     gone = []
     for name in sorted(set(drop) | {n for n in run.listdir() if STEP_DIR.match(n)
-                                    and child(run, n).exists(PURGED_MARK)}):
-        t = child(run, name)
+                                    and run.child(n).exists(PURGED_MARK)}):
+        t = run.child(name)
         keep = live.get(name, set())
         if "*" in keep:
             continue

@@ -195,12 +195,15 @@ class StorageTier:
     def __setstate__(self, state):
         self.__init__(state["url"], state["storage_options"])
 
+    def child(self, name: str) -> "StorageTier":
+        """The directory ``name`` inside this one (a step of a run directory)."""
+        if self.local:
+            return StorageTier(os.path.join(self.root, name), self.storage_options)
+        return StorageTier(f"{self.url.rstrip('/')}/{name}", self.storage_options)
+
     def sibling(self, name: str) -> "StorageTier":
         """The directory ``name`` next to this one (another checkpoint of the same run)."""
-        if self.local:
-            return StorageTier(os.path.join(os.path.dirname(self.root), name), self.storage_options)
-        head, _, _ = self.url.rstrip("/").rpartition("/")
-        return StorageTier(f"{head}/{name}", self.storage_options)
+        return self.parent().child(name)
 
     @property
     def name(self) -> str:
