@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from .errors import PickleNotAllowedError
+
 
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -213,7 +215,11 @@ def cmd_convert(args) -> int:
     if args.to == "dcp":
         convert.to_dcp(args.src, args.dst)
     elif args.to == "datastates":
-        convert.from_dcp(args.src, args.dst, allow_pickle=args.allow_pickle)
+        try:
+            convert.from_dcp(args.src, args.dst, allow_pickle=args.allow_pickle)
+        except PickleNotAllowedError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     else:
         shard = int(args.max_shard_bytes) if args.max_shard_bytes else None
         files = convert.to_safetensors(args.src, args.dst, max_shard_bytes=shard)
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="dcp: ours -> DCP; datastates: DCP -> ours; safetensors: ours -> safetensors")
     p.add_argument("--max-shard-bytes", help="safetensors: shard into files of at most this size")
     p.add_argument("--allow-pickle", action="store_true",
-                   help="datastates: keep values msgpack cannot express, as pickle")
+                   help="datastates: read DCP's pickled .metadata and torch.save values (trusted "
+                        "checkpoints only), and keep values msgpack cannot express, as pickle")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_convert)
     p = sub.add_parser("bench", help="benchmark against DCP in one run; table and PNG charts")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+from .errors import PickleNotAllowedError
 from .format.layout import align_up
 from .reader import DataStatesReader
 from .writer import DataStatesWriter
@@ -45,6 +46,13 @@ def to_dcp(src: str, dst: str, *, storage_options: dict | None = None) -> None:
 
 
 def from_dcp(src: str, dst: str, *, allow_pickle: bool = False) -> None:
+    """DCP's ``.metadata`` is a pickle and its values are ``torch.save`` blobs: reading them
+    runs code from the checkpoint, so this needs ``allow_pickle=True`` (a trusted source)."""
+    if not allow_pickle:
+        raise PickleNotAllowedError(
+            "DCP's .metadata is a pickle and reading it would run code from the file; pass "
+            "--allow-pickle (allow_pickle=True) only if you trust this checkpoint",
+            checkpoint=src, file=".metadata")
     sd = _load_all(dcp.FileSystemReader(src))
     dcp.save(sd, storage_writer=DataStatesWriter(dst, allow_pickle=allow_pickle), no_dist=True)
 

@@ -83,3 +83,11 @@ class CoverageError(CheckpointError):
 
 class SnapshotError(CheckpointError):
     """The background snapshot or flush of an async save failed."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """Another save holds the checkpoint directory (its claim file is live)."""
+
+
+class UnsafeFileError(DataFileError):
+    """A checkpoint file is a symlink, a device, a FIFO or otherwise not a regular file."""

@@ -35,36 +35,17 @@ from torch.futures import Future
 from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestError,
                      NotACheckpointError, PickleNotAllowedError)
 from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name, verify_blocks
-from .format.manifest import Chunk, Extent, is_manifest_name
+from .format.manifest import Chunk, Extent
 from .format.values import decode_value
 from .providers import type_provider_named
 from .tiers import StorageTier
+from .tiers.manifests import load_manifest  # noqa: F401 (re-exported: tests and tools use it)
+from .tiers.storage import open_regular
 from .tiers.direct_io import DIRECT_MIN, STAGE_BYTES, StagingBuffer, dio_alignment, read_range
 
 log = logging.getLogger(__name__)
 
 READ_PIECE = 16 << 20
-
-
-def load_manifest(tier: StorageTier) -> Manifest:
-    """The committed manifest of the checkpoint at ``tier`` (merged across rank manifests)."""
-    where = tier.url
-    if tier.exists(MANIFEST_NAME):
-        return decode_manifest(tier.read_bytes(MANIFEST_NAME), source=f"{where}/{MANIFEST_NAME}")
-    names = [n for n in tier.listdir() if is_manifest_name(n) and n != MANIFEST_NAME]
-    if not names:
-        raise NotACheckpointError(
-            "no committed manifest: this directory is missing, empty, or holds a save that "
-            "never committed; load an earlier step", checkpoint=where)
-    merged = decode_manifest(tier.read_bytes(names[0]), source=f"{where}/{names[0]}")
-    for n in names[1:]:
-        merged.merge(decode_manifest(tier.read_bytes(n), source=f"{where}/{n}"))
-    missing = sorted(set(range(merged.world_size)) - set(merged.ranks))
-    if missing:
-        raise NotACheckpointError(
-            f"rank manifests of ranks {missing[:8]} are missing: the save did not commit on every "
-            "rank; load an earlier step", checkpoint=where)
-    return merged
 
 
 def manifest_to_metadata(m: Manifest, checkpoint_id: str) -> Metadata:
@@ -344,6 +325,11 @@ class DataStatesReader(StorageReader):
                                        checkpoint=tier.url, file=name, key=key)
 
 
+def _same_file(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 class _FileSet:
     """Open file descriptors per (tier, file), opened on first use; missing files remembered."""
 
@@ -378,7 +364,7 @@ class _FileSet:
         with self._lock:
             if key not in self._fds:
                 try:
-                    self._fds[key] = os.open(tier.path(name), os.O_RDONLY)
+                    self._fds[key] = open_regular(tier.path(name), checkpoint=tier.url)
                 except FileNotFoundError:
                     self._fds[key] = None
             fd = self._fds[key]
@@ -397,11 +383,13 @@ class _FileSet:
             if key not in self._direct:
                 self._direct[key] = (None, None)
                 try:
-                    fd = os.open(tier.path(name), os.O_RDONLY | os.O_DIRECT)
+                    fd = os.open(tier.path(name), os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)
                 except OSError:  # refused (or missing: the buffered descriptor reports that)
                     return self._direct[key]
-                align = dio_alignment(fd)
-                if align is None:
+                buffered = self._fds.get(key)
+                same = buffered is not None and _same_file(fd, buffered)
+                align = dio_alignment(fd) if same else None
+                if align is None:  # refused, or not the file the checked descriptor holds
                     os.close(fd)
                 else:
                     self._direct[key] = (fd, align)

@@ -43,14 +43,18 @@ from .engine.host_cache import default_host_cache_bytes, shared_host_cache
 from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .format import BLOCK_SIZE, MANIFEST_NAME, Manifest, dtype_name, encode_manifest
 from .format.layout import FileLayout
-from .format.manifest import RANK_MANIFEST_PREFIX, Chunk, Extent, Seg, TensorEntry, ValueEntry
+from .format.manifest import Chunk, Extent, Seg, TensorEntry, ValueEntry
+from .format.names import (CLAIM_NAME, PERSISTED_RECORD, data_file_name, parse_rank_manifest,
+                           rank_claim_name, rank_manifest_name)
 from .providers import ObjectProvider, provider_for
 from .session import SaveSession
 from .tiers import StorageTier
+from .tiers.claim import Claim, acquire
+from .tiers.manifests import load_manifest
+from .tiers.tidy import Tidy, rank_superseded, superseded_here
 
 log = logging.getLogger(__name__)
 
-DATA_FILE = re.compile(r"^data-r\d{5}-[0-9a-f]{12}-\d{2}\.dsd$")
 STRIPE_MIN_BYTES = 64 << 20  # below this per file, more files only add fsyncs
 DEFAULT_DEDUP_UNIT = 4 << 20
 
@@ -63,10 +67,6 @@ class _Base:
     here: frozenset  # base files present on this rank's tier (the only ones it may reference)
     homes: dict  # base file -> the directory that holds it
     chunks: dict  # (fqn, offsets) -> Chunk
-
-
-def _data_file_name(rank: int, save_id: str, stripe: int) -> str:
-    return f"data-r{rank:05d}-{save_id}-{stripe:02d}.dsd"
 
 
 def _detect_process_mode() -> bool:
@@ -182,6 +182,9 @@ class DataStatesWriter(StorageWriter):
         self._staged = False
         self._job = None
         self.last_timings: dict[str, float] = {}
+        self._claims: dict[str, Claim] = {}  # tier url -> claim held by the save in flight
+        self._tidies: dict[str, Tidy] = {}  # tier url -> what its commit may remove
+        self._planned_at = 0.0
 
     # ------------------------------------------------------------ AsyncStager
     @property
@@ -258,6 +261,10 @@ class DataStatesWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
         self.use_collectives = bool(kwargs.get("use_collectives", True))
+        self._release_claims()  # a previous save through this writer that DCP abandoned
+        self.save_id = uuid.uuid4().hex[:12]
+        if not self.use_collectives:
+            self.save_id = _agree_save_id(self.save_id)
         if self._staged:
             self._staged = False  # this save was started by stage(): keep its lazy session
         else:
@@ -282,11 +289,76 @@ class DataStatesWriter(StorageWriter):
             raise
         return plan
 
+    def _claim_dirs(self) -> None:
+        """Claim this save's directory on every tier it writes (``tiers/claim.py``), then, under
+        the claims, re-check ``overwrite`` and read what the save will replace."""
+        per_rank = not self.use_collectives
+        name = rank_claim_name(self.rank) if per_rank else CLAIM_NAME
+        self._planned_at = time.monotonic()
+        try:
+            for i, t in enumerate([self.tier, *self._persist_tiers()]):
+                try:
+                    c = acquire(t, name, self.save_id, busy=self._busy)
+                except CheckpointError:
+                    raise  # busy: another save holds it
+                except Exception as e:  # noqa: BLE001 - fsspec backends raise their own types
+                    if i == 0:
+                        raise
+                    # an unreachable slow tier must not fail the save: its flush reports it
+                    log.warning("could not claim %s (%s); its flush will report the failure", t.url, e)
+                    continue
+                self._claims[t.url] = c
+                rank = self.rank if per_rank else None
+                self._tidies[t.url] = Tidy(t, self.save_id, superseded_here(t, rank=rank),
+                                           list(c.took_over), rank)
+            if not self.overwrite and self._committed_here():
+                raise CheckpointExistsError(
+                    "a committed checkpoint already exists here (committed while this save was "
+                    "planning); pass overwrite=True to replace it", checkpoint=self.path)
+        except BaseException:
+            self._release_claims()
+            raise
+
+    def _busy(self) -> bool:
+        """Whether this writer's save still has work in flight (claims of a save DCP abandoned
+        after planning are stale once nothing of it runs)."""
+        job = self._job
+        if job is not None and not job.durable.done():
+            return True
+        if any(not f.done() for f in self._persist_futs):
+            return True
+        return job is None and time.monotonic() - self._planned_at < 120.0
+
+    def _release_claims(self, url: str | None = None) -> None:
+        for u in list(self._claims) if url is None else [url]:
+            c = self._claims.pop(u, None)
+            if c is not None:
+                c.release()
+
+    def _tidy_after_commit(self, tier: StorageTier, manifest: Manifest) -> None:
+        """After ``tier`` committed this save: remove what it superseded, then drop the claim."""
+        try:
+            tidy = self._tidies.pop(tier.url, None)
+            if tidy is None:
+                return
+            if self.use_collectives:
+                tidy.run({f for f in manifest.files if f not in manifest.homes})
+            else:
+                names, old, protect = rank_superseded(tier, self.rank, self.save_id)
+                for n in names:  # uncommit first: a crash from here on leaves only leftovers
+                    tier.remove(n)
+                tidy.superseded = old
+                tidy.run(protect)
+        except (OSError, CheckpointError) as e:
+            log.warning("%s committed, but tidying superseded files failed (%s); they stay "
+                        "until the next save here", tier.url, e)
+        finally:
+            self._release_claims(tier.url)
+
     def _load_base(self):
         """The incremental base as seen from this rank's tier (None: write in full)."""
         if self.incremental_base is None:
             return None
-        from .reader import load_manifest
         raw = self.incremental_base.rstrip("/")
         name = raw.rpartition("/")[2]
         if "/" in raw and StorageTier(raw, self.storage_options).parent().root != self.tier.parent().root:
@@ -322,13 +394,19 @@ class DataStatesWriter(StorageWriter):
         return {k: ext for k, (_dt, _shape, ext) in c.parts.items()}
 
     def _committed_here(self) -> bool:
-        if self.tier.exists(MANIFEST_NAME):
+        names = self.tier.listdir()
+        if MANIFEST_NAME in names or (not self.tier.local and self.tier.exists(MANIFEST_NAME)):
             return True
         if not self.use_collectives:
-            return self.tier.exists(f"{RANK_MANIFEST_PREFIX}{self.rank:05d}")
+            return any((p := parse_rank_manifest(n)) is not None and p[0] == self.rank for n in names)
         return False
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        try:
+            self._claim_dirs()
+        except BaseException as e:
+            self._fail(e)
+            raise
         save_id = self.save_id
         if len(plans) == 1 and not self.use_collectives:
             return [dataclasses.replace(plans[0], storage_data={"rank": self.rank, "save_id": save_id})]
@@ -359,7 +437,7 @@ class DataStatesWriter(StorageWriter):
             resolved.append((item, prov, prov.regions()))
         total = sum(r.nbytes for _, _, regions in resolved for r in regions)
         n_files = max(1, min(self.thread_count, total // STRIPE_MIN_BYTES))
-        names = [_data_file_name(rank, self.save_id, k) for k in range(n_files)]
+        names = [data_file_name(rank, self.save_id, k) for k in range(n_files)]
         layouts = [FileLayout(n) for n in names]
         # largest regions first onto the least-filled stripe: balanced files, one writer each
         order = sorted(((r.nbytes, i, j) for i, (_, _, regions) in enumerate(resolved)
@@ -462,14 +540,22 @@ class DataStatesWriter(StorageWriter):
         if not self.use_collectives:
             # every rank commits its own rank manifest after its own upload
             futs = []
+
+            def commit(tier: StorageTier) -> None:
+                tier.commit_bytes(name, body)
+                self._tidy_after_commit(tier, manifest)
             for f, tier in zip(self._upload_futs, tiers):
-                futs.append(_chain(f, lambda tier=tier: tier.commit_bytes(name, body)))
+                futs.append(_chain(f, lambda tier=tier: commit(tier)))
+                f.add_done_callback(lambda f, u=tier.url: self._release_claims(u)
+                                    if f.exception() is not None else None)
             self._persist_futs = futs
             _when_all(futs, lambda err: session.mark_persisted(err) if session else None)
             return
         lock = threading.Lock()
+        by_url = {t.url: t for t in tiers}
 
         def record(url: str) -> None:
+            self._tidy_after_commit(by_url[url], manifest)
             with lock:
                 _record_persisted(self.tier, url)
         ranks = list(range(manifest.world_size))
@@ -479,6 +565,8 @@ class DataStatesWriter(StorageWriter):
         self._persist_futs = [commit_when_complete(t, body, ranks, self.save_id, on_commit=record,
                                                    give_up=ev)
                               for t, ev in zip(tiers, give_up)]
+        for f, t in zip(self._persist_futs, tiers):
+            f.add_done_callback(lambda f, u=t.url: self._release_claims(u))
         _when_all(self._upload_futs + self._persist_futs,
                   lambda err: session.mark_persisted(err) if session else None)
 
@@ -576,8 +664,7 @@ class DataStatesWriter(StorageWriter):
         else:
             manifest.world_size = dist.get_world_size() if dist.is_initialized() else 1
             manifest.ranks = [self.rank]
-            name = f"{RANK_MANIFEST_PREFIX}{self.rank:05d}"
-        old = self._referenced_files() if self.overwrite else set()
+            name = rank_manifest_name(self.rank, self.save_id)
         body = encode_manifest(manifest)
         self.tier.commit_bytes(name, body, sync=self.sync_files)
         if self.use_collectives:
@@ -590,34 +677,13 @@ class DataStatesWriter(StorageWriter):
             log.debug("%s stage timings: %s", self.path, self._session.timings())
         log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),
                  len(manifest.values), sum(manifest.files.values()) / 2**20)
-        mine = {n for n in manifest.files if n not in manifest.homes}
-        listing = set(self.tier.listdir())
-        shared_dir = self.use_collectives and mine <= listing  # every rank's files visible here
-        leftovers = {n for n in (old | (listing if shared_dir else set()))
-                     if DATA_FILE.match(n) and n not in mine}
-        debris = any(n.startswith((".metadata.tmp-", ".uploaded.rank-")) for n in listing)
-        if leftovers or (shared_dir and debris):
-            # an incremental checkpoint of this run may still read files of an earlier save here
-            from .tiers.retention import referenced_from_siblings
-            spare = referenced_from_siblings(self.tier) if leftovers else set()
-            for stale in old - mine - spare:
-                if DATA_FILE.match(stale):
-                    self.tier.remove(stale)
-            if shared_dir:
-                from .tiers.persist import remove_stale
-                # leftovers of interrupted saves: only when this directory is shared by all
-                # ranks (every data file of the save visible), never another node's files
-                remove_stale(self.tier, mine | spare)
-
-    def _referenced_files(self) -> set[str]:
-        try:
-            return {n for n in self.tier.listdir() if DATA_FILE.match(n)}
-        except Exception:  # pragma: no cover
-            return set()
+        self._tidy_after_commit(self.tier, manifest)
 
     def _fail(self, e: BaseException) -> None:
         if self._session is not None:
             self._session.mark_failed(e)
+        self._tidies.clear()
+        self._release_claims()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -627,6 +693,8 @@ class DataStatesWriter(StorageWriter):
         d = dict(self.__dict__)
         d["_job"] = None
         d["_persist_futs"] = []
+        d["_claims"] = {}
+        d["_tidies"] = {}
         d.pop("_upload_futs", None)
         d.pop("tier", None)
         return d
@@ -682,9 +750,6 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
                     writer=f"dcp-datastates {__version__}")
 
 
-PERSISTED_RECORD = ".persisted"
-
-
 def _record_persisted(tier: StorageTier, url: str) -> None:
     """Note in the fast tier's copy which slower tiers committed theirs (for `inspect`)."""
     import msgpack
@@ -695,6 +760,18 @@ def _record_persisted(tier: StorageTier, url: str) -> None:
     if url not in have:
         have.append(url)
     tier.commit_bytes(PERSISTED_RECORD, msgpack.packb(have))
+
+
+def _agree_save_id(mine: str) -> str:
+    """Per-rank manifests (``use_collectives=False``) still name one save: rank 0's id, sent
+    to the others with one broadcast on the default process group (DCP itself ends such a
+    save with a barrier on it).  A single process keeps its own."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
 
 
 def _when_all(futs, callback) -> None:

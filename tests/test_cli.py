@@ -91,7 +91,7 @@ def test_convert_dcp_round_trip_bit_exact(ckpt, tmp_path):
     out = _zeros(_state())
     dcp.load(out, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)  # the other tool reads it
     assert _equal(out, _state())
-    cli("convert", dcp_dir, back, "--to", "datastates")
+    cli("convert", dcp_dir, back, "--to", "datastates", "--allow-pickle")  # DCP's .metadata is a pickle
     out = _zeros(_state())
     dcp.load(out, storage_reader=DataStatesReader(back), no_dist=True)
     assert _equal(out, _state())
@@ -135,7 +135,7 @@ def test_bench_writes_valid_pngs(tmp_path):
 
 def test_python_api_conversions(ckpt, tmp_path):
     to_dcp(ckpt, str(tmp_path / "d"))
-    from_dcp(str(tmp_path / "d"), str(tmp_path / "b"))
+    from_dcp(str(tmp_path / "d"), str(tmp_path / "b"), allow_pickle=True)  # DCP's .metadata is a pickle
     out = _zeros(_state())
     dcp.load(out, storage_reader=DataStatesReader(str(tmp_path / "b")), no_dist=True)
     assert _equal(out, _state())

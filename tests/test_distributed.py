@@ -33,16 +33,18 @@ def test_use_collectives_false_rank_manifests_merge(tmp_path):
     run_ranks(2, workers.save_fsdp, ours, ref, False)
     names = sorted(os.listdir(ours))
     assert ".metadata" not in names
-    assert [n for n in names if n.startswith(".manifest.rank-")] == [
-        ".manifest.rank-00000", ".manifest.rank-00001"]
+    rank_manifests = [n for n in names if n.startswith(".manifest.rank-")]
+    # one per rank, both named with the save id the ranks agreed on (issue 17)
+    assert [n[:20] for n in rank_manifests] == [".manifest.rank-00000", ".manifest.rank-00001"]
+    assert len({n[21:] for n in rank_manifests}) == 1
     run_ranks(1, workers.load_fsdp_and_compare, ours, ref)  # resharded: needs both ranks' chunks
 
     # Publish only rank 0's manifest as the global one: the load must refuse, not leave zeros.
     import shutil
     partial = str(tmp_path / "partial")
     shutil.copytree(ours, partial)
-    os.replace(os.path.join(partial, ".manifest.rank-00000"), os.path.join(partial, ".metadata"))
-    os.remove(os.path.join(partial, ".manifest.rank-00001"))
+    os.replace(os.path.join(partial, rank_manifests[0]), os.path.join(partial, ".metadata"))
+    os.remove(os.path.join(partial, rank_manifests[1]))
     run_ranks(1, workers.load_expect_coverage_error, partial)
 
 

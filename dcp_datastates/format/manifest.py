@@ -29,17 +29,12 @@ import xxhash
 from ..errors import ManifestError, UnsupportedFormatVersion
 from .checksum import BLOCK_SIZE, DIGEST_BYTES, split_digests
 from .dtypes import dtype_from_name
+from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 
 MAGIC = b"\xffDCP-DATASTATES\n"
 FORMAT_NAME = "dcp-datastates"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-MANIFEST_NAME = ".metadata"  # torchtitan discovers step-N/.metadata; this file is the commit
-RANK_MANIFEST_PREFIX = ".manifest.rank-"  # use_collectives=False: one manifest per rank
-
-def is_manifest_name(name: str) -> bool:
-    """A committed manifest: ``.metadata`` or one rank's manifest (not a temp file)."""
-    return name == MANIFEST_NAME or (name.startswith(RANK_MANIFEST_PREFIX) and "tmp" not in name)
 
 
 MAX_MANIFEST_BYTES = 1 << 31
@@ -172,18 +167,31 @@ class Manifest:
                             shared[home] = shared.get(home, 0) + seg.nbytes
         return owned, shared
 
-    def merge(self, other: "Manifest") -> None:
-        """Fold a rank-local manifest (``use_collectives=False``) into this one."""
+    def merge(self, other: "Manifest", *, source: str = "<memory>") -> None:
+        """Fold a rank-local manifest (``use_collectives=False``) of the same save into this
+        one.  Ranks that disagree on a tensor, or whose chunks overlap, raise ``ManifestError``."""
         for name, size in other.files.items():
+            if self.files.get(name, size) != size:
+                raise ManifestError(f"rank manifests disagree on the size of {name}", checkpoint=source)
             self.files[name] = size
         self.homes.update(other.homes)
+        touched = []
         for fqn, t in other.tensors.items():
             mine = self.tensors.get(fqn)
             if mine is None:
                 self.tensors[fqn] = TensorEntry(t.dtype, t.size, list(t.chunks))
                 continue
-            seen = {c.offsets for c in mine.chunks}
-            mine.chunks.extend(c for c in t.chunks if c.offsets not in seen)
+            if (mine.dtype, mine.size) != (t.dtype, t.size):
+                raise ManifestError(f"rank manifests disagree on {fqn}: {mine.dtype}{list(mine.size)} "
+                                    f"vs {t.dtype}{list(t.size)}", checkpoint=source, key=fqn)
+            seen = {(c.offsets, c.sizes) for c in mine.chunks}
+            mine.chunks.extend(c for c in t.chunks if (c.offsets, c.sizes) not in seen)
+            touched.append(fqn)
+        for fqn in touched:
+            try:
+                check_tiling(fqn, self.tensors[fqn].chunks)
+            except _Bad as e:
+                raise ManifestError(f"invalid manifest: {e}", checkpoint=source, key=fqn) from None
         for fqn, v in other.values.items():
             self.values.setdefault(fqn, v)
         for k, v in other.planner_data.items():
@@ -334,8 +342,34 @@ def decode_manifest(data: bytes, *, source: str = "<memory>") -> Manifest:
         return _from_body(body)
     except UnsupportedFormatVersion as e:
         raise UnsupportedFormatVersion(str(e.args[0]), checkpoint=source) from None
-    except (_Bad, ValueError) as e:
+    except (_Bad, ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
         raise ManifestError(f"invalid manifest: {e}", checkpoint=source) from None
+
+
+def check_tiling(fqn: str, chunks: list[Chunk]) -> None:
+    """Chunks of one tensor may not overlap: then the volumes the reader sums are the
+    union it covers.  A sweep along the dimension with the most distinct offsets compares
+    only chunks whose extents along it intersect (one neighbour each for FSDP shards)."""
+    boxes = [c for c in chunks if c.sizes and all(c.sizes)]
+    if len(boxes) < 2:
+        seen = set()
+        for c in chunks:  # scalars and 0-d: one chunk per offset
+            if not c.sizes and c.offsets in seen:
+                raise _Bad(f"{fqn}: two chunks at offsets {list(c.offsets)}")
+            seen.add(c.offsets)
+        return
+    nd = len(boxes[0].offsets)
+    d = max(range(nd), key=lambda k: len({c.offsets[k] for c in boxes}))
+    boxes.sort(key=lambda c: c.offsets[d])
+    for i, a in enumerate(boxes):
+        end = a.offsets[d] + a.sizes[d]
+        for b in boxes[i + 1:]:
+            if b.offsets[d] >= end:
+                break
+            if all(bo < ao + asz and ao < bo + bsz
+                   for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                raise _Bad(f"{fqn}: chunks at {list(a.offsets)} (size {list(a.sizes)}) and "
+                           f"{list(b.offsets)} (size {list(b.sizes)}) overlap")
 
 
 def _from_body(body) -> Manifest:
@@ -365,6 +399,7 @@ def _from_body(body) -> Manifest:
             raise _Bad(f"file {name!r} in another directory is not a data file (*.dsd)")
         homes[name] = check_file_name(home)
     tensors: dict[str, TensorEntry] = {}
+    n_chunks = 0
     for fqn, t in _req(body, "tensors", dict).items():
         if not isinstance(fqn, str):
             raise _Bad("tensor keys must be strings")
@@ -390,30 +425,43 @@ def _from_body(body) -> Manifest:
                 chunk.provider = _req(c, "p", str)
                 chunk.meta = c.get("m")
                 for pname, pv in _req(c, "parts", dict).items():
-                    if not isinstance(pv, list) or len(pv) != 3:
+                    if not isinstance(pname, str) or not isinstance(pv, list) or len(pv) != 3 \
+                            or not isinstance(pv[0], str):
                         raise _Bad(f"{fqn}: provider part {pname!r} is malformed")
                     pdt = dtype_from_name(pv[0])
                     pshape = _dims(pv[1], f"{fqn}.{pname} shape")
                     pext = _extent(pv[2], files, block_size, f"{fqn}.{pname}", version)
                     if pext.nbytes != math.prod(pshape) * pdt.itemsize:
                         raise _Bad(f"{fqn}.{pname}: extent size does not match its shape")
-                    chunk.parts[str(pname)] = (pv[0], pshape, pext)
+                    chunk.parts[pname] = (pv[0], pshape, pext)
             elif ext is None:
                 raise _Bad(f"{fqn}: chunk has neither an extent nor a provider")
             chunks.append(chunk)
+            n_chunks += 1
+            if n_chunks > MAX_ENTRIES:
+                raise _Bad(f"more than {MAX_ENTRIES} chunks")
+        check_tiling(fqn, chunks)
         tensors[fqn] = TensorEntry(dtype, size, chunks)
     values: dict[str, ValueEntry] = {}
     for fqn, v in _req(body, "values", dict).items():
         if not isinstance(v, list) or len(v) != 3 or v[0] not in ("msgpack", "pickle", "torch") \
                 or not isinstance(v[1], bytes):
             raise _Bad(f"value {fqn!r} is malformed")
-        values[str(fqn)] = ValueEntry(v[0], v[1], _int(v[2], f"{fqn} checksum", 0, (1 << 64) - 1))
+        if not isinstance(fqn, str):
+            raise _Bad("value keys must be strings")
+        values[fqn] = ValueEntry(v[0], v[1], _int(v[2], f"{fqn} checksum", 0, (1 << 64) - 1))
     planner_data = _req(body, "planner_data", dict)
     for k, path in planner_data.items():
-        if not isinstance(path, list) or not all(isinstance(p, (str, int)) for p in path):
+        if not isinstance(k, str) or not isinstance(path, list) or not all(isinstance(p, (str, int)) for p in path):
             raise _Bad(f"planner_data for {k!r} must be a list of str/int")
+    save_id = body.get("save_id", "")
+    if not isinstance(save_id, str):
+        raise _Bad("save_id must be a string")
+    for key, typ in (("created_unix", (int, float)), ("torch", str), ("writer", str)):
+        if key in body and body[key] is not None and not isinstance(body[key], typ):
+            raise _Bad(f"field {key!r} has the wrong type ({type(body[key]).__name__})")
     return Manifest(
-        save_id=str(body.get("save_id", "")), world_size=world, ranks=ranks, files=files,
+        save_id=save_id, world_size=world, ranks=ranks, files=files,
         tensors=tensors, values=values, planner_data=planner_data, homes=homes, version=version,
         block_size=block_size,
         created_unix=float(body.get("created_unix", 0.0) or 0.0),

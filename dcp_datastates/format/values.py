@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import io
+import threading
 
 import msgpack
 import torch
@@ -21,6 +22,11 @@ from .dtypes import dtype_from_name, dtype_name
 # Decoder limits: far beyond any real state-dict value, far below a bomb.
 MAX_VALUE_BYTES = 1 << 30
 MAX_CONTAINER_LEN = 1 << 24
+# Extension types nest by calling the decoder again from its own hook, on the C stack: a
+# crafted value nested a few hundred deep would overflow it and kill the process.  Real
+# values (a tuple of tuples in an optimizer's param groups) nest a handful of levels.
+MAX_EXT_DEPTH = 32
+_depth = threading.local()
 
 
 class ExtCode(enum.IntEnum):
@@ -79,6 +85,17 @@ def encode_value(obj) -> bytes:
 
 
 def _ext_hook(code: int, data: bytes):
+    d = getattr(_depth, "n", 0)
+    if d >= MAX_EXT_DEPTH:
+        raise ValueError(f"extension types nested deeper than {MAX_EXT_DEPTH} levels")
+    _depth.n = d + 1
+    try:
+        return _ext_value(code, data)
+    finally:
+        _depth.n = d
+
+
+def _ext_value(code: int, data: bytes):
     if code == ExtCode.TUPLE:
         return tuple(_unpack(data))
     if code == ExtCode.SIZE:

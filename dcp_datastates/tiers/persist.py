@@ -19,50 +19,31 @@ the save's ``wait_persisted()`` and the logs, and its copy never commits.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgpack
 
+from .. import _faults
+from ..errors import ManifestError
+
 from ..engine.snapshot import wait_for_quiet
-from ..format.manifest import MANIFEST_NAME
-from .storage import StorageTier
+from ..format.manifest import MANIFEST_NAME, decode_manifest
+from ..format.names import FAILED_PREFIX, UPLOADED_PREFIX, failed_marker, uploaded_marker
+from .storage import StorageTier, open_regular
+from .tidy import flushing
 
 log = logging.getLogger(__name__)
 
-MARKER_PREFIX = ".uploaded.rank-"
-FAILED_PREFIX = ".failed.rank-"  # a rank gave up uploading: the commit stops waiting for it
+MARKER_PREFIX = UPLOADED_PREFIX
 UPLOAD_PIECE = 64 << 20
 YIELD_S = 2.0  # before each piece, wait up to this long for this process's saves to finish writing
 
 
-def remove_stale(tier: StorageTier, keep: set[str]) -> list[str]:
-    """After a commit: remove what earlier, interrupted saves left in this directory
-    (data files the manifest does not reference, partial copies, markers, temp manifests)."""
-    import re
-    stale_data = re.compile(r"^data-r\d{5}-[0-9a-f]{12}-\d{2}\.dsd(\.part)?$")
-    removed = []
-    for name in tier.listdir():
-        if name in keep:
-            continue
-        if stale_data.match(name) or name.startswith((MARKER_PREFIX, FAILED_PREFIX, ".metadata.tmp-")):
-            try:
-                tier.remove(name)
-                removed.append(name)
-            except Exception:  # noqa: BLE001 - leftovers are invisible anyway
-                pass
-    if removed:
-        log.info("removed %d leftovers of interrupted saves from %s", len(removed), tier.url)
-    return removed
-
-
-def marker_name(rank: int, save_id: str) -> str:
-    return f"{MARKER_PREFIX}{rank:05d}.{save_id}"
-
-
-def failed_name(rank: int, save_id: str) -> str:
-    return f"{FAILED_PREFIX}{rank:05d}.{save_id}"
+marker_name = uploaded_marker
+failed_name = failed_marker
 
 
 def with_retries(fn, what: str, *, attempts: int = 4, base_delay: float = 0.2):
@@ -80,9 +61,9 @@ def with_retries(fn, what: str, *, attempts: int = 4, base_delay: float = 0.2):
 
 def _copy_local(src: StorageTier, dst: StorageTier, name: str, size: int) -> int:
     """Kernel-side copy between local files (no user-space buffer; reflink where supported)."""
-    import os
     tmp = dst.path(f"{name}.part")
-    with open(src.path(name), "rb") as fi, open(tmp, "wb") as fo:
+    fd = open_regular(src.path(name), checkpoint=src.url)
+    with os.fdopen(fd, "rb") as fi, open(tmp, "wb") as fo:
         left = size
         while left > 0:
             wait_for_quiet(YIELD_S)
@@ -102,10 +83,9 @@ def _copy_local(src: StorageTier, dst: StorageTier, name: str, size: int) -> int
 
 def copy_file(src: StorageTier, dst: StorageTier, name: str) -> int:
     """Stream one file from ``src`` to ``dst`` in large pieces (multipart on object stores)."""
-    from .. import _faults
     _faults.point("persist")
     size = src.size(name)
-    if src.local and dst.local and hasattr(__import__("os"), "copy_file_range"):
+    if src.local and dst.local and hasattr(os, "copy_file_range"):
         try:
             return _copy_local(src, dst, name, size)
         except OSError as e:  # e.g. EXDEV on old kernels: fall back to the buffered copy
@@ -136,7 +116,6 @@ _pool_lock = threading.Lock()
 
 def _background_priority() -> None:
     """Flushes to slow tiers yield the CPU to training: SCHED_IDLE, else nice 19 (this thread)."""
-    import os
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         return
@@ -204,8 +183,20 @@ def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], sa
     Stops waiting, and never commits, as soon as a rank reports that its upload failed (its
     ``.failed.rank-`` marker) or ``give_up`` is set (the coordinator's own upload failed)."""
     stop = give_up or threading.Event()
+    run_dir, step = dst.parent(), dst.name
 
     def run() -> None:
+        # until it commits, this copy's references are live on dst (retention and tidy)
+        try:
+            flushing(run_dir, step, decode_manifest(manifest, source=dst.url))
+        except ManifestError as e:  # the commit below writes it anyway; nothing to protect
+            log.warning("manifest flushing to %s does not decode (%s)", dst.url, e)
+        try:
+            wait_and_commit()
+        finally:
+            flushing(run_dir, step, None)
+
+    def wait_and_commit() -> None:
         deadline = time.monotonic() + timeout
         want = {marker_name(r, save_id) for r in ranks}
         failed = {failed_name(r, save_id): r for r in ranks}
@@ -227,8 +218,6 @@ def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], sa
             stop.wait(delay)
             delay = min(delay * 2, 2.0)
         with_retries(lambda: dst.commit_bytes(MANIFEST_NAME, manifest), f"manifest commit on {dst.url}")
-        from ..format import decode_manifest
-        remove_stale(dst, set(decode_manifest(manifest, source=dst.url).files))
         log.info("persisted %s", dst.url)
         if on_commit is not None:
             on_commit(dst.url)

@@ -7,32 +7,36 @@ Purging ``drop`` steps of a run directory on one tier goes:
 1. **Uncommit.** Each dropped step gets a ``.purged`` mark, then loses its manifest(s).
    From here on nobody loads it or takes it as an incremental base; a crash at any later
    point leaves every retained step intact.
-2. **Mark.** Every file referenced by a committed manifest of the run (plus ``also``:
-   manifests of steps still being flushed to this tier) is live, wherever it lives.
+2. **Mark.** Every file referenced by a committed manifest of the run, in a directory of any
+   name (plus ``also``: manifests of steps still being flushed to this tier), is live.
 3. **Sweep.** In each dropped directory, and in every directory still carrying a
-   ``.purged`` mark from an interrupted purge, every file that is not live is removed;
-   a directory left with nothing live disappears.  A directory that still holds live
-   files stays as a *husk* until the steps referencing it are purged too.
+   ``.purged`` mark from an interrupted purge, every file of ours that is not live is removed;
+   a directory left empty disappears.  A directory that still holds live files stays as a
+   *husk* until the steps referencing it are purged too.
 
-Retained steps are never written to, so the purge is safe to re-run after a crash: it
-resumes at the sweep.  Directories with neither a manifest nor a mark are in-flight or
-crashed saves; the caller decides about them (they are swept the same way when dropped).
+What retention never does: follow a symbolic link (a step that is a link is skipped and
+reported, so is a link inside a step), leave the run directory (each step's real path must
+be a child of the run's), remove what the format does not write (a subdirectory, a user's
+file: reported and kept), touch a step a live save has claimed, or stop the whole pass
+because one entry fails (logged, then the next one).
 """
 
 from __future__ import annotations
 
 import logging
-import re
+import os
 
 from .. import _faults
 from ..errors import CheckpointError
-from ..format.manifest import Manifest, is_manifest_name
+from ..format.manifest import Manifest
+from ..format.names import CLAIM_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, is_ours
+from .claim import holds_live_claim
 from .storage import StorageTier
+from .tidy import run_references
 
 log = logging.getLogger(__name__)
 
-PURGED_MARK = ".purged"
-STEP_DIR = re.compile(r"^step-(\d+)$")
+__all__ = ["PURGED_MARK", "STEP_DIR", "live_files", "purge_steps"]
 
 
 def _manifests(t: StorageTier) -> list[str]:
@@ -42,88 +46,111 @@ def _manifests(t: StorageTier) -> list[str]:
 def live_files(run: StorageTier, also: list[tuple[str, Manifest]] = ()) -> dict[str, set[str]]:
     """``{directory: files}`` referenced by the committed manifests under ``run``, and by
     ``also``: ``(directory, manifest)`` of steps not committed here yet (flushes in flight)."""
-    from ..reader import load_manifest
-    live: dict[str, set[str]] = {}
+    return run_references(run, also=also)
 
-    def add(own_dir: str, m: Manifest) -> None:
-        for f in m.files:
-            live.setdefault(m.homes.get(f, own_dir), set()).add(f)
-    for name in run.listdir():
-        t = run.child(name)
-        if not STEP_DIR.match(name) or not _manifests(t):
-            continue
-        try:
-            add(name, load_manifest(t))
-        except CheckpointError as e:
-            # an unreadable manifest cannot tell what it needs: keep everything it might
-            log.warning("retention: cannot read the manifest of %s (%s); keeping its files", t.url, e)
-            live.setdefault(name, set()).add("*")
-    for name, m in also:
-        add(name, m)
-    return live
+
+def _inside(run: StorageTier, name: str) -> StorageTier | None:
+    """``run/name`` if it is a real directory inside ``run`` (never through a link)."""
+    t = run.child(name)
+    if not t.local:
+        return t
+    try:
+        if not t.is_real_dir():
+            return None
+        if os.path.dirname(os.path.realpath(t.root)) != os.path.realpath(run.root):
+            return None
+    except OSError:
+        return None
+    return t
 
 
 def purge_steps(run: StorageTier, drop: list[str], *,
                 also: list[tuple[str, Manifest]] = ()) -> list[str]:
     """Purge step directories ``drop`` of ``run`` without breaking any retained step.
     Returns the directories removed completely (husks that stay are not listed)."""
+    kinds = dict(run.entries())
     for name in drop:
-        t = run.child(name)
-        have = t.listdir()
-        if not have:
+        if kinds.get(name) != "dir":
+            if name in kinds:
+                log.warning("retention: %s/%s is a %s, not a step directory; left alone",
+                            run.url, name, kinds[name])
             continue
-        if PURGED_MARK not in have:
-            t.commit_bytes(PURGED_MARK, b"")
-        for n in _manifests(t):
-            t.remove(n)
+        t = _inside(run, name)
+        if t is None:
+            log.warning("retention: %s/%s leaves the run directory; left alone", run.url, name)
+            continue
+        if holds_live_claim(t, CLAIM_NAME):
+            log.warning("retention: %s is being saved right now; not purging it", t.url)
+            continue
+        try:
+            have = t.listdir()
+            if not have:
+                continue
+            if PURGED_MARK not in have:
+                t.commit_bytes(PURGED_MARK, b"")
+            for n in _manifests(t):
+                t.remove(n)
+        except OSError as e:
+            log.warning("retention: could not uncommit %s (%s); skipping it", t.url, e)
         _faults.point("purge")
     live = live_files(run, also)
     gone = []
-    for name in sorted(set(drop) | {n for n in run.listdir() if STEP_DIR.match(n)
-                                    and run.child(n).exists(PURGED_MARK)}):
-        t = run.child(name)
-        keep = live.get(name, set())
-        if "*" in keep:
+    marked = []
+    for n, kind in run.entries():
+        if kind == "dir" and STEP_DIR.match(n) and run.child(n).exists(PURGED_MARK):
+            marked.append(n)
+    for name in sorted(set(drop) & {n for n, k in kinds.items() if k == "dir"} | set(marked)):
+        t = _inside(run, name)
+        if t is None:
             continue
-        files = t.listdir()
-        if _manifests(t):  # committed again since (a re-save of this step): not ours to sweep
-            continue
-        for n in files:
-            if n in keep or n == PURGED_MARK:
-                continue
-            t.remove(n)
-            _faults.point("purge")
-        if not keep:
-            t.remove(PURGED_MARK)
-            _rmdir(t)
-            gone.append(name)
-            log.info("retention: removed %s", t.url)
-        else:
-            log.info("retention: %s stays as a husk of %d files that later steps reference",
-                     t.url, len(keep))
+        try:
+            if _sweep(t, live.get(name, set())):
+                gone.append(name)
+        except (OSError, CheckpointError) as e:
+            log.warning("retention: sweeping %s failed (%s); the next pass retries", t.url, e)
     return gone
 
 
+def _sweep(t: StorageTier, keep: set[str]) -> bool:
+    """Remove ``t``'s files that are ours and not live; True if the directory went."""
+    if "*" in keep or _manifests(t) or holds_live_claim(t, CLAIM_NAME):
+        return False  # unreadable user of it, committed again since, or being saved now
+    foreign = []
+    for n, kind in t.entries():
+        if kind != "file" or not is_ours(n):
+            foreign.append(f"{n} ({kind})" if kind != "file" else n)
+            continue
+        if n in keep or n == PURGED_MARK:
+            continue
+        try:
+            t.remove(n)
+        except OSError as e:
+            log.warning("retention: could not remove %s/%s (%s)", t.url, n, e)
+        _faults.point("purge")
+    if foreign:
+        log.warning("retention: %s holds entries dcp-datastates did not write (%s); they are "
+                    "kept, and so is the directory", t.url, ", ".join(sorted(foreign)[:8]))
+    if keep:
+        log.info("retention: %s stays as a husk of %d files that later steps reference",
+                 t.url, len(keep))
+        return False
+    if foreign:
+        return False
+    t.remove(PURGED_MARK)
+    _rmdir(t)
+    log.info("retention: removed %s", t.url)
+    return True
+
+
 def _rmdir(t: StorageTier) -> None:
-    import os
-    import shutil
+    """Remove the now-empty directory ``t`` (never recursively)."""
     try:
         if t.local:
-            if os.path.isdir(t.root):
-                shutil.rmtree(t.root)  # only leftovers such as empty sub-dirs remain
+            os.rmdir(t.root)
         else:
             try:
-                t.fs.rm(t.root, recursive=True)
-            except FileNotFoundError:
+                t.fs.rmdir(t.root)
+            except (FileNotFoundError, NotImplementedError):
                 pass
-    except OSError as e:  # pragma: no cover - a later purge retries
-        log.debug("could not remove %s: %s", t.url, e)
-
-
-def referenced_from_siblings(tier: StorageTier) -> set[str]:
-    """Files of checkpoint directory ``tier`` that other committed checkpoints of its run use."""
-    try:
-        live = live_files(tier.parent())
-    except Exception:  # noqa: BLE001 - no parent listing (object store root): nothing known
-        return set()
-    return live.get(tier.name, set())
+    except OSError as e:
+        log.warning("retention: could not remove the directory %s (%s); a later pass retries", t.url, e)

@@ -12,18 +12,47 @@ import errno
 import logging
 import os
 import posixpath
+import stat
 import threading
 import uuid
 from collections import deque
 
 import fsspec
 
+from ..errors import DataFileError, UnsafeFileError
 from ..format.layout import align_up
+from ..format.names import TEMP_INFIX
 from .direct_io import pread_full
 
 log = logging.getLogger(__name__)
 
 _PWRITE_MAX = 1 << 30  # Linux caps one write at ~2 GiB; stay well below
+_SAFE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, *, checkpoint: str | None = None) -> int:
+    """Open an existing checkpoint file without following a symbolic link, and only if it is
+    a regular file: a link planted in place of a data file cannot make us read outside the
+    checkpoint, and a FIFO or device cannot block or flood the reader (``O_NONBLOCK`` makes
+    the open itself return at once; regular files ignore it)."""
+    name = os.path.basename(path)
+    try:
+        fd = os.open(path, flags | _SAFE_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeFileError("is a symbolic link; checkpoint files are never read through "
+                                  "links (replace it with the file itself)",
+                                  checkpoint=checkpoint or os.path.dirname(path), file=name) from None
+        if e.errno in (errno.ENXIO, errno.ENODEV):
+            raise UnsafeFileError("is a device or socket, not a regular file",
+                                  checkpoint=checkpoint or os.path.dirname(path), file=name) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafeFileError(f"is not a regular file (mode {stat.filemode(st.st_mode)}); refusing "
+                              "to read it", checkpoint=checkpoint or os.path.dirname(path), file=name)
+    return fd
 
 
 def _is_local(fs) -> bool:
@@ -246,6 +275,44 @@ class StorageTier:
         self._fresh(self.root)
         return int(self.fs.size(p))
 
+    def entries(self) -> list[tuple[str, str]]:
+        """``(name, kind)`` of this directory's entries without following links; ``kind`` is
+        ``"file"``, ``"dir"``, ``"link"`` or ``"other"`` (object stores: files and dirs)."""
+        if self.local:
+            out = []
+            try:
+                with os.scandir(self.root) as it:
+                    for e in it:
+                        if e.is_symlink():
+                            kind = "link"
+                        elif e.is_dir(follow_symlinks=False):
+                            kind = "dir"
+                        elif e.is_file(follow_symlinks=False):
+                            kind = "file"
+                        else:
+                            kind = "other"
+                        out.append((e.name, kind))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+            return sorted(out)
+        self._fresh(self.root)
+        try:
+            infos = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted((posixpath.basename(i["name"].rstrip("/")),
+                       "dir" if i.get("type") == "directory" else "file") for i in infos)
+
+    def is_real_dir(self) -> bool:
+        """This directory exists and is not a symbolic link (local); exists (object stores)."""
+        if self.local:
+            try:
+                return stat.S_ISDIR(os.lstat(self.root).st_mode)
+            except FileNotFoundError:
+                return False
+        self._fresh(self.root)
+        return self.fs.isdir(self.root)
+
     def listdir(self) -> list[str]:
         if self.local:
             try:
@@ -264,12 +331,29 @@ class StorageTier:
             return LocalSink(self.path(name), name, o_direct, drop_cache)
         return SequentialSink(self.fs, self.path(name), name)
 
-    def read_bytes(self, name: str) -> bytes:
+    def read_bytes(self, name: str, max_bytes: int | None = None) -> bytes:
+        """The whole file ``name``.  Its size is checked against ``max_bytes`` before anything
+        is read; locally it must be a regular file reached without a link."""
         p = self.path(name)
         if self.local:
-            with open(p, "rb") as f:
-                return f.read()
+            fd = open_regular(p, checkpoint=self.url)
+            try:
+                size = os.fstat(fd).st_size
+                self._check_size(name, size, max_bytes)
+                buf = bytearray(size)
+                got = pread_full(fd, memoryview(buf), 0)
+                return bytes(buf[:got])
+            finally:
+                os.close(fd)
+        if max_bytes is not None:
+            self._fresh(self.root)
+            self._check_size(name, int(self.fs.size(p)), max_bytes)
         return self.fs.cat_file(p)
+
+    def _check_size(self, name: str, size: int, max_bytes: int | None) -> None:
+        if max_bytes is not None and size > max_bytes:
+            raise DataFileError(f"is {size} bytes, over the {max_bytes}-byte limit for this file; "
+                                "refusing to read it", checkpoint=self.url, file=name)
 
     def read_into(self, name: str, offset: int, buf, *, fd: int | None = None) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (short at end of file)."""
@@ -278,7 +362,7 @@ class StorageTier:
         if self.local:
             own = fd is None
             if own:
-                fd = os.open(self.path(name), os.O_RDONLY)
+                fd = open_regular(self.path(name), checkpoint=self.url)
             try:
                 return pread_full(fd, mv, offset)
             finally:
@@ -292,8 +376,8 @@ class StorageTier:
         """Publish ``name`` atomically: temp file, fsync, rename, fsync dir (local);
         a single PUT of the final object (object stores, where that PUT is the commit)."""
         if self.local:
-            tmp = self.path(f"{name}.tmp-{uuid.uuid4().hex[:8]}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            tmp = self.path(f"{name}{TEMP_INFIX}{uuid.uuid4().hex[:8]}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             try:
                 mv = memoryview(data)
                 while mv:

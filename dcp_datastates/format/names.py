@@ -1,0 +1,85 @@
+"""Every file and directory name of the format, defined once.
+
+A checkpoint directory holds data files, a manifest (or rank manifests), and small
+records.  Their names carry the save that wrote them, so that cleanup can tell what a
+save owns without guessing from a listing.
+"""
+
+from __future__ import annotations
+
+import re
+
+MANIFEST_NAME = ".metadata"  # torchtitan discovers step-N/.metadata; this file is the commit
+RANK_MANIFEST_PREFIX = ".manifest.rank-"  # use_collectives=False: one manifest per rank
+CLAIM_NAME = ".claim"  # held by the save writing this directory (tiers/claim.py)
+RANK_CLAIM_PREFIX = ".claim.rank-"  # use_collectives=False: one claim per rank
+PURGED_MARK = ".purged"  # retention uncommitted this step (tiers/retention.py)
+PERSISTED_RECORD = ".persisted"  # which slower tiers committed their copy (for `inspect`)
+UPLOADED_PREFIX = ".uploaded.rank-"  # a rank finished uploading to a slow tier
+FAILED_PREFIX = ".failed.rank-"  # a rank gave up uploading to a slow tier
+TEMP_INFIX = ".tmp-"  # commit_bytes writes NAME.tmp-XXXXXXXX, then renames it
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+SAVE_ID = re.compile(r"^[0-9a-f]{12}$")
+DATA_FILE = re.compile(r"^data-r(\d{5})-([0-9a-f]{12})-(\d{2})\.dsd$")
+_DATA_PART = re.compile(r"^data-r(\d{5})-([0-9a-f]{12})-(\d{2})\.dsd\.part$")
+_RANK_MANIFEST = re.compile(r"^\.manifest\.rank-(\d{5})(?:\.([0-9a-f]{12}))?$")
+_MARKER = re.compile(r"^\.(?:uploaded|failed)\.rank-(\d{5})\.([0-9a-f]{12})$")
+
+
+def data_file_name(rank: int, save_id: str, stripe: int) -> str:
+    return f"data-r{rank:05d}-{save_id}-{stripe:02d}.dsd"
+
+
+def data_file_save_id(name: str) -> str | None:
+    """The save that wrote data file ``name`` (or its partial upload ``name.part``)."""
+    m = DATA_FILE.match(name) or _DATA_PART.match(name)
+    return m.group(2) if m else None
+
+
+def rank_manifest_name(rank: int, save_id: str) -> str:
+    return f"{RANK_MANIFEST_PREFIX}{rank:05d}.{save_id}"
+
+
+def parse_rank_manifest(name: str) -> tuple[int, str | None] | None:
+    """``(rank, save_id)`` of a rank manifest name; ``save_id`` is None for the
+    unversioned names written before rank manifests carried their save."""
+    m = _RANK_MANIFEST.match(name)
+    return None if m is None else (int(m.group(1)), m.group(2))
+
+
+def is_manifest_name(name: str) -> bool:
+    """A committed manifest: ``.metadata`` or one rank's manifest (not a temp file)."""
+    return name == MANIFEST_NAME or _RANK_MANIFEST.match(name) is not None
+
+
+def rank_claim_name(rank: int) -> str:
+    return f"{RANK_CLAIM_PREFIX}{rank:05d}"
+
+
+def uploaded_marker(rank: int, save_id: str) -> str:
+    return f"{UPLOADED_PREFIX}{rank:05d}.{save_id}"
+
+
+def failed_marker(rank: int, save_id: str) -> str:
+    return f"{FAILED_PREFIX}{rank:05d}.{save_id}"
+
+
+def marker_save_id(name: str) -> str | None:
+    m = _MARKER.match(name)
+    return m.group(2) if m else None
+
+
+def is_temp_manifest(name: str) -> bool:
+    base, sep, _ = name.partition(TEMP_INFIX)
+    return bool(sep) and is_manifest_name(base)
+
+
+def is_ours(name: str) -> bool:
+    """A name this format writes into a checkpoint directory.  Anything else there (a user's
+    notes, a subdirectory) is foreign: cleanup and retention leave it alone."""
+    base = name.partition(TEMP_INFIX)[0]
+    return (is_manifest_name(base) or data_file_save_id(base) is not None
+            or marker_save_id(base) is not None
+            or base in (PURGED_MARK, PERSISTED_RECORD, CLAIM_NAME)
+            or (base.startswith(RANK_CLAIM_PREFIX) and base[len(RANK_CLAIM_PREFIX):].isdigit()))

@@ -1,0 +1,125 @@
+"""Reading the committed manifest of a checkpoint directory on one tier.
+
+A collective save commits one ``.metadata``.  A ``use_collectives=False`` save commits one
+manifest per rank, named with the save id all its ranks share
+(``.manifest.rank-NNNNN.<save_id>``).  Rank manifests of different saves can sit side by side
+(an overwrite in progress, or one that a crash cut short): only the manifests of one save are
+ever merged, and the newest save whose every rank committed is the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ..errors import DataFileError, ManifestError, NotACheckpointError
+from ..format.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
+from ..format.names import MANIFEST_NAME, is_manifest_name, parse_rank_manifest
+from .storage import StorageTier
+
+log = logging.getLogger(__name__)
+
+
+def read_manifest(tier: StorageTier, name: str) -> Manifest:
+    """Decode manifest file ``name`` of ``tier``: size-checked before it is read, never
+    through a link, and validated (``ManifestError`` names the file)."""
+    where = f"{tier.url}/{name}"
+    try:
+        data = tier.read_bytes(name, max_bytes=MAX_MANIFEST_BYTES)
+    except DataFileError as e:
+        raise ManifestError(f"manifest unreadable: {e}", checkpoint=where) from None
+    return decode_manifest(data, source=where)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSave:
+    """The rank manifests of one ``use_collectives=False`` save found in a directory."""
+    save_id: str | None  # None: unversioned names written before rank manifests carried it
+    world_size: int
+    names: dict[int, str]  # rank -> manifest file name
+    created_unix: float
+
+    @property
+    def complete(self) -> bool:
+        return set(self.names) == set(range(self.world_size))
+
+    @property
+    def missing(self) -> list[int]:
+        return sorted(set(range(self.world_size)) - set(self.names))
+
+
+def rank_saves(tier: StorageTier, names: list[str] | None = None) -> list[tuple[RankSave, dict[int, Manifest]]]:
+    """Every save with rank manifests in ``tier``, oldest first, with its decoded manifests.
+    A manifest that does not decode is reported (``ManifestError``)."""
+    names = tier.listdir() if names is None else names
+    groups: dict[str | None, dict[int, Manifest]] = {}
+    files: dict[str | None, dict[int, str]] = {}
+    for n in names:
+        parsed = parse_rank_manifest(n)
+        if parsed is None:
+            continue
+        rank, sid = parsed
+        m = read_manifest(tier, n)
+        if sid is not None and m.save_id != sid:
+            raise ManifestError(f"rank manifest names save {sid} but holds save {m.save_id}",
+                                checkpoint=f"{tier.url}/{n}")
+        if m.ranks != [rank]:
+            raise ManifestError(f"rank manifest of rank {rank} lists ranks {m.ranks[:8]}",
+                                checkpoint=f"{tier.url}/{n}")
+        groups.setdefault(sid, {})[rank] = m
+        files.setdefault(sid, {})[rank] = n
+    out = []
+    for sid, ms in groups.items():
+        worlds = {m.world_size for m in ms.values()}
+        if len(worlds) != 1:
+            raise ManifestError(f"rank manifests of save {sid} disagree on the world size {sorted(worlds)}",
+                                checkpoint=tier.url)
+        out.append((RankSave(sid, worlds.pop(), files[sid], max(m.created_unix for m in ms.values())), ms))
+    out.sort(key=lambda g: (g[0].created_unix, g[0].save_id or ""))
+    return out
+
+
+def _merge(tier: StorageTier, save: RankSave, ms: dict[int, Manifest]) -> Manifest:
+    ranks = sorted(ms)
+    merged = ms[ranks[0]]
+    merged = dataclasses.replace(merged, files=dict(merged.files), homes=dict(merged.homes),
+                                 tensors=dict(merged.tensors), values=dict(merged.values),
+                                 planner_data=dict(merged.planner_data), ranks=list(merged.ranks))
+    for r in ranks[1:]:
+        merged.merge(ms[r], source=tier.url)
+    return merged
+
+
+def load_manifest(tier: StorageTier) -> Manifest:
+    """The committed manifest of the checkpoint at ``tier`` (merged across rank manifests)."""
+    where = tier.url
+    names = tier.listdir()
+    if MANIFEST_NAME in names or (not tier.local and tier.exists(MANIFEST_NAME)):
+        return read_manifest(tier, MANIFEST_NAME)
+    if not any(is_manifest_name(n) for n in names):
+        raise NotACheckpointError(
+            "no committed manifest: this directory is missing, empty, or holds a save that "
+            "never committed; load an earlier step", checkpoint=where)
+    saves = rank_saves(tier, names)
+    complete = [g for g in saves if g[0].complete]
+    newer = [g for g in saves if not g[0].complete and (not complete or g[0].created_unix > complete[-1][0].created_unix)]
+    if not complete:
+        save, _ = saves[-1]
+        raise NotACheckpointError(
+            f"rank manifests of ranks {save.missing[:8]} are missing for save {save.save_id}: the "
+            "save did not commit on every rank (those ranks are stale); load an earlier step",
+            checkpoint=where)
+    save, ms = complete[-1]
+    if newer:
+        log.warning("%s: a newer save (%s) committed only on ranks %s (missing %s); loading the "
+                    "complete save %s", where, newer[-1][0].save_id, sorted(newer[-1][0].names)[:8],
+                    newer[-1][0].missing[:8], save.save_id)
+    return _merge(tier, save, ms)
+
+
+def committed_manifest(tier: StorageTier) -> Manifest | None:
+    """The committed manifest at ``tier``, or None where nothing is committed."""
+    try:
+        return load_manifest(tier)
+    except NotACheckpointError:
+        return None

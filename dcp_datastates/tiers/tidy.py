@@ -1,0 +1,173 @@
+"""What may be deleted after a commit, decided by ownership, never by a directory listing.
+
+A save that committed into a directory removes exactly:
+
+* the files that the manifest it *superseded* owned (its own data files, not those it
+  referenced in an earlier step), read under the claim before this save wrote anything;
+* the files of attempts it *took over* (their claim was stale: the save died), found by the
+  save id in their names;
+* its own temporary files and upload markers;
+
+and of these never a file that a committed manifest anywhere in the run references (an
+incremental step in a directory of any name), a manifest still being flushed references
+(``inflight``), or a rank manifest of this directory still lists.  If the run cannot be
+read, nothing is deleted and a warning says so: leaking a file is recoverable, deleting a
+used one is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+from ..errors import CheckpointError
+from ..format.manifest import Manifest
+from ..format.names import (MANIFEST_NAME, TEMP_INFIX, data_file_save_id, is_manifest_name, is_temp_manifest, marker_save_id,
+                            parse_rank_manifest)
+from .manifests import load_manifest, rank_saves, read_manifest
+from .storage import StorageTier
+
+log = logging.getLogger(__name__)
+
+_inflight_lock = threading.Lock()
+_inflight: dict[tuple[str, str], Manifest] = {}  # (run url, step dir) -> manifest being flushed
+
+
+def flushing(run: StorageTier, name: str, m: Manifest | None) -> None:
+    """Register (or, with ``m=None``, unregister) a manifest being flushed to ``run/name``: its
+    references are live there before it commits."""
+    with _inflight_lock:
+        if m is None:
+            _inflight.pop((run.url.rstrip("/"), name), None)
+        else:
+            _inflight[(run.url.rstrip("/"), name)] = m
+
+
+def _add(live: dict[str, set[str]], own_dir: str, m: Manifest) -> None:
+    for f in m.files:
+        live.setdefault(m.homes.get(f, own_dir), set()).add(f)
+
+
+def run_references(run: StorageTier, *, skip: str | None = None,
+                   also: list[tuple[str, Manifest]] = ()) -> dict[str, set[str]]:
+    """``{directory: files}`` referenced by the committed manifests in every real directory
+    of ``run`` (links are not followed), by manifests registered as flushing, and by ``also``.
+    A directory whose manifest cannot be read holds ``"*"`` (keep everything).  Raises
+    ``OSError`` when ``run`` cannot be listed."""
+    live: dict[str, set[str]] = {}
+    for name, kind in run.entries():
+        if kind != "dir" or name == skip:
+            continue
+        t = run.child(name)
+        if not any(is_manifest_name(n) for n in t.listdir()):
+            continue
+        try:
+            _add(live, name, load_manifest(t))
+        except (CheckpointError, OSError) as e:
+            log.warning("cannot read the manifest of %s (%s); keeping every file it might use",
+                        t.url, e)
+            live.setdefault(name, set()).add("*")
+    with _inflight_lock:
+        pending = [(d, m) for (u, d), m in _inflight.items() if u == run.url.rstrip("/")]
+    for name, m in [*pending, *also]:
+        _add(live, name, m)
+    return live
+
+
+@dataclasses.dataclass
+class Tidy:
+    """What one commit into ``tier`` may remove (see the module docstring)."""
+    tier: StorageTier
+    save_id: str
+    superseded: list[Manifest] = dataclasses.field(default_factory=list)
+    dead_ids: list[str] = dataclasses.field(default_factory=list)
+    rank: int | None = None  # per-rank manifests: touch only this rank's leftovers
+
+    def _own_temp(self, n: str) -> bool:
+        base = n.partition(TEMP_INFIX)[0]
+        if self.rank is None:
+            return base == MANIFEST_NAME
+        p = parse_rank_manifest(base)
+        return p is not None and p[0] == self.rank
+
+    def run(self, protect_own: set[str]) -> list[str]:
+        """Remove what this save may remove, sparing ``protect_own`` (files of manifests that
+        stay in this directory) and everything the run references.  Returns what it removed."""
+        t = self.tier
+        try:
+            live = run_references(t.parent(), skip=t.name)
+        except OSError as e:
+            log.warning("not removing superseded files of %s: the run directory cannot be "
+                        "listed (%s)", t.url, e)
+            return []
+        keep = protect_own | live.get(t.name, set())
+        if "*" in keep:
+            log.warning("not removing superseded files of %s: a checkpoint of the run that may use "
+                        "them cannot be read", t.url)
+            return []
+        doomed: set[str] = set()
+        for m in self.superseded:
+            doomed.update(f for f in m.files if f not in m.homes)
+        names = t.listdir()
+        dead = set(self.dead_ids) - {self.save_id}
+        mine = "" if self.rank is None else f"-r{self.rank:05d}-"
+        for n in names:
+            sid = data_file_save_id(n) or marker_save_id(n)
+            if sid is not None and (sid in dead or (sid == self.save_id and marker_save_id(n))):
+                if mine in n or marker_save_id(n):
+                    doomed.add(n)
+            elif is_temp_manifest(n) and self._own_temp(n):
+                doomed.add(n)  # under the claim nobody else commits this manifest here
+        removed = []
+        present = set(names)
+        for n in sorted(doomed - keep):
+            if n in present:
+                t.remove(n)
+                removed.append(n)
+        if removed:
+            log.debug("removed %d superseded or leftover files from %s", len(removed), t.url)
+        return removed
+
+
+def rank_superseded(tier: StorageTier, rank: int, save_id: str) -> tuple[list[str], list[Manifest], set[str]]:
+    """For rank ``rank`` that just committed its manifest of ``save_id`` in ``tier``: its own
+    older rank manifests that a complete newer save supersedes (names and manifests), and the
+    files every remaining rank manifest lists (to protect).  Nothing is superseded until a
+    complete save newer than it exists."""
+    saves = rank_saves(tier)
+    complete = [s for s, _ in saves if s.complete]
+    if not complete:
+        return [], [], {f for _s, ms in saves for m in ms.values() for f in m.files}
+    newest = complete[-1]
+    names, old = [], []
+    protect: set[str] = set()
+    for s, ms in saves:
+        mine_old = s.created_unix < newest.created_unix or (s.save_id is None and newest.save_id is not None)
+        for r, m in ms.items():
+            if r == rank and mine_old and s.save_id != save_id and s is not newest:
+                names.append(s.names[r])
+                old.append(m)
+            else:
+                protect.update(m.files)
+    return names, old, protect
+
+
+def superseded_here(tier: StorageTier, *, rank: int | None) -> list[Manifest]:
+    """The committed manifest(s) a save into ``tier`` will replace, read before it writes:
+    ``.metadata`` for a collective save, the rank's own rank manifests otherwise."""
+    if rank is None:
+        try:
+            return [read_manifest(tier, ".metadata")] if tier.exists(".metadata") else []
+        except CheckpointError as e:
+            log.warning("the manifest being replaced in %s cannot be read (%s); its files stay", tier.url, e)
+            return []
+    out = []
+    for n in tier.listdir():
+        p = parse_rank_manifest(n)
+        if p is not None and p[0] == rank:
+            try:
+                out.append(read_manifest(tier, n))
+            except CheckpointError as e:
+                log.warning("rank manifest %s/%s cannot be read (%s); its files stay", tier.url, n, e)
+    return out
