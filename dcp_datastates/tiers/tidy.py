@@ -113,9 +113,10 @@ class Tidy:
         dead = set(self.dead_ids) - {self.save_id}
         mine = "" if self.rank is None else f"-r{self.rank:05d}-"
         for n in names:
-            sid = data_file_save_id(n) or marker_save_id(n)
-            if sid is not None and (sid in dead or (sid == self.save_id and marker_save_id(n))):
-                if mine in n or marker_save_id(n):
+            base = n.partition(TEMP_INFIX)[0]  # a marker or file whose commit a crash cut short
+            sid = data_file_save_id(base) or marker_save_id(base)
+            if sid is not None and (sid in dead or (sid == self.save_id and marker_save_id(base))):
+                if mine in base or marker_save_id(base):
                     doomed.add(n)
             elif is_temp_manifest(n) and self._own_temp(n):
                 doomed.add(n)  # under the claim nobody else commits this manifest here
