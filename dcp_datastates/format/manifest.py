@@ -333,17 +333,95 @@ def decode_manifest(data: bytes, *, source: str = "<memory>") -> Manifest:
         raise ManifestError("manifest checksum mismatch: the file is truncated or corrupt; "
                             "restore it from another tier or re-save", checkpoint=source)
     try:
-        body = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True,
-                               max_array_len=MAX_ENTRIES,
-                               max_map_len=MAX_ENTRIES, max_ext_len=0)
+        body = _unpack_streaming(payload)
+    except _Bad as e:
+        raise ManifestError(f"invalid manifest: {e}", checkpoint=source) from None
     except Exception as e:  # msgpack raises many types on hostile input
         raise ManifestError(f"manifest body does not decode: {e}", checkpoint=source) from e
     try:
         return _from_body(body)
     except UnsupportedFormatVersion as e:
         raise UnsupportedFormatVersion(str(e.args[0]), checkpoint=source) from None
-    except (_Bad, ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+    except (_Bad, ValueError, TypeError, KeyError, AttributeError, OverflowError,
+            msgpack.UnpackException) as e:
         raise ManifestError(f"invalid manifest: {e}", checkpoint=source) from None
+
+
+def _unpacker(data) -> msgpack.Unpacker:
+    up = msgpack.Unpacker(raw=False, strict_map_key=False, use_list=True, max_buffer_size=len(data) + 1,
+                          max_array_len=MAX_ENTRIES, max_map_len=MAX_ENTRIES, max_ext_len=0)
+    up.feed(data)
+    return up
+
+
+class _ChunkStream:
+    """The chunk list of one tensor, decoded one chunk at a time: a manifest never exists
+    as a tree of Python objects, only as the validated records it decodes into."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __iter__(self):
+        up = _unpacker(self.data)
+        try:
+            n = up.read_array_header()
+        except (ValueError, msgpack.UnpackException) as e:
+            raise _Bad(f"chunks must be a list ({e})") from None
+        for _ in range(n):
+            yield up.unpack()
+
+
+def _skip_span(up: msgpack.Unpacker) -> tuple[int, int]:
+    a = up.tell()
+    up.skip()
+    return a, up.tell()
+
+
+def _unpack_streaming(payload: bytes) -> dict:
+    """The body as a dict whose tensors' ``chunks`` are :class:`_ChunkStream`\ s."""
+    up = _unpacker(payload)
+    try:
+        n = up.read_map_header()
+    except (ValueError, msgpack.UnpackException):
+        raise _Bad("the body does not decode as a map") from None
+    body: dict = {}
+    span = None
+    for _ in range(n):
+        key = up.unpack()
+        if key == "tensors":
+            span = _skip_span(up)
+        else:
+            body[key] = up.unpack()
+    if up.tell() != len(payload):
+        raise _Bad("extra bytes after the body")
+    if span is None:
+        return body
+    section = payload[span[0]:span[1]]
+    tup = _unpacker(section)
+    try:
+        nt = tup.read_map_header()
+    except (ValueError, msgpack.UnpackException):
+        raise _Bad("tensors must be a map") from None
+    tensors: dict = {}
+    for _ in range(nt):
+        fqn = tup.unpack()
+        if not isinstance(fqn, str) or fqn in tensors:
+            raise _Bad("tensor keys must be distinct strings")
+        try:
+            nk = tup.read_map_header()
+        except (ValueError, msgpack.UnpackException):
+            raise _Bad(f"tensor {fqn!r} must be a map") from None
+        t: dict = {}
+        for _ in range(nk):
+            k = tup.unpack()
+            if k == "chunks":
+                a, b = _skip_span(tup)
+                t[k] = _ChunkStream(section[a:b])
+            else:
+                t[k] = tup.unpack()
+        tensors[fqn] = t
+    body["tensors"] = tensors
+    return body
 
 
 def check_tiling(fqn: str, chunks: list[Chunk]) -> None:
@@ -407,7 +485,8 @@ def _from_body(body) -> Manifest:
         item = dtype_from_name(dtype).itemsize
         size = _dims(_req(t, "size", list), f"{fqn} size")
         chunks = []
-        for c in _req(t, "chunks", list):
+        has_empty = False
+        for c in _req(t, "chunks", (list, _ChunkStream)):
             offs = _dims(_req(c, "o", list), f"{fqn} chunk offsets")
             sizes = _dims(_req(c, "s", list), f"{fqn} chunk sizes")
             if len(offs) != len(size) or len(sizes) != len(size):
@@ -436,10 +515,14 @@ def _from_body(body) -> Manifest:
                     chunk.parts[pname] = (pv[0], pshape, pext)
             elif ext is None:
                 raise _Bad(f"{fqn}: chunk has neither an extent nor a provider")
-            chunks.append(chunk)
             n_chunks += 1
             if n_chunks > MAX_ENTRIES:
                 raise _Bad(f"more than {MAX_ENTRIES} chunks")
+            if not math.prod(sizes):
+                if has_empty:  # holds no byte and covers nothing: one represents them all
+                    continue
+                has_empty = True
+            chunks.append(chunk)
         check_tiling(fqn, chunks)
         tensors[fqn] = TensorEntry(dtype, size, chunks)
     values: dict[str, ValueEntry] = {}
