@@ -91,3 +91,12 @@ class CheckpointBusyError(CheckpointError):
 
 class UnsafeFileError(DataFileError):
     """A checkpoint file is a symlink, a device, a FIFO or otherwise not a regular file."""
+
+
+class TornSnapshotError(SnapshotError):
+    """Live state changed before the lazy snapshot copied it: the save is not committed."""
+
+
+class ProviderError(CheckpointError):
+    """A state provider failed (its ``flatten`` or ``unflatten`` raised), or the checkpoint
+    names a provider this process has not registered."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
@@ -33,8 +34,25 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 class DataStatesLoadPlanner(DefaultLoadPlanner):
     def load_value(self, read_item, value) -> None:
         """Set a decoded non-tensor value (the reader calls this instead of ``load_bytes``)."""
-        from torch.distributed.checkpoint._traverse import set_element as _set
-        if self.flatten_state_dict:
-            _set(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = value
+        _set_in_state_dict(self, read_item.dest_index.fqn, value)
+
+
+def _set_in_state_dict(planner: DefaultLoadPlanner, fqn: str, value) -> None:
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[fqn], value)
+    else:
+        planner.state_dict[fqn] = value
+
+
+def deliver_object(planner, read_item, value) -> bool:
+    """Put ``value`` (a decoded value, or an object a provider rebuilt) into the state dict
+    being loaded, in place of what is there.  True when done: our planner, or DCP's default
+    planner (its state dict and key mappings); False for another planner, which then gets
+    ``load_bytes`` (a tensor entry of such a planner keeps the bytes copied into it)."""
+    if hasattr(planner, "load_value"):
+        planner.load_value(read_item, value)
+        return True
+    if isinstance(planner, DefaultLoadPlanner):
+        _set_in_state_dict(planner, read_item.dest_index.fqn, value)
+        return True
+    return False

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestError,
@@ -37,7 +38,9 @@ from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestErr
 from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name, verify_blocks
 from .format.manifest import Chunk, Extent
 from .format.values import decode_value
-from .providers import type_provider_named
+from .errors import ProviderError
+from .planner import deliver_object
+from .providers import rebuild
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest  # noqa: F401 (re-exported: tests and tools use it)
 from .tiers.storage import open_regular
@@ -169,10 +172,16 @@ class DataStatesReader(StorageReader):
         self.manifest = m
         tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
         self._check_coverage(tensor_items, planner, m)
+        tasks = []
         for ri in plan.items:
-            if ri.type == LoadItemType.BYTE_IO:
+            if ri.type != LoadItemType.BYTE_IO:
+                continue
+            v = m.values.get(ri.storage_index.fqn)
+            if v is not None and v.node is not None:  # a registered type: read its parts
+                tasks.append(_ReadTask(self, ri, None, "uint8", v.node, m.block_size))
+            else:
                 self._load_value(ri, planner, m)
-        tasks = [self._make_task(ri, planner, m) for ri in tensor_items]
+        tasks += [self._make_task(ri, planner, m) for ri in tensor_items]
         files = _FileSet(tiers, m.homes)
         try:
             pieces = [(t, i) for t in tasks for i in range(len(t.ranges))]
@@ -183,8 +192,14 @@ class DataStatesReader(StorageReader):
                     pass
         finally:
             files.close()
+        sd = getattr(planner, "state_dict", None)
         for t in tasks:
-            planner.commit_tensor(t.ri, t.dest)
+            if t.rebuilt is not None and not (isinstance(sd, dict) and _is_dtensor(sd.get(t.ri.dest_index.fqn))):
+                # what the provider rebuilt replaces the placeholder (a DTensor entry keeps its
+                # place in the mesh and only receives the bytes)
+                self._deliver(t.ri, planner, t.rebuilt, tensor=t.dest is not None)
+            if t.dest is not None:
+                planner.commit_tensor(t.ri, t.dest)
         if len(tiers) > 1 and self.served:
             import torch.distributed as dist
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -201,7 +216,6 @@ class DataStatesReader(StorageReader):
         covered: dict[str, int] = defaultdict(int)
         for ri in items:
             covered[ri.dest_index.fqn] += math.prod(ri.lengths)
-        from torch.distributed.tensor import DTensor
         for fqn, obj in sd.items():
             if fqn not in m.tensors or not isinstance(obj, torch.Tensor):
                 continue
@@ -237,10 +251,13 @@ class DataStatesReader(StorageReader):
             value = pickle.loads(v.data)  # explicit opt-in only (allow_pickle=True), checked above
         else:
             value = torch.load(io.BytesIO(v.data), weights_only=False)  # same opt-in
-        if hasattr(planner, "load_value"):
-            planner.load_value(ri, value)
+        self._deliver(ri, planner, value)
+
+    @staticmethod
+    def _deliver(ri, planner, value, *, tensor: bool = False) -> None:
+        if deliver_object(planner, ri, value) or tensor:
             return
-        # Hand DCP's planner the bytes it expects.  They are made here from the value already
+        # Hand another planner the bytes it expects.  They are made here from the value already
         # decoded, so its torch.load never meets bytes read from storage.
         buf = io.BytesIO()
         torch.save(value, buf)
@@ -323,6 +340,10 @@ class DataStatesReader(StorageReader):
                 raise ChecksumMismatch(f"checksum mismatch in block {bad} (chunk bytes "
                                        f"{bad * task.block_size}+, file offset {file_off + (bad - first_block) * task.block_size}+)",
                                        checkpoint=tier.url, file=name, key=key)
+
+
+def _is_dtensor(obj) -> bool:
+    return isinstance(obj, DTensor)
 
 
 def _same_file(a: int, b: int) -> bool:
@@ -421,6 +442,7 @@ class _ReadTask:
         self.reader, self.ri, self.dest, self.block_size = reader, ri, dest, block_size
         self.dtype = dtype_from_name(dtype_name)
         self.chunk = chunk
+        self.rebuilt = None  # the object a registered provider rebuilt, when it replaces dest
         self.ranges: list[tuple] = []
         self._buf = None
         self._direct = False
@@ -515,21 +537,35 @@ class _ReadTask:
     def _finalize_provider(self) -> None:
         self.buffer()
         t = self._tensor
-        parts = {}
+        leaves = {}
         for pname, (pdt, pshape, pos, n) in self.parts_layout.items():
             dt = dtype_from_name(pdt)
-            parts[pname] = t[pos:pos + n].view(dt).reshape(pshape) if n else torch.empty(pshape, dtype=dt)
-        tp = type_provider_named(self.chunk.provider)
-        if tp is None:
-            raise ManifestError(f"checkpoint needs provider {self.chunk.provider!r}, which is not "
-                                "registered in this process; import the module that registers it",
-                                checkpoint=self.reader.path, key=self.ri.storage_index.fqn)
-        obj = tp.unflatten(self.chunk.meta, parts)
+            leaves[pname] = t[pos:pos + n].view(dt).reshape(pshape) if n else torch.empty(pshape, dtype=dt)
+        key = self.ri.storage_index.fqn
+        try:
+            obj = rebuild(self.chunk.provider, self.chunk.meta, self.chunk.tree, leaves)
+        except ProviderError as e:
+            raise ProviderError(str(e), checkpoint=self.reader.path, key=key) from e.__cause__
+        if self.dest is None:  # a registered type stored as a value
+            self.rebuilt = obj
+            return
         src = obj
+        whole = True
         for dim, (o, ln) in enumerate(zip(self.ri.storage_offsets, self.ri.lengths)):
             if ln != self.chunk.sizes[dim]:
                 src = src.narrow(dim, o, ln)
+                whole = False
         self.dest.copy_(src)
+        if whole and tuple(self.dest.shape) == tuple(obj.shape) and self._whole_tensor():
+            self.rebuilt = obj  # the loaded state holds the rebuilt object, tag and all
+        elif type(self.dest) is type(obj) and hasattr(obj, "__dict__"):
+            self.dest.__dict__.update(obj.__dict__)  # a resharded piece: its attributes
+
+    def _whole_tensor(self) -> bool:
+        m = self.reader.manifest
+        entry = None if m is None else m.tensors.get(self.ri.storage_index.fqn)
+        return entry is not None and tuple(self.chunk.sizes) == tuple(entry.size) \
+            and not any(self.chunk.offsets) and not any(self.ri.dest_offsets)
 
 
 def _runs(offs, lens, sizes, item) -> list[tuple[int, int]]:

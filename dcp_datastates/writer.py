@@ -39,14 +39,15 @@ from torch.futures import Future
 from . import __version__
 from . import _faults
 from .engine import CopyItem, get_engine
+from .engine.snapshot import tensor_version
 from .engine.host_cache import default_host_cache_bytes, shared_host_cache
-from .errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
+from .errors import CheckpointError, CheckpointExistsError, ProviderError, UnsupportedValueError
 from .format import BLOCK_SIZE, MANIFEST_NAME, Manifest, dtype_name, encode_manifest
 from .format.layout import FileLayout
 from .format.manifest import Chunk, Extent, Seg, TensorEntry, ValueEntry
 from .format.names import (CLAIM_NAME, PERSISTED_RECORD, data_file_name, parse_rank_manifest,
                            rank_claim_name, rank_manifest_name)
-from .providers import ObjectProvider, provider_for
+from .providers import ObjectProvider, provider_for, type_provider_for
 from .session import SaveSession
 from .tiers import StorageTier
 from .tiers.claim import Claim, acquire
@@ -80,6 +81,24 @@ def _detect_process_mode() -> bool:
             t = f.f_locals.get("async_checkpointer_type")
             return t is not None and getattr(t, "name", str(t)).upper().endswith("PROCESS")
     return False
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # storage-less wrappers: not tracked
+        return None
+
+
+def _versions(tensors: list[torch.Tensor]) -> dict:
+    """Version counter per storage (views share their base's counter)."""
+    out = {}
+    for t in tensors:
+        k = _storage_key(t)
+        v = tensor_version(t)
+        if k is not None and v is not None:
+            out[k] = v
+    return out
 
 
 def _iter_tensors(obj):
@@ -198,8 +217,12 @@ class DataStatesWriter(StorageWriter):
         self._session = SaveSession(lazy=True, cross_process=process)
         self._staged = True
         if not process:
+            tensors = list(_iter_tensors(state_dict))
             # order the side-stream copies after the kernels queued so far on this thread's stream
-            self._session.ready = _ready_events_for(list(_iter_tensors(state_dict)))
+            self._session.ready = _ready_events_for(tensors)
+            # version counters now: a tensor changed in place before its bytes are copied makes
+            # the save fail uncommitted (engine/snapshot.py), never a torn checkpoint
+            self._session.versions = _versions(tensors)
         if process:
             # The daemon reads CPU tensors through shared memory. Move them there now,
             # in the caller thread, so the pickler never copies live memory in the background.
@@ -430,10 +453,18 @@ class DataStatesWriter(StorageWriter):
 
         resolved = []
         for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                results.append((item, "v", self._encode_value(planner, item)))
-                continue
-            prov = provider_for(planner.resolve_data(item))
+            fqn = item.index.fqn
+            try:
+                if item.type == WriteItemType.BYTE_IO:
+                    obj, found = _lookup_original(planner, item)
+                    if not (found and type_provider_for(obj) is not None):
+                        results.append((item, "v", self._encode_value(planner, item)))
+                        continue
+                    prov = provider_for(obj)  # a registered type held as a plain value
+                else:
+                    prov = provider_for(planner.resolve_data(item))
+            except ProviderError as e:
+                raise ProviderError(str(e), checkpoint=self.path, key=fqn) from e.__cause__
             resolved.append((item, prov, prov.regions()))
         total = sum(r.nbytes for _, _, regions in resolved for r in regions)
         n_files = max(1, min(self.thread_count, total // STRIPE_MIN_BYTES))
@@ -448,6 +479,7 @@ class DataStatesWriter(StorageWriter):
             where[(i, j)] = (k, layouts[k].place(nbytes))
 
         base_files = self._base.here if self._base is not None else frozenset()
+        versions = getattr(session, "versions", None) if session.lazy else None
         for i, (item, prov, regions) in enumerate(resolved):
             fqn = item.index.fqn
             placed = []
@@ -456,13 +488,17 @@ class DataStatesWriter(StorageWriter):
                 k, off = where[(i, j)]
                 ci = CopyItem(f"{fqn}{'/' + r.name if r.name else ''}", r.source, off, r.nbytes, k)
                 ci.base = bases.get(r.name or "")
+                if versions is not None:
+                    v = tensor_version(r.source)
+                    ci.version = versions.get(_storage_key(r.source), v)
                 ci.base_files = base_files
                 copy_items.append(ci)
                 placed.append((r.name, dtype_name(r.source.dtype), list(r.source.shape), ci))
-            if prov.name in ("tensor", "dtensor-shard"):
+            if prov.name == "tensor":
                 results.append((item, "t", placed[0][3]))
             else:
-                results.append((item, "p", (prov.name, prov.meta(), placed)))
+                kind = "pv" if item.type == WriteItemType.BYTE_IO else "p"
+                results.append((item, kind, (prov.name, prov.meta(), placed, prov.tree())))
 
         lazy = session.lazy
         label = f"{self.path} rank {rank}"
@@ -628,11 +664,12 @@ class DataStatesWriter(StorageWriter):
                 nbytes = ci.nbytes
                 reused += ci.reused_bytes
             else:
-                pname, meta, placed = payload
-                td = item.tensor_data
+                pname, meta, placed, tree = payload
                 parts = {name: [dt, shape, wire(ci)] for name, dt, shape, ci in placed}
-                sd = {"k": "p", "dtype": dtype_name(td.properties.dtype), "sizes": list(td.chunk.sizes),
-                      "p": pname, "m": meta, "parts": parts}
+                sd = {"k": kind, "p": pname, "m": meta, "parts": parts, "t": tree}
+                if kind == "p":
+                    td = item.tensor_data
+                    sd.update(dtype=dtype_name(td.properties.dtype), sizes=list(td.chunk.sizes))
                 nbytes = sum(p[3].nbytes for p in placed)
                 reused += sum(p[3].reused_bytes for p in placed)
             out.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=sd))
@@ -725,6 +762,11 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
                 enc, data, csum = sd["v"]
                 values[fqn] = ValueEntry(enc, data, csum)
                 continue
+            if sd["k"] == "pv":
+                parts = {k: (dt, tuple(shape), Extent.from_wire(x)) for k, (dt, shape, x) in sd["parts"].items()}
+                values[fqn] = ValueEntry("provider", b"", 0, Chunk((), (), None, sd["p"], sd["m"], parts,
+                                                                   sd["t"]))
+                continue
             offsets = tuple(wr.index.offset) if wr.index.offset is not None else ()
             if (fqn, offsets) in seen:
                 continue
@@ -735,7 +777,8 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
             else:
                 parts = {k: (dt, tuple(shape), Extent.from_wire(x))
                          for k, (dt, shape, x) in sd["parts"].items()}
-                entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), None, sd["p"], sd["m"], parts))
+                entry.chunks.append(Chunk(offsets, tuple(sd["sizes"]), None, sd["p"], sd["m"], parts,
+                                          sd.get("t")))
     planner_data = {}
     if isinstance(metadata.planner_data, dict):
         for k, v in metadata.planner_data.items():

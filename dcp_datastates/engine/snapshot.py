@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _faults
+from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.layout import ALIGNMENT, align_up
 from .host_cache import HostCache
@@ -68,6 +69,9 @@ class CopyItem:
     # filled by the flush threads, in any order: (item_pos, file, file_offset, nbytes) where
     # file is a sink index (new bytes) or a base file name (bytes reused from the base)
     placed: list = field(default_factory=list)
+    # the source's version counter when the save started (lazy saves; None: not tracked, as
+    # for tensors made under inference_mode).  Checked once its bytes are copied.
+    version: int | None = None
 
     def segments(self) -> list[tuple[object, int, int]]:
         """``(file, offset, nbytes)`` in item order, neighbours in one file merged."""
@@ -273,6 +277,7 @@ class SnapshotEngine:
             return (not copy) and s.device.type == "cpu" and s.is_contiguous()
 
         batches = plan_batches(job.items, self.piece_bytes, direct_ok=direct_ok)
+        batches.sort(key=_residency)  # device regions first, then pinned, then pageable host
         flat: dict[int, torch.Tensor] = {}
         copier = _copier_for(job.items, ready)
         with job._lock:
@@ -322,6 +327,14 @@ class SnapshotEngine:
 
     def _snapshot_done(self, job: SaveJob, copier) -> None:
         copier.synchronize()  # every byte has left the live tensors
+        torn = [it.key for it in job.items if it.version is not None and it.source is not None
+                and tensor_version(it.source) != it.version]
+        if torn:
+            raise TornSnapshotError(
+                f"{len(torn)} tensor(s) changed in place while the lazy snapshot was copying them "
+                f"(first: {torn[0]!r}); the save is not committed. Call writer.wait_snapshot() "
+                "(or use SnapshotGuard, Checkpointer.register_step_pre_hook, or the torchtitan "
+                "integration) before the optimizer step", checkpoint=job.label)
         for it in job.items:
             it.source = None  # release references: the allocator may reuse the memory now
         job.timings["snapshot_done"] = time.monotonic()
@@ -423,6 +436,27 @@ class SnapshotEngine:
                 job.durable.set_result(job)
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
+
+
+def _residency(b: _Batch) -> int:
+    """Where a batch's bytes live: 0 device, 1 pinned host, 2 pageable host.  The stager takes
+    device regions first (DataStates-LLM's order): they hold the scarcest memory and copy
+    fastest, so the GPU is free of the snapshot soonest."""
+    s = b.pieces[0].item.source
+    if s is None:
+        return 2
+    if s.device.type != "cpu":
+        return 0
+    return 1 if s.is_pinned() else 2
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (shared with every view of its storage); None where torch does
+    not track it (tensors created under ``inference_mode``)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 class _CpuCopier:

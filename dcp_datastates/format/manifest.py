@@ -117,7 +117,11 @@ class Chunk:
     extent: Extent | None  # None when a provider stores the chunk as parts
     provider: str | None = None
     meta: object = None
+    # leaf tensors of the provider, by path ("data", or "inner/data" for a nested provider)
     parts: dict[str, tuple[str, tuple[int, ...], Extent]] = field(default_factory=dict)
+    # how the parts nest: {part: None (a tensor leaf) | {"p": provider, "m": meta, "t": tree}};
+    # None when every part is a tensor leaf of the top provider (the format before nesting)
+    tree: dict | None = None
 
 
 @dataclass(slots=True)
@@ -129,9 +133,10 @@ class TensorEntry:
 
 @dataclass(slots=True)
 class ValueEntry:
-    encoding: str  # "msgpack"; "pickle" or "torch" (torch.save bytes) only by opt-in
+    encoding: str  # "msgpack"; "provider" (node below); "pickle"/"torch" only by opt-in
     data: bytes
     checksum: int
+    node: "Chunk | None" = None  # encoding "provider": a registered type's parts and metadata
 
 
 @dataclass(slots=True)
@@ -207,7 +212,15 @@ def _chunk_to_wire(c: Chunk) -> dict:
         d["p"] = c.provider
         d["m"] = c.meta
         d["parts"] = {k: [dt, list(shape), e.to_wire()] for k, (dt, shape, e) in c.parts.items()}
+        if c.tree is not None:
+            d["t"] = c.tree
     return d
+
+
+def _value_to_wire(v: ValueEntry) -> list:
+    if v.node is not None:
+        return [v.encoding, v.data, v.checksum, _chunk_to_wire(v.node)]
+    return [v.encoding, v.data, v.checksum]
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -227,7 +240,7 @@ def encode_manifest(m: Manifest) -> bytes:
         "tensors": {k: {"dtype": t.dtype, "size": list(t.size),
                         "chunks": [_chunk_to_wire(c) for c in t.chunks]}
                     for k, t in m.tensors.items()},
-        "values": {k: [v.encoding, v.data, v.checksum] for k, v in m.values.items()},
+        "values": {k: _value_to_wire(v) for k, v in m.values.items()},
         "planner_data": m.planner_data,
         "extra": m.extra,
     }
@@ -378,7 +391,7 @@ def _skip_span(up: msgpack.Unpacker) -> tuple[int, int]:
 
 
 def _unpack_streaming(payload: bytes) -> dict:
-    """The body as a dict whose tensors' ``chunks`` are :class:`_ChunkStream`\ s."""
+    """The body as a dict whose tensors' ``chunks`` are ``_ChunkStream`` objects."""
     up = _unpacker(payload)
     try:
         n = up.read_map_header()
@@ -450,6 +463,56 @@ def check_tiling(fqn: str, chunks: list[Chunk]) -> None:
                            f"{list(b.offsets)} (size {list(b.sizes)}) overlap")
 
 
+MAX_TREE_DEPTH = 32
+
+
+def _check_tree(tree, parts: dict, fqn: str, prefix: str = "", depth: int = 0) -> None:
+    """A provider tree must name each leaf part exactly once, nest at most
+    ``MAX_TREE_DEPTH`` levels, and hold only provider names and maps."""
+    if depth > MAX_TREE_DEPTH:
+        raise _Bad(f"{fqn}: providers nest deeper than {MAX_TREE_DEPTH} levels")
+    if not isinstance(tree, dict):
+        raise _Bad(f"{fqn}: provider tree must be a map")
+    for k, sub in tree.items():
+        if not isinstance(k, str) or not k or "/" in k:
+            raise _Bad(f"{fqn}: provider part name {k!r} is not a plain name")
+        path = f"{prefix}{k}"
+        if sub is None:
+            if path not in parts:
+                raise _Bad(f"{fqn}: provider tree names part {path!r}, which is not stored")
+            continue
+        if not isinstance(sub, dict) or not isinstance(sub.get("p"), str) or "t" not in sub:
+            raise _Bad(f"{fqn}: nested provider at {path!r} is malformed")
+        _check_tree(sub["t"], parts, fqn, path + "/", depth + 1)
+
+
+def _leaves(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, sub in tree.items():
+        out.extend([f"{prefix}{k}"] if sub is None else _leaves(sub["t"], f"{prefix}{k}/"))
+    return out
+
+
+def _provider_fields(chunk: Chunk, c: dict, files, block_size: int, version: int, fqn: str) -> None:
+    chunk.provider = _req(c, "p", str)
+    chunk.meta = c.get("m")
+    for pname, pv in _req(c, "parts", dict).items():
+        if not isinstance(pname, str) or not isinstance(pv, list) or len(pv) != 3 \
+                or not isinstance(pv[0], str):
+            raise _Bad(f"{fqn}: provider part {pname!r} is malformed")
+        pdt = dtype_from_name(pv[0])
+        pshape = _dims(pv[1], f"{fqn}.{pname} shape")
+        pext = _extent(pv[2], files, block_size, f"{fqn}.{pname}", version)
+        if pext.nbytes != math.prod(pshape) * pdt.itemsize:
+            raise _Bad(f"{fqn}.{pname}: extent size does not match its shape")
+        chunk.parts[pname] = (pv[0], pshape, pext)
+    if "t" in c:
+        _check_tree(c["t"], chunk.parts, fqn)
+        if sorted(_leaves(c["t"])) != sorted(chunk.parts):
+            raise _Bad(f"{fqn}: provider tree and stored parts differ")
+        chunk.tree = c["t"]
+
+
 def _from_body(body) -> Manifest:
     if not isinstance(body, dict):
         raise _Bad("body must be a map")
@@ -501,18 +564,7 @@ def _from_body(body) -> Manifest:
                     raise _Bad(f"{fqn}: extent holds {ext.nbytes} bytes, chunk needs {math.prod(sizes) * item}")
             chunk = Chunk(offs, sizes, ext)
             if "p" in c:
-                chunk.provider = _req(c, "p", str)
-                chunk.meta = c.get("m")
-                for pname, pv in _req(c, "parts", dict).items():
-                    if not isinstance(pname, str) or not isinstance(pv, list) or len(pv) != 3 \
-                            or not isinstance(pv[0], str):
-                        raise _Bad(f"{fqn}: provider part {pname!r} is malformed")
-                    pdt = dtype_from_name(pv[0])
-                    pshape = _dims(pv[1], f"{fqn}.{pname} shape")
-                    pext = _extent(pv[2], files, block_size, f"{fqn}.{pname}", version)
-                    if pext.nbytes != math.prod(pshape) * pdt.itemsize:
-                        raise _Bad(f"{fqn}.{pname}: extent size does not match its shape")
-                    chunk.parts[pname] = (pv[0], pshape, pext)
+                _provider_fields(chunk, c, files, block_size, version, fqn)
             elif ext is None:
                 raise _Bad(f"{fqn}: chunk has neither an extent nor a provider")
             n_chunks += 1
@@ -527,11 +579,17 @@ def _from_body(body) -> Manifest:
         tensors[fqn] = TensorEntry(dtype, size, chunks)
     values: dict[str, ValueEntry] = {}
     for fqn, v in _req(body, "values", dict).items():
+        if not isinstance(fqn, str):
+            raise _Bad("value keys must be strings")
+        if isinstance(v, list) and len(v) == 4 and v[0] == "provider" and isinstance(v[3], dict) \
+                and "p" in v[3]:
+            node = Chunk((), (), None)
+            _provider_fields(node, v[3], files, block_size, version, fqn)
+            values[fqn] = ValueEntry("provider", b"", 0, node)
+            continue
         if not isinstance(v, list) or len(v) != 3 or v[0] not in ("msgpack", "pickle", "torch") \
                 or not isinstance(v[1], bytes):
             raise _Bad(f"value {fqn!r} is malformed")
-        if not isinstance(fqn, str):
-            raise _Bad("value keys must be strings")
         values[fqn] = ValueEntry(v[0], v[1], _int(v[2], f"{fqn} checksum", 0, (1 << 64) - 1))
     planner_data = _req(body, "planner_data", dict)
     for k, path in planner_data.items():

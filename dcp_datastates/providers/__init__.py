@@ -1,13 +1,14 @@
 """Composable state providers (see ``base.py`` for the lifecycle)."""
 
-from .base import (CompositeProvider, DTensorShardProvider, StateProvider, TensorProvider,
-                   TensorRegion)
+from .base import CompositeProvider, StateProvider, TensorProvider, TensorRegion
 from .objects import ObjectProvider
-from .registry import (TypeProvider, provider_for, register_provider, registry,
-                       type_provider_named, unregister_provider)
+from .registry import (RegisteredTypeProvider, TypeProvider, provider_for, rebuild,
+                       register_provider, registry, type_provider_for, type_provider_named,
+                       unregister_provider)
 
 __all__ = [
-    "CompositeProvider", "DTensorShardProvider", "ObjectProvider", "StateProvider",
-    "TensorProvider", "TensorRegion", "TypeProvider", "provider_for", "register_provider",
-    "registry", "type_provider_named", "unregister_provider",
+    "CompositeProvider", "ObjectProvider", "RegisteredTypeProvider", "StateProvider",
+    "TensorProvider", "TensorRegion", "TypeProvider", "provider_for", "rebuild",
+    "register_provider", "registry", "type_provider_for", "type_provider_named",
+    "unregister_provider",
 ]

@@ -6,15 +6,20 @@ provider rebuilds the state from the regions.  Providers nest: a large tensor
 yields one region per cache-sized piece, and a composite (a user type, a
 tensor subclass) holds named child providers.
 
-Lifecycle (all on the saving rank):
+Lifecycle:
 
-1. ``provider_for(obj)`` picks a provider from the registry.
-2. The writer asks ``provider.tensors()`` for the flat list of leaf tensors
-   (name, tensor) and lays each out as one extent in the rank's data file.
-3. The engine calls ``TensorRegion.pieces(max_bytes)`` to cut each extent into
-   cache-sized pieces, copies them, and flushes them.
-4. ``provider.meta()`` (msgpack-able) goes into the manifest.
-5. On load, ``provider.rebuild(meta, parts)`` returns the object.
+1. (saving rank) ``provider_for(obj)`` picks the provider: a registered type
+   (``registry.py``), a tensor, or a Python value.  DCP hands the writer each
+   DTensor's local shard as a plain tensor, so shards take the tensor path.
+2. The writer asks ``provider.regions()`` for the leaf tensors, by path
+   (``"data"``, ``"inner/data"`` for a nested registered type), and places
+   each as one extent of the rank's data files.
+3. The engine cuts each region into cache-sized pieces, copies them out of
+   the live tensors (device regions first), and flushes them.
+4. ``provider.meta()`` (msgpack-able) and, for registered types, the nesting
+   (``RegisteredTypeProvider.tree()``) go into the manifest.
+5. (loading rank) ``registry.rebuild(name, meta, tree, leaves)`` calls each
+   provider's ``unflatten``, innermost first, and returns the object.
 """
 
 from __future__ import annotations
@@ -72,28 +77,6 @@ class TensorProvider(StateProvider):
 
     def regions(self) -> list[TensorRegion]:
         return [TensorRegion("", self.tensor)]
-
-
-class DTensorShardProvider(StateProvider):
-    """The local shard of a DTensor: a tensor provider plus its place in the global tensor."""
-
-    name = "dtensor-shard"
-
-    def __init__(self, dtensor) -> None:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        self.local = dtensor.to_local()
-        shape, offset = compute_local_shape_and_global_offset(
-            dtensor.shape, dtensor.device_mesh, dtensor.placements)
-        self.global_shape = list(dtensor.shape)
-        self.global_offset = list(offset)
-        self.child = TensorProvider(self.local)
-
-    def regions(self) -> list[TensorRegion]:
-        return self.child.regions()
-
-    def meta(self) -> object:
-        return {"global_shape": self.global_shape, "global_offset": self.global_offset}
 
 
 class CompositeProvider(StateProvider):

@@ -15,7 +15,9 @@ module that defines the type)::
     register_provider(Scaled, ScaledProvider())
 
 The metadata must be msgpack-able (see ``format/values.py``).  The parts are
-stored as raw extents with checksums, exactly like plain tensors.
+tensors, stored as raw extents with checksums exactly like plain tensors, or objects of
+other registered types (providers nest).  A registered type works wherever it sits in the
+state: as a tensor (a tensor subclass) or as a plain value (any class).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from types import MappingProxyType
 
 import torch
 
+from ..errors import ProviderError
 from .base import CompositeProvider, StateProvider, TensorProvider
+from .objects import ObjectProvider
 
 
 class TypeProvider(ABC):
@@ -70,29 +74,72 @@ def type_provider_named(name: str) -> TypeProvider | None:
     return _by_name.get(name)
 
 
-class RegisteredTypeProvider(CompositeProvider):
-    """Adapts a user :class:`TypeProvider` to the engine: a composite of tensor children."""
+MAX_DEPTH = 32  # providers nesting deeper than this are refused (the manifest checks it too)
 
-    def __init__(self, tp: TypeProvider, obj) -> None:
-        meta, parts = tp.flatten(obj)
-        super().__init__({k: TensorProvider(v) for k, v in parts.items()}, meta)
+
+class RegisteredTypeProvider(CompositeProvider):
+    """Adapts a user :class:`TypeProvider` to the engine: a composite whose children are the
+    parts ``flatten`` returned, each a tensor or, nested, another registered type."""
+
+    def __init__(self, tp: TypeProvider, obj, *, depth: int = 0) -> None:
+        if depth > MAX_DEPTH:
+            raise ProviderError(f"registered types nest deeper than {MAX_DEPTH} levels")
+        try:
+            meta, parts = tp.flatten(obj)
+        except Exception as e:  # noqa: BLE001 - a user's code: re-raised with what failed
+            raise ProviderError(f"provider {tp.name!r} failed to flatten a {type(obj).__name__}: "
+                                f"{type(e).__name__}: {e}") from e
+        if not isinstance(parts, dict):
+            raise ProviderError(f"provider {tp.name!r}: flatten must return (meta, dict of parts)")
+        children: dict[str, StateProvider] = {}
+        for k, v in parts.items():
+            if not isinstance(k, str) or not k or "/" in k:
+                raise ProviderError(f"provider {tp.name!r}: part name {k!r} must be a non-empty "
+                                    "string without '/'")
+            sub = type_provider_for(v)
+            if sub is not None:
+                children[k] = RegisteredTypeProvider(sub, v, depth=depth + 1)
+            elif isinstance(v, torch.Tensor):
+                children[k] = TensorProvider(v)
+            else:
+                raise ProviderError(f"provider {tp.name!r}: part {k!r} is a {type(v).__name__}, "
+                                    "neither a tensor nor a registered type")
+        super().__init__(children, meta)
         self.name = tp.name
-        self.parts = parts
+
+    def tree(self) -> dict:
+        """How the parts nest (``Chunk.tree`` of the manifest)."""
+        return {k: ({"p": c.name, "m": c.meta(), "t": c.tree()} if isinstance(c, RegisteredTypeProvider)
+                    else None) for k, c in self.children.items()}
+
+
+def rebuild(name: str, meta, tree: dict | None, leaves: dict[str, torch.Tensor], prefix: str = ""):
+    """The object provider ``name`` makes of ``meta`` and its parts (nested providers first).
+    ``leaves`` maps part paths to tensors; ``tree`` is None for a flat provider."""
+    tp = type_provider_named(name)
+    if tp is None:
+        raise ProviderError(f"the checkpoint needs provider {name!r}, which is not registered in "
+                            "this process; import the module that registers it")
+    if tree is None:
+        parts = {k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}
+    else:
+        parts = {}
+        for k, sub in tree.items():
+            path = f"{prefix}{k}"
+            parts[k] = leaves[path] if sub is None else rebuild(sub["p"], sub["m"], sub["t"], leaves,
+                                                                 path + "/")
+    try:
+        return tp.unflatten(meta, parts)
+    except Exception as e:  # noqa: BLE001 - a user's code: re-raised with what failed
+        raise ProviderError(f"provider {name!r} failed to unflatten: {type(e).__name__}: {e}") from e
 
 
 def provider_for(obj) -> StateProvider:
-    """Pick the provider for one piece of state."""
+    """Pick the provider for one piece of state: a registered type, a tensor (DCP hands the
+    writer each DTensor's local shard as a plain tensor), or a Python value."""
     tp = type_provider_for(obj)
     if tp is not None:
         return RegisteredTypeProvider(tp, obj)
-    try:
-        from torch.distributed.tensor import DTensor
-        if isinstance(obj, DTensor):
-            from .base import DTensorShardProvider
-            return DTensorShardProvider(obj)
-    except ImportError:  # pragma: no cover - torch without distributed
-        pass
     if isinstance(obj, torch.Tensor):
         return TensorProvider(obj)
-    from .objects import ObjectProvider
     return ObjectProvider(obj)
