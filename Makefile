@@ -38,6 +38,7 @@ demo: env
 test: test-core test-torchtitan
 
 test-core: env
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 test-torchtitan: env-titan

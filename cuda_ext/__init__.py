@@ -26,6 +26,7 @@ import os
 import threading
 
 import torch
+import warnings
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ def _runtime():
         from cuda.bindings import runtime as rt
         _rt = rt
     except ImportError:
-        import warnings
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -1,11 +1,11 @@
 """dcp-datastates: a lazy, multi-tier storage backend for torch.distributed.checkpoint."""
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .errors import (  # noqa: E402
     CheckpointError, CheckpointExistsError, ChecksumMismatch, CoverageError, DataFileError,
-    ManifestError, MissingKeyError, NotACheckpointError, PickleNotAllowedError, SnapshotError,
-    UnsupportedFormatVersion, UnsupportedValueError,
+    ManifestError, MissingKeyError, NotACheckpointError, PickleNotAllowedError, ProviderError,
+    SnapshotError, TornSnapshotError, UnsupportedFormatVersion, UnsupportedValueError,
+    CheckpointBusyError,
 )
 from .providers import TypeProvider, register_provider, unregister_provider  # noqa: E402
 from .reader import DataStatesReader  # noqa: E402
@@ -18,7 +18,8 @@ __all__ = [
     "CheckpointError", "CheckpointExistsError", "Checkpointer", "ChecksumMismatch", "CoverageError",
     "DataStatesLoadPlanner", "DataStatesSavePlanner",
     "DataFileError", "DataStatesReader", "DataStatesWriter", "ManifestError", "MissingKeyError",
-    "NotACheckpointError", "PickleNotAllowedError", "SnapshotError", "SnapshotGuard",
+    "NotACheckpointError", "PickleNotAllowedError", "ProviderError", "SnapshotError",
+    "SnapshotGuard", "TornSnapshotError", "CheckpointBusyError",
     "TypeProvider", "UnsupportedFormatVersion", "UnsupportedValueError", "__version__",
     "async_save", "register_provider", "unregister_provider",
 ]

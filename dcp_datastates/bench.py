@@ -9,6 +9,10 @@ import time
 
 import torch
 import torch.distributed.checkpoint as dcp
+from .reader import DataStatesReader
+from .writer import DataStatesWriter
+from .guard import async_save
+from .tiers.direct_io import evict_from_page_cache
 
 
 def transformer_state(total_gb: float = 1.5, hidden: int = 2048, vocab: int = 32000) -> dict:
@@ -36,8 +40,6 @@ def nbytes(sd: dict) -> int:
 
 
 def run_bench(out: str, *, gb: float = 0.5, charts: bool = True, progress=None) -> dict:
-    from . import DataStatesReader, DataStatesWriter, async_save
-    from .tiers.direct_io import evict_from_page_cache
     os.makedirs(out, exist_ok=True)
     sd = transformer_state(gb, hidden=1024 if gb < 0.5 else 2048)
     size = nbytes(sd)

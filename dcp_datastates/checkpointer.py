@@ -27,13 +27,16 @@ import threading
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .errors import CheckpointError
+from .format import decode_manifest
 from .format.manifest import MANIFEST_NAME, is_manifest_name
 from .guard import async_save
 from .reader import DataStatesReader
 from .tiers import StorageTier
-from .tiers.retention import STEP_DIR
+from .tiers.manifests import load_manifest
+from .tiers.retention import STEP_DIR, purge_steps
 from .writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
@@ -129,7 +132,6 @@ class Checkpointer:
                               "base": base}
             self._on_committed(md)
             return None
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
         fut = async_save(state, storage_writer=writer, process_group=self.pg,
                          async_checkpointer_type=kind)
@@ -194,7 +196,6 @@ class Checkpointer:
                 t.commit_bytes(MANIFEST_NAME, body)
         self._last_committed = step if self._last_committed is None else max(self._last_committed, step)
         if body is not None:
-            from .format import decode_manifest
             m = decode_manifest(body, source=self.step_path(0, step))
             owned, shared = m.usage()
             self.last_stats = {"bytes_written": owned, "bytes_reused": sum(shared.values())}
@@ -237,7 +238,6 @@ class Checkpointer:
         if not names:
             return False
         try:
-            from .reader import load_manifest
             load_manifest(t)
             return True
         except CheckpointError:
@@ -308,7 +308,6 @@ class Checkpointer:
             t.join()
 
     def _purge(self) -> None:
-        from .tiers.retention import purge_steps
         try:
             slowest = len(self.tiers) - 1
             durable = self.committed_steps(slowest)

@@ -18,6 +18,25 @@ import socket
 import subprocess
 import sys
 import time
+import torch.nn as nn
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import get_state_dict
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from .writer import DataStatesWriter
+import torch.multiprocessing as mp
+import torch.utils._pytree as pytree
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from .reader import DataStatesReader
+from .verify import verify_checkpoint
+from .reader import load_manifest
+from .tiers import StorageTier
+from .tiers.direct_io import evict_from_page_cache
+from .checkpointer import Checkpointer
+import tempfile
+from .bench import write_charts
 
 
 def _port() -> int:
@@ -27,7 +46,6 @@ def _port() -> int:
 
 
 def _model(width: int, depth: int):
-    import torch.nn as nn
     layers = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.GELU()]
@@ -35,9 +53,6 @@ def _model(width: int, depth: int):
 
 
 def _fsdp(world: int, width: int, depth: int, seed: int):
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     torch.manual_seed(seed)
     mesh = init_device_mesh("cpu", (world,))
     model = _model(width, depth)
@@ -49,7 +64,6 @@ def _fsdp(world: int, width: int, depth: int, seed: int):
 
 
 def _state(model, opt, step):
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd, "train": {"step": step}}
 
@@ -57,11 +71,7 @@ def _state(model, opt, step):
 # -------------------------------------------------------------- phase 1
 
 def _compare_rank(rank, world, port, out_dir, width, depth, q):
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    from . import DataStatesWriter
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -90,17 +100,7 @@ def _compare_rank(rank, world, port, out_dir, width, depth, q):
 
 
 def _phase1(base: str, width: int, depth: int) -> dict:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    import torch.multiprocessing as mp
-    import torch.utils._pytree as pytree
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from . import DataStatesReader
-    from .cli import verify_checkpoint
-    from .reader import load_manifest
-    from .tiers import StorageTier
-    from .tiers.direct_io import evict_from_page_cache
     out = os.path.join(base, "compare")
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
@@ -136,10 +136,7 @@ def _phase1(base: str, width: int, depth: int) -> dict:
 
 def train_worker(rank: int, world: int, port: int, run: str, steps: int, width: int, depth: int,
                  every: int) -> None:
-    import torch
-    import torch.distributed as dist
 
-    from . import Checkpointer
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     pg = dist.new_group(backend="gloo")  # checkpoint traffic off the training group
@@ -184,7 +181,6 @@ def train_worker(rank: int, world: int, port: int, run: str, steps: int, width: 
 
 
 def _spawn_train(run, steps, width, depth, every):
-    import torch.multiprocessing as mp
     mp.spawn(train_worker, args=(2, _port(), run, steps, width, depth, every), nprocs=2)
 
 
@@ -203,8 +199,6 @@ def _events(line: str):
 
 
 def _phase2(base: str, width: int, depth: int, steps: int, kill_at: int, every: int = 2) -> dict:
-    from . import Checkpointer
-    from .cli import verify_checkpoint
     run = os.path.join(base, "train")
     shutil.rmtree(run, ignore_errors=True)
     # run 1: killed with SIGKILL right after step `kill_at`, possibly mid-save
@@ -241,9 +235,7 @@ def _phase2(base: str, width: int, depth: int, steps: int, kill_at: int, every: 
 
 def run_demo(base: str | None = None, *, width: int = 2048, depth: int = 6, steps: int = 12,
              kill_at: int = 7) -> int:
-    import tempfile
 
-    from .bench import write_charts
     base = base or tempfile.mkdtemp(prefix="dcpds-demo-")
     os.makedirs(base, exist_ok=True)
     print(f"demo: 2-rank FSDP2 training on CPU/gloo (MLP {depth}x{width}, Adam); output under {base}")

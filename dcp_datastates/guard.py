@@ -37,6 +37,11 @@ class SnapshotGuard:
 def async_save(state_dict, *, storage_writer, **kwargs):
     """``dcp.async_save`` that also tells ``storage_writer`` about the returned future,
     so ``wait_snapshot()`` raises instead of waiting forever when the save fails early."""
+    kind = kwargs.get("async_checkpointer_type")
+    if getattr(storage_writer, "async_mode", "") is None and kind is not None:
+        # the writer must know before stage() whether the save crosses processes
+        storage_writer.async_mode = "process" if getattr(kind, "name", str(kind)).upper().endswith(
+            "PROCESS") else "thread"
     fut = dcp.async_save(state_dict, storage_writer=storage_writer, **kwargs)
     upload = getattr(fut, "upload_completion", fut)
     storage_writer.attach(upload)

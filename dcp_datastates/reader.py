@@ -45,6 +45,8 @@ from .tiers import StorageTier
 from .tiers.manifests import load_manifest  # noqa: F401 (re-exported: tests and tools use it)
 from .tiers.storage import open_regular
 from .tiers.direct_io import DIRECT_MIN, STAGE_BYTES, StagingBuffer, dio_alignment, read_range
+import itertools
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +203,6 @@ class DataStatesReader(StorageReader):
             if t.dest is not None:
                 planner.commit_tensor(t.ri, t.dest)
         if len(tiers) > 1 and self.served:
-            import torch.distributed as dist
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             log.info("rank %d restored %s", rank, ", ".join(
                 f"{n / 2**20:.1f} MiB from {u}" for u, n in self.served.items()))
@@ -586,7 +587,6 @@ def _runs(offs, lens, sizes, item) -> list[tuple[int, int]]:
         first = sum(o * s for o, s in zip(offs, strides))
         last = sum((o + ln - 1) * s for o, ln, s in zip(offs, lens, strides)) + 1
         return [(first * item, last * item)]
-    import itertools
     out = []
     for idx in itertools.product(*outer):
         start = (sum(i * s for i, s in zip(idx, strides[:d])) + offs[d] * strides[d]) * item

@@ -31,6 +31,7 @@ class SaveSession:
     def __init__(self, *, lazy: bool, cross_process: bool = False) -> None:
         self.id = uuid.uuid4().hex[:12]
         self.lazy = lazy
+        self.cross_process = cross_process
         self.flags = torch.zeros(6, dtype=torch.int64)
         self.msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
         self.persist_msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)

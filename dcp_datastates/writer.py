@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import threading
 import sys
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import __version__
+from ._version import __version__
 from . import _faults
 from .engine import CopyItem, get_engine
 from .engine.snapshot import tensor_version
@@ -53,6 +54,15 @@ from .tiers import StorageTier
 from .tiers.claim import Claim, acquire
 from .tiers.manifests import load_manifest
 from .tiers.tidy import Tidy, rank_superseded, superseded_here
+from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+import msgpack
+from concurrent.futures import Future as CFuture
+from torch.distributed.checkpoint.utils import find_state_dict_object
+import cuda_ext
+from .tiers.persist import upload_rank
+from .tiers.persist import commit_when_complete
+import xxhash
 
 log = logging.getLogger(__name__)
 
@@ -68,19 +78,6 @@ class _Base:
     here: frozenset  # base files present on this rank's tier (the only ones it may reference)
     homes: dict  # base file -> the directory that holds it
     chunks: dict  # (fqn, offsets) -> Chunk
-
-
-def _detect_process_mode() -> bool:
-    """True when ``stage`` was called by ``dcp.async_save(..., PROCESS)``."""
-    f = sys._getframe(1)
-    for _ in range(12):
-        f = f.f_back
-        if f is None:
-            return False
-        if f.f_code.co_name == "async_save" and "state_dict_saver" in f.f_code.co_filename:
-            t = f.f_locals.get("async_checkpointer_type")
-            return t is not None and getattr(t, "name", str(t)).upper().endswith("PROCESS")
-    return False
 
 
 def _storage_key(t: torch.Tensor):
@@ -102,7 +99,6 @@ def _versions(tensors: list[torch.Tensor]) -> dict:
 
 
 def _iter_tensors(obj):
-    from torch.distributed.tensor import DTensor
     if isinstance(obj, DTensor):
         yield obj.to_local()
     elif isinstance(obj, torch.Tensor):
@@ -132,8 +128,10 @@ class DataStatesWriter(StorageWriter):
             default; such values then raise ``UnsupportedValueError``.
         sync_files: fsync data files and the manifest (durability).  Keep on.
         storage_options: passed to fsspec for URLs.
-        async_mode: ``"thread"`` or ``"process"``; detected from ``dcp.async_save``
-            when left ``None``.
+        async_mode: ``"process"`` when the save runs in DCP's checkpoint process
+            (``async_checkpointer_type=PROCESS``); ``None`` or ``"thread"`` otherwise.
+            ``dcp_datastates.async_save`` sets it from its arguments; a PROCESS save through
+            plain ``dcp.async_save`` without it fails with an error that says so.
         persist_to: slower tiers (paths or fsspec URLs of this checkpoint's directory on
             each), flushed in the background after ``path`` holds the data.  Each commits on
             its own; see ``tiers/persist.py``.
@@ -213,8 +211,9 @@ class DataStatesWriter(StorageWriter):
     def stage(self, state_dict):
         """Start a lazy snapshot: return the live state dict, copy nothing yet."""
         self._wait_previous()
-        process = self.async_mode == "process" or (self.async_mode is None and _detect_process_mode())
+        process = self.async_mode == "process"
         self._session = SaveSession(lazy=True, cross_process=process)
+        self._stage_pid = os.getpid()
         self._staged = True
         if not process:
             tensors = list(_iter_tensors(state_dict))
@@ -290,6 +289,12 @@ class DataStatesWriter(StorageWriter):
             self.save_id = _agree_save_id(self.save_id)
         if self._staged:
             self._staged = False  # this save was started by stage(): keep its lazy session
+            if os.getpid() != self._stage_pid and not self._session.cross_process:
+                raise CheckpointError(
+                    "this save runs in DCP's checkpoint process (async_checkpointer_type=PROCESS), "
+                    "but the writer was staged for THREAD mode, so wait_snapshot() could not see it "
+                    "finish; pass DataStatesWriter(async_mode='process') or save with "
+                    "dcp_datastates.async_save(...), which tells the writer", checkpoint=self.path)
         else:
             self._session = SaveSession(lazy=False)
         self.tier = StorageTier(self.path, self.storage_options)
@@ -555,7 +560,6 @@ class DataStatesWriter(StorageWriter):
 
     def _start_uploads(self, files: dict[str, int], rank: int, session) -> None:
         """Phase 1 of the slow-tier commit: this rank's files, then its marker."""
-        from .tiers.persist import upload_rank
         refs = getattr(self, "_refs", {})
         self._persist_futs = [upload_rank(self.tier, dst, files, rank, self.save_id, refs=refs)
                               for dst in self._persist_tiers()]
@@ -568,7 +572,6 @@ class DataStatesWriter(StorageWriter):
 
     def _start_commits(self, manifest: Manifest, body: bytes, name: str) -> None:
         """Phase 2 (coordinator): commit the manifest on each slow tier once all ranks uploaded."""
-        from .tiers.persist import commit_when_complete
         tiers = self._persist_tiers()
         if not tiers:
             return
@@ -630,7 +633,6 @@ class DataStatesWriter(StorageWriter):
                 "this planner only exposes the value as torch.save bytes (a pickle); use "
                 "DCP's DefaultSavePlanner or ours, or pass allow_pickle=True",
                 checkpoint=self.path, key=fqn)
-        import xxhash
         data = planner.resolve_data(item).getvalue()
         return ("torch", data, xxhash.xxh3_64_intdigest(data))
 
@@ -694,7 +696,6 @@ class DataStatesWriter(StorageWriter):
             raise
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        import torch.distributed as dist
         manifest = build_manifest(metadata, results, save_id=self.save_id)
         if self.use_collectives:
             name = MANIFEST_NAME
@@ -784,7 +785,6 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
         for k, v in metadata.planner_data.items():
             if isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v):
                 planner_data[k] = list(v)
-    import torch.distributed as dist
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return Manifest(save_id=save_id, world_size=max(world, len(results)),
                     ranks=sorted(set(ranks)) or list(range(len(results))), files=files,
@@ -795,7 +795,6 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]], *, save
 
 def _record_persisted(tier: StorageTier, url: str) -> None:
     """Note in the fast tier's copy which slower tiers committed theirs (for `inspect`)."""
-    import msgpack
     try:
         have = msgpack.unpackb(tier.read_bytes(PERSISTED_RECORD)) if tier.exists(PERSISTED_RECORD) else []
     except Exception:  # noqa: BLE001 - a damaged record is rebuilt
@@ -809,7 +808,6 @@ def _agree_save_id(mine: str) -> str:
     """Per-rank manifests (``use_collectives=False``) still name one save: rank 0's id, sent
     to the others with one broadcast on the default process group (DCP itself ends such a
     save with a barrier on it).  A single process keeps its own."""
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return mine
     box = [mine]
@@ -843,7 +841,6 @@ def _when_all(futs, callback) -> None:
 
 def _chain(fut, then):
     """A future that runs ``then()`` after ``fut`` succeeds."""
-    from concurrent.futures import Future as CFuture
     out: CFuture = CFuture()
 
     def done(f):
@@ -864,7 +861,6 @@ def _lookup_original(planner, item):
     sd = getattr(planner, "state_dict", None)
     if isinstance(sd, dict):
         try:
-            from torch.distributed.checkpoint.utils import find_state_dict_object
             return find_state_dict_object(sd, item.index), True
         except (ValueError, KeyError):
             pass
@@ -878,7 +874,6 @@ def _any_gpu(items: list[CopyItem]) -> bool:
 def _want_pinned(items: list[CopyItem]) -> bool:
     if not _any_gpu(items):
         return False
-    import cuda_ext
     return cuda_ext.available()
 
 
@@ -891,7 +886,6 @@ def _ready_events_for(tensors: list[torch.Tensor]):
     dev = next((t.device for t in tensors if t.device.type == "cuda"), None)
     if dev is None:
         return None
-    import cuda_ext
     if not cuda_ext.available():
         return None
     return cuda_ext.record_ready(dev.index or 0)

@@ -18,6 +18,7 @@ import threading
 import torch
 
 from ..format.layout import ALIGNMENT, align_up
+from cuda_ext import pinned_buffer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ class HostCache:
 
     def _allocate(self) -> torch.Tensor:
         if self.pinned:
-            from cuda_ext import pinned_buffer
             self._pinned_handle, buf = pinned_buffer(self.capacity)
             log.info("host cache: %d MiB pinned", self.capacity >> 20)
             return buf

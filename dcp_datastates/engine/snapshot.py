@@ -34,13 +34,12 @@ own memory and only small ones pass through the cache.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 from collections import deque
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +48,10 @@ from .. import _faults
 from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.layout import ALIGNMENT, align_up
+from ..tiers.activity import job_ended as _job_ended
+from ..tiers.activity import job_started as _job_started
 from .host_cache import HostCache
+import cuda_ext
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +228,9 @@ class SnapshotEngine:
         self.io_threads = io_threads
         self.piece_bytes = max(BLOCK_SIZE, min(piece_bytes, cache.capacity // 4) // BLOCK_SIZE * BLOCK_SIZE)
         self._jobs: queue.Queue = queue.Queue()
-        self._flush = ThreadPoolExecutor(io_threads, thread_name_prefix="dcpds-flush")
-        self._stager = threading.Thread(target=self._stage_loop, name="dcpds-stager", daemon=True)
+        self._flush = _Workers(io_threads, "dcpds-flush")
+        # not a daemon: at interpreter exit the saves still queued finish (see _exit_watch)
+        self._stager = threading.Thread(target=self._stage_loop, name="dcpds-stager")
         self._stager.start()
 
     # -- public -------------------------------------------------------------
@@ -251,11 +254,12 @@ class SnapshotEngine:
         return job
 
     # -- stager -------------------------------------------------------------
-    def stop(self, timeout: float = 30.0) -> None:
-        """Let queued saves finish, then end the stager and flush threads (called at exit)."""
+    def stop(self) -> None:
+        """Let queued saves finish, then end the stager and flush threads (called at exit).
+        The flush threads stop only after the stager has queued its last batch."""
         self._jobs.put(None)
-        self._stager.join(timeout)
-        self._flush.shutdown(wait=True)
+        self._stager.join()
+        self._flush.shutdown()
 
     def _stage_loop(self) -> None:
         while True:
@@ -427,10 +431,11 @@ class SnapshotEngine:
     def _finish(self, job: SaveJob) -> None:
         try:
             job.snapshot_done.wait()
-            if len(job.sinks) > 1:
-                job.file_sizes = list(self._flush.map(lambda sk: sk.close(sync=True), job.sinks))
-            else:
-                job.file_sizes = [job.sinks[0].close(sync=True)]
+            # one fsync per stripe, in parallel (the other stripes on helper threads: this one
+            # runs on a flush thread, which must not wait for the pool it belongs to)
+            helpers = [_call_in_thread(sk.close, True) for sk in job.sinks[1:]]
+            first = job.sinks[0].close(sync=True)
+            job.file_sizes = [first] + [f.result() for f in helpers]
             job.timings["data_written"] = time.monotonic()
             if not job.durable.done():
                 job.durable.set_result(job)
@@ -479,34 +484,9 @@ def _copier_for(items: list[CopyItem], ready):
     cuda_items = [i for i in items if i.source is not None and i.source.device.type == "cuda"]
     if not cuda_items:
         return _CpuCopier()
-    import cuda_ext
     if not cuda_ext.available():
         return _CpuCopier()
     return cuda_ext.D2HCopier(cuda_items[0].source.device.index or 0, ready)
-
-
-# Saves in flight in this process (submitted, not yet durable).  Flushes to slower tiers yield
-# to them: the fast tier's commit is what training waits for.
-_active = [0]
-_active_cv = threading.Condition()
-
-
-def _job_started() -> None:
-    with _active_cv:
-        _active[0] += 1
-
-
-def _job_ended(_fut=None) -> None:
-    with _active_cv:
-        _active[0] -= 1
-        _active_cv.notify_all()
-
-
-def wait_for_quiet(timeout: float) -> bool:
-    """Wait until no save of this process is writing to its first tier, at most ``timeout``
-    seconds (so a steady stream of saves still lets slower tiers progress)."""
-    with _active_cv:
-        return _active_cv.wait_for(lambda: _active[0] == 0, timeout)
 
 
 _engines: dict[tuple[int, int], SnapshotEngine] = {}
@@ -520,13 +500,64 @@ def _stop_engines() -> None:
     for eng in engines:
         try:
             eng.stop()
-        except Exception:  # pragma: no cover - exiting anyway
-            log.debug("engine stop failed", exc_info=True)
+        except (RuntimeError, OSError) as e:  # exiting anyway: say what was left
+            log.warning("engine stop at exit failed: %s", e)
 
 
-# Stop the engines before Python joins non-daemon threads at shutdown (private hook since 3.9;
-# plain atexit otherwise, which runs later but still before module teardown).
-getattr(threading, "_register_atexit", atexit.register)(_stop_engines)
+def _exit_watch() -> None:
+    """Wait for the main thread to finish, then let the engines finish their queued saves and
+    stop.  Engine threads are not daemons, so the interpreter waits for them; this tells them
+    when to end, through public threading API only."""
+    threading.main_thread().join()
+    _stop_engines()
+
+
+_watcher: list[threading.Thread] = []
+
+
+class _Workers:
+    """A fixed pool of non-daemon threads fed by a FIFO queue.  Not concurrent.futures: its
+    exit hook refuses new work while a queued save may still need to submit some."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}") for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args) -> None:
+        self._q.put((fn, args))
+
+    def _run(self) -> None:
+        while True:
+            task = self._q.get()
+            if task is None:
+                return
+            fn, args = task
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - tasks report through their job
+                log.error("flush task %s failed outside its job: %s", getattr(fn, "__name__", fn), e)
+
+    def shutdown(self) -> None:
+        """Run what is queued, then end the threads."""
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+
+
+def _call_in_thread(fn, *args) -> Future:
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(e)
+    threading.Thread(target=run, name="dcpds-fsync").start()
+    return fut
 
 
 def get_engine(cache: HostCache, io_threads: int) -> SnapshotEngine:
@@ -536,4 +567,7 @@ def get_engine(cache: HostCache, io_threads: int) -> SnapshotEngine:
         eng = _engines.get(key)
         if eng is None:
             eng = _engines[key] = SnapshotEngine(cache, io_threads=io_threads)
+            if not _watcher:
+                _watcher.append(threading.Thread(target=_exit_watch, name="dcpds-exit-watch"))
+                _watcher[0].start()
         return eng

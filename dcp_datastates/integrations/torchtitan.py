@@ -35,7 +35,9 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.config.override import derive, override
 from torchtitan.tools import filesystem
 
-from .. import DataStatesReader, DataStatesWriter, async_save
+from ..guard import async_save
+from ..reader import DataStatesReader
+from ..writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import msgpack
 from .. import _faults
 from ..errors import ManifestError
 
-from ..engine.snapshot import wait_for_quiet
 from ..format.manifest import MANIFEST_NAME, decode_manifest
 from ..format.names import FAILED_PREFIX, UPLOADED_PREFIX, failed_marker, uploaded_marker
+from .activity import wait_for_quiet
 from .storage import StorageTier, open_regular
 from .tidy import flushing
 

@@ -23,6 +23,7 @@ from ..errors import DataFileError, UnsafeFileError
 from ..format.layout import align_up
 from ..format.names import TEMP_INFIX
 from .direct_io import pread_full
+from .. import _faults
 
 log = logging.getLogger(__name__)
 
@@ -388,7 +389,6 @@ class StorageTier:
             finally:
                 os.close(fd)
             if name == ".metadata":
-                from .. import _faults
                 _faults.point("manifest")  # temp file durable, rename not yet done
             os.replace(tmp, self.path(name))
             if sync:

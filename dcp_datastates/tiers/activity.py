@@ -1,0 +1,31 @@
+"""How many saves of this process are writing their first tier right now.
+
+The engine counts its jobs in and out; flushes to slower tiers (``persist.py``) wait, a
+bounded time, until none is writing, so that the fast tier's commit, which training waits
+for, gets the disk first.  It lives in the tiers layer because both use it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_active = [0]
+_active_cv = threading.Condition()
+
+
+def job_started() -> None:
+    with _active_cv:
+        _active[0] += 1
+
+
+def job_ended(_fut=None) -> None:
+    with _active_cv:
+        _active[0] -= 1
+        _active_cv.notify_all()
+
+
+def wait_for_quiet(timeout: float) -> bool:
+    """Wait until no save of this process is writing to its first tier, at most ``timeout``
+    seconds (so a steady stream of saves still lets slower tiers progress)."""
+    with _active_cv:
+        return _active_cv.wait_for(lambda: _active[0] == 0, timeout)

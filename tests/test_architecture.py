@@ -1,0 +1,71 @@
+"""The architecture of docs/design.md holds (issue 13): layers are checked by import-linter
+(`lint-imports`, contract in pyproject.toml, run by `make test`); this file checks the rest."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import grimp
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LIB = sorted((ROOT / "dcp_datastates").rglob("*.py")) + sorted((ROOT / "cuda_ext").rglob("*.py"))
+OPTIONAL = ("matplotlib", "torchtitan", "cuda")  # optional third-party packages may stay lazy
+
+
+def test_no_import_cycle():
+    g = grimp.build_graph("dcp_datastates", "cuda_ext", include_external_packages=False)
+    face = {"dcp_datastates"}  # the package face imports everything and nothing imports it
+    edges = {m: {i for i in g.find_modules_directly_imported_by(m) if i not in face}
+             for m in g.modules if m not in face}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        path.append(m)
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+@pytest.mark.parametrize("path", LIB, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_imports_inside_functions(path):
+    """Imports inside functions only keep an optional third-party package lazy."""
+    tree = ast.parse(path.read_text())
+    bad = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(fn):
+                if isinstance(sub, ast.Import):
+                    mods = [a.name for a in sub.names]
+                elif isinstance(sub, ast.ImportFrom):
+                    mods = ["." * sub.level + (sub.module or "")]
+                else:
+                    continue
+                bad += [f"{path.name}:{sub.lineno} {m}" for m in mods if m.split(".")[0] not in OPTIONAL]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("path", LIB, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_frame_inspection_or_private_threading(path):
+    text = path.read_text()
+    for needle in ("_getframe", "f_locals", "_register_atexit"):
+        assert needle not in text, f"{path.name} uses {needle}"
+
+
+@pytest.mark.parametrize("path", LIB, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_class_over_350_lines(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            n = node.end_lineno - node.lineno + 1
+            assert n <= 350, f"{path.name}: class {node.name} is {n} lines"
