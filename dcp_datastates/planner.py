@@ -1,4 +1,4 @@
-"""Planners: how DCP items map onto providers.
+"""Planners: how DCP items map onto providers, and where their bytes go.
 
 DCP's default planners work with ``DataStatesWriter``/``DataStatesReader``
 unchanged.  These subclasses add what the format can use:
@@ -9,15 +9,32 @@ unchanged.  These subclasses add what the format can use:
 * :class:`DataStatesLoadPlanner` receives non-tensor values already decoded
   from msgpack (``load_value``), without the ``torch.save``/``torch.load``
   round trip that DCP's ``load_bytes`` interface needs.
+
+``lay_out`` maps a rank's ``SavePlan`` items onto providers and places their regions in the
+rank's data files as the engine's copy items; ``records_for`` turns what the engine wrote into
+the typed records (``format/records.py``) that the coordinator builds the manifest from.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import xxhash
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.utils import find_state_dict_object
+
+from .engine import CopyItem
+from .engine.live import version_at_start
+from .errors import ProviderError, UnsupportedValueError
+from .format import dtype_name
+from .format.layout import place_regions, stripe_count
+from .format.manifest import Extent, Seg, ValueEntry
+from .format.names import data_file_name
+from .format.records import ItemRecord
+from .providers import ObjectProvider, provider_for, type_provider_for
+from .tiers.incremental import Base
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
@@ -56,3 +73,118 @@ def deliver_object(planner, read_item, value) -> bool:
         _set_in_state_dict(planner, read_item.dest_index.fqn, value)
         return True
     return False
+
+
+def original_object(planner: SavePlanner, item: WriteItem) -> tuple[object, bool]:
+    """The unserialized object behind a BYTE_IO item, when the planner exposes it (DCP's
+    default planner and ours do); ``(None, False)`` otherwise."""
+    sd = getattr(planner, "state_dict", None)
+    if isinstance(sd, dict):
+        try:
+            return find_state_dict_object(sd, item.index), True
+        except (ValueError, KeyError):
+            pass
+    return None, False
+
+
+def value_entry(planner: SavePlanner, item: WriteItem, *, allow_pickle: bool, checkpoint: str) -> ValueEntry:
+    """A non-tensor value as the manifest stores it: msgpack, or pickle by opt-in."""
+    fqn = item.index.fqn
+    obj, found = original_object(planner, item)
+    if found:
+        enc, data, csum = ObjectProvider(obj).encode(key=fqn, checkpoint=checkpoint, allow_pickle=allow_pickle)
+        return ValueEntry(enc, data, csum)
+    # A planner that hides the original object: only torch.save bytes are available.
+    if not allow_pickle:
+        raise UnsupportedValueError(
+            "this planner only exposes the value as torch.save bytes (a pickle); use "
+            "DCP's DefaultSavePlanner or ours, or pass allow_pickle=True", checkpoint=checkpoint, key=fqn)
+    data = planner.resolve_data(item).getvalue()
+    return ValueEntry("torch", data, xxhash.xxh3_64_intdigest(data))
+
+
+@dataclasses.dataclass
+class Placed:
+    """One item of ``write_data`` on its way to a record: its copy items, by part path."""
+    item: WriteItem
+    kind: str  # "tensor" | "provider" | "provider-value" | "value"
+    # (part path, dtype, shape, copy item): dtype and shape are read while the source is live
+    parts: list[tuple[str, str, tuple, CopyItem]] = dataclasses.field(default_factory=list)
+    provider: str | None = None
+    meta: object = None
+    tree: dict | None = None
+    value: object = None
+
+
+def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, thread_count: int,
+            base: Base | None, started: dict | None, allow_pickle: bool, checkpoint: str):
+    """DCP items -> providers -> regions placed in the rank's stripes, as the engine's copy
+    items.  ``started``: version counters read when a lazy save started.  Returns the placed
+    items, the copy items and the names of the rank's data files."""
+    placed: list[Placed] = []
+    regions = []  # (placed index, part path, region)
+    for item in plan.items:
+        try:
+            obj, found = (original_object(planner, item) if item.type == WriteItemType.BYTE_IO
+                          else (planner.resolve_data(item), True))
+            if item.type == WriteItemType.BYTE_IO and not (found and type_provider_for(obj)):
+                placed.append(Placed(item, "value", value=value_entry(
+                    planner, item, allow_pickle=allow_pickle, checkpoint=checkpoint)))
+                continue
+            prov = provider_for(obj)
+        except ProviderError as e:
+            raise ProviderError(str(e), checkpoint=checkpoint, key=item.index.fqn) from e.__cause__
+        p = Placed(item, "tensor" if prov.name == "tensor" else
+                   ("provider-value" if item.type == WriteItemType.BYTE_IO else "provider"))
+        if p.kind != "tensor":
+            p.provider, p.meta, p.tree = prov.name, prov.meta(), prov.tree()
+        placed.append(p)
+        regions += [(len(placed) - 1, r) for r in prov.regions()]
+    total = sum(r.nbytes for _, r in regions)
+    names = [data_file_name(rank, save_id, k)
+             for k in range(stripe_count(total, thread_count))]
+    where = place_regions([r.nbytes for _, r in regions], len(names))
+    copy_items = []
+    for (i, r), (stripe, off) in zip(regions, where):
+        item = placed[i].item
+        ci = CopyItem(f"{item.index.fqn}{'/' + r.name if r.name else ''}", r.source, off, r.nbytes, stripe)
+        if base is not None:
+            ci.base = base.extents(item.index.fqn, tuple(item.index.offset or ())).get(r.name or "")
+            ci.base_files = base.here
+        if started is not None:
+            ci.version = version_at_start(started, r.source)
+        copy_items.append(ci)
+        placed[i].parts.append((r.name, dtype_name(r.source.dtype), tuple(r.source.shape), ci))
+    return placed, copy_items, names
+
+
+def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: Base | None):
+    """Typed records of the placed items, once the engine wrote them: each copy item's extent
+    (its new segments in this save's files, its reused ones in the base's), the base files
+    referenced (with their homes), and the files written with their sizes."""
+    refs: dict[str, str] = {}
+    written = {n: sz for n, sz in zip(names, sizes) if sz > 0}
+
+    def extent(ci: CopyItem) -> Extent:
+        segs = []
+        for f, off, n in ci.segments():
+            if isinstance(f, str):  # a base file: referenced, not written
+                refs[f] = base.homes[f]
+            else:
+                f = names[f]
+            segs.append(Seg(f, off, n))
+        return Extent(segs, ci.nbytes, list(ci.sums))
+    records = []
+    for p in placed:
+        if p.kind == "value":
+            records.append(ItemRecord("value", value=p.value))
+            continue
+        td = p.item.tensor_data
+        dtype = dtype_name(td.properties.dtype) if td is not None else ""
+        sizes_ = tuple(td.chunk.sizes) if td is not None else ()
+        if p.kind == "tensor":
+            records.append(ItemRecord("tensor", dtype, sizes_, extent(p.parts[0][3])))
+            continue
+        parts = {name: (dt, shape, extent(ci)) for name, dt, shape, ci in p.parts}
+        records.append(ItemRecord(p.kind, dtype, sizes_, None, p.provider, p.meta, parts, p.tree))
+    return records, refs, written

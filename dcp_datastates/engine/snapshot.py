@@ -39,7 +39,7 @@ import queue
 from collections import deque
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -181,6 +181,17 @@ def plan_batches(items: list[CopyItem], piece_bytes: int, *, direct_ok) -> list[
     return out
 
 
+def _settle(fut: Future, *, result=None, error: BaseException | None = None) -> None:
+    """Resolve ``fut`` unless it already is (a failure and the snapshot can race)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
 class SaveJob:
     """One save on one rank: completion handles and per-stage timings."""
 
@@ -189,6 +200,7 @@ class SaveJob:
         self.sinks = sinks
         self.label = label
         self.snapshot_done = threading.Event()
+        self.snapshotted: Future = Future()  # resolves when snapshot_done is set (error: failed)
         self.durable: Future = Future()
         self.error: BaseException | None = None
         self.abort = threading.Event()
@@ -206,6 +218,7 @@ class SaveJob:
             self.error = exc
         self.abort.set()
         self.snapshot_done.set()
+        _settle(self.snapshotted, error=exc)
         for sink in self.sinks:
             try:
                 sink.abort()
@@ -343,6 +356,7 @@ class SnapshotEngine:
             it.source = None  # release references: the allocator may reuse the memory now
         job.timings["snapshot_done"] = time.monotonic()
         job.snapshot_done.set()
+        _settle(job.snapshotted, result=job)
         log.debug("%s: snapshot done in %.3fs", job.label,
                   job.timings["snapshot_done"] - job.timings["submitted"])
 

@@ -28,3 +28,23 @@ class FileLayout:
         offset = align_up(self.end)
         self.end = offset + nbytes
         return offset
+
+
+STRIPE_MIN_BYTES = 64 << 20  # below this per file, more files only add fsyncs
+
+
+def stripe_count(total_bytes: int, thread_count: int) -> int:
+    """How many data files (stripes) a rank writes: one per flush thread, but no file under
+    ``STRIPE_MIN_BYTES`` (each costs an fsync)."""
+    return max(1, min(thread_count, total_bytes // STRIPE_MIN_BYTES))
+
+
+def place_regions(sizes: list[int], n_files: int) -> list[tuple[int, int]]:
+    """``(stripe, offset)`` for each region of ``sizes``: largest first onto the least-filled
+    stripe, so that the files are balanced and each flush thread writes one."""
+    layouts = [FileLayout(str(k)) for k in range(n_files)]
+    where: list[tuple[int, int]] = [(0, 0)] * len(sizes)
+    for nbytes, i in sorted(((n, i) for i, n in enumerate(sizes)), reverse=True):
+        k = min(range(n_files), key=lambda k: layouts[k].end)
+        where[i] = (k, layouts[k].place(nbytes))
+    return where

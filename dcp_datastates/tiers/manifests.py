@@ -123,3 +123,13 @@ def committed_manifest(tier: StorageTier) -> Manifest | None:
         return load_manifest(tier)
     except NotACheckpointError:
         return None
+
+
+def committed_here(tier: StorageTier, *, rank: int | None) -> bool:
+    """Whether ``tier`` holds a committed checkpoint a save would replace: a ``.metadata``, or
+    (``rank`` given: per-rank manifests) a manifest of that rank."""
+    names = tier.listdir()
+    if MANIFEST_NAME in names or (not tier.local and tier.exists(MANIFEST_NAME)):
+        return True
+    return rank is not None and any(
+        (p := parse_rank_manifest(n)) is not None and p[0] == rank for n in names)

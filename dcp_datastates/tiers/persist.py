@@ -27,10 +27,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgpack
 
 from .. import _faults
-from ..errors import ManifestError
+from ..errors import CheckpointError, ManifestError
 
-from ..format.manifest import MANIFEST_NAME, decode_manifest
-from ..format.names import FAILED_PREFIX, UPLOADED_PREFIX, failed_marker, uploaded_marker
+from ..format.manifest import MANIFEST_NAME, Manifest, decode_manifest
+from ..format.names import (FAILED_PREFIX, PERSISTED_RECORD, UPLOADED_PREFIX, failed_marker,
+                            uploaded_marker)
 from .activity import wait_for_quiet
 from .storage import StorageTier, open_regular
 from .tidy import flushing
@@ -222,3 +223,119 @@ def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], sa
         if on_commit is not None:
             on_commit(dst.url)
     return _executor().submit(run)
+
+
+def record_persisted(tier: StorageTier, url: str) -> None:
+    """Note in the fast tier's copy which slower tiers committed theirs (for ``inspect``)."""
+    have: list = []
+    if tier.exists(PERSISTED_RECORD):
+        try:
+            have = list(msgpack.unpackb(tier.read_bytes(PERSISTED_RECORD, max_bytes=1 << 20)))
+        except (ValueError, TypeError, msgpack.UnpackException, OSError, CheckpointError) as e:
+            log.warning("rebuilding the damaged %s of %s (%s)", PERSISTED_RECORD, tier.url, e)
+    if url not in have:
+        have.append(url)
+    tier.commit_bytes(PERSISTED_RECORD, msgpack.packb(have))
+
+
+def when_all(futs: list[Future], callback) -> None:
+    """Call ``callback(first_error_or_None)`` once every future is done."""
+    if not futs:
+        callback(None)
+        return
+    lock = threading.Lock()
+    left = [len(futs)]
+    errors: list = []
+
+    def done(f: Future) -> None:
+        e = f.exception()
+        with lock:
+            if e is not None:
+                errors.append(e)
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            if errors:
+                log.error("flush to a persistent tier failed: %s", errors[0])
+            callback(errors[0] if errors else None)
+    for f in futs:
+        f.add_done_callback(done)
+
+
+def then(fut: Future, fn) -> Future:
+    """A future of ``fn()``, run once ``fut`` succeeds (its error otherwise)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        e = f.exception()
+        if e is not None:
+            out.set_exception(e)
+            return
+        try:
+            out.set_result(fn())
+        except BaseException as err:  # noqa: BLE001 - delivered through the future
+            out.set_exception(err)
+    fut.add_done_callback(done)
+    return out
+
+
+class Persistence:
+    """One save's flush to slower tiers, as one rank runs it.
+
+    Phase 1 (every rank): ``start_uploads`` sends the rank's files and then its marker.
+    Phase 2: ``start_commits`` commits the manifest on each tier once every rank uploaded (the
+    coordinator, collective saves) or once this rank did (per-rank manifests).  ``on_done``
+    gets the first error or None when this rank's part is over; ``after_commit(tier, manifest)``
+    runs once a tier committed; ``on_tier_failed(url)`` once a tier's flush failed."""
+
+    def __init__(self, src: StorageTier, tiers: list[StorageTier], save_id: str, rank: int, *,
+                 on_done, after_commit, on_tier_failed) -> None:
+        self.src, self.tiers, self.save_id, self.rank = src, tiers, save_id, rank
+        self.on_done, self.after_commit, self.on_tier_failed = on_done, after_commit, on_tier_failed
+        self.uploads: list[Future] = []
+        self.futures: list[Future] = []
+
+    def pending(self) -> bool:
+        return any(not f.done() for f in self.futures)
+
+    def start_uploads(self, files: dict[str, int], refs: dict[str, tuple[str, int]], *,
+                      waits_for_commit: bool) -> None:
+        self.uploads = [upload_rank(self.src, dst, files, self.rank, self.save_id, refs=refs)
+                        for dst in self.tiers]
+        self.futures = list(self.uploads)
+        for f, t in zip(self.uploads, self.tiers):
+            f.add_done_callback(lambda f, u=t.url: self.on_tier_failed(u) if f.exception() else None)
+        if not self.tiers:
+            self.on_done(None)
+        elif not waits_for_commit:
+            when_all(self.uploads, self.on_done)
+
+    def start_commits(self, manifest: Manifest, body: bytes, name: str, *, collective: bool,
+                      record_on: StorageTier | None) -> None:
+        if not self.tiers:
+            return
+        if not collective:  # every rank commits its own rank manifest after its own upload
+            def commit(tier: StorageTier) -> None:
+                tier.commit_bytes(name, body)
+                self.after_commit(tier, manifest)
+            self.futures = [then(f, lambda t=t: commit(t)) for f, t in zip(self.uploads, self.tiers)]
+            when_all(self.futures, self.on_done)
+            return
+        lock = threading.Lock()
+        by_url = {t.url: t for t in self.tiers}
+
+        def committed(url: str) -> None:
+            self.after_commit(by_url[url], manifest)
+            if record_on is not None:
+                with lock:
+                    record_persisted(record_on, url)
+        give_up = [threading.Event() for _ in self.tiers]  # set when this rank's own upload fails
+        for f, ev in zip(self.uploads, give_up):
+            f.add_done_callback(lambda f, ev=ev: ev.set() if f.exception() is not None else None)
+        commits = [commit_when_complete(t, body, list(range(manifest.world_size)), self.save_id,
+                                        on_commit=committed, give_up=ev)
+                   for t, ev in zip(self.tiers, give_up)]
+        for f, t in zip(commits, self.tiers):
+            f.add_done_callback(lambda f, u=t.url: self.on_tier_failed(u) if f.exception() else None)
+        self.futures = self.uploads + commits
+        when_all(self.futures, self.on_done)

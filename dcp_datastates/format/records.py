@@ -1,0 +1,42 @@
+"""Typed records from a rank's ``write_data`` to the coordinator's ``finish``.
+
+Each ``WriteResult.storage_data`` is an :class:`ItemRecord` (DCP gathers them to the
+coordinator with pickle; they hold only plain data and format records).  The first record of
+each rank also carries its :class:`RankRecord`.  ``build.py`` turns them into the manifest
+directly, with no encoding on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .manifest import Extent, ValueEntry
+
+
+@dataclass(slots=True)
+class RankRecord:
+    """One rank's part of the save: the data files it wrote (and those it references in
+    earlier checkpoints of the run, with their home directories), and its stage timings."""
+    rank: int
+    files: dict[str, int]
+    homes: dict[str, str]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ItemRecord:
+    """What one DCP ``WriteItem`` became.
+
+    ``kind``: ``"tensor"`` (one extent), ``"provider"`` (a registered type stored as a tensor
+    chunk: ``parts`` by path, ``tree`` of nested providers), ``"value"`` (``value`` inline) or
+    ``"provider-value"`` (a registered type stored as a value: ``parts`` and ``tree``)."""
+    kind: str
+    dtype: str = ""
+    sizes: tuple[int, ...] = ()
+    extent: Extent | None = None
+    provider: str | None = None
+    meta: object = None
+    parts: dict[str, tuple[str, tuple[int, ...], Extent]] = field(default_factory=dict)
+    tree: dict | None = None
+    value: ValueEntry | None = None
+    rank: RankRecord | None = None

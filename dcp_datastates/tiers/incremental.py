@@ -1,0 +1,64 @@
+"""The base of an incremental save: a committed checkpoint of the same run whose unchanged
+bytes the new one references instead of writing (``docs/design.md``, "Incremental")."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ..errors import CheckpointError
+from ..format.manifest import Chunk, Extent, Manifest
+from .manifests import load_manifest
+from .storage import StorageTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Base:
+    """An incremental save's base, as one rank sees it."""
+    name: str  # its directory, a sibling of the new checkpoint's
+    manifest: Manifest
+    here: frozenset  # base files present on this rank's tier (the only ones it may reference)
+    homes: dict  # base file -> the directory that holds it
+    chunks: dict  # (fqn, offsets) -> Chunk
+
+    def extents(self, fqn: str, offsets: tuple) -> dict[str, Extent]:
+        """Base extents of chunk ``(fqn, offsets)``: ``{part path or "": Extent}``."""
+        c: Chunk | None = self.chunks.get((fqn, offsets))
+        if c is None:
+            return {}
+        if c.extent is not None:
+            return {"": c.extent}
+        return {k: ext for k, (_dt, _shape, ext) in c.parts.items()}
+
+
+def load_base(tier: StorageTier, incremental_base: str | None, storage_options: dict | None) -> Base | None:
+    """The base named ``incremental_base`` (a sibling directory of ``tier``), as this rank's
+    tier holds it; None to write in full (no base, the step itself, or an unusable base)."""
+    if incremental_base is None:
+        return None
+    raw = incremental_base.rstrip("/")
+    name = raw.rpartition("/")[2]
+    if "/" in raw and StorageTier(raw, storage_options).parent().root != tier.parent().root:
+        raise ValueError(f"incremental_base {incremental_base!r} must be a sibling of the "
+                         f"checkpoint directory {tier.url!r} (another step of the same run)")
+    if name == tier.name:
+        return None  # re-saving a step over itself: nothing to reference
+    base_tier = tier.sibling(name)
+    try:
+        m = load_manifest(base_tier)
+    except (CheckpointError, OSError) as e:
+        log.warning("incremental base %s is not usable (%s); writing %s in full",
+                    base_tier.url, str(e).splitlines()[0][:200], tier.url)
+        return None
+    homes = {f: m.homes.get(f, name) for f in m.files}
+    listed: dict[str, set] = {}
+    here = set()
+    for f, home in homes.items():
+        if home not in listed:
+            listed[home] = set(tier.sibling(home).listdir())
+        if f in listed[home]:
+            here.add(f)
+    chunks = {(fqn, c.offsets): c for fqn, t in m.tensors.items() for c in t.chunks}
+    return Base(name, m, frozenset(here), homes, chunks)

@@ -1,0 +1,81 @@
+"""What one save owns on its tiers: the claims it holds, and what each commit may remove.
+
+``SaveClaims`` claims the save's directory on every tier before anything is written
+(``claim.py``), reads under those claims what the save will replace (``tidy.py``), and after
+each tier commits removes what that tier's superseded manifest or a dead attempt owned, then
+lets the claim go.  A save that fails lets every claim go at once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import CheckpointError
+from ..format.manifest import Manifest
+from ..format.names import CLAIM_NAME, rank_claim_name
+from .claim import Claim, acquire
+from .storage import StorageTier
+from .tidy import Tidy, rank_superseded, superseded_here
+
+log = logging.getLogger(__name__)
+
+
+class SaveClaims:
+    """Claims and tidy-ups of one save (``rank`` set: per-rank manifests, one claim per rank)."""
+
+    def __init__(self, save_id: str, *, rank: int | None, busy) -> None:
+        self.save_id = save_id
+        self.rank = rank
+        self.busy = busy
+        self._claims: dict[str, Claim] = {}
+        self._tidies: dict[str, Tidy] = {}
+
+    def acquire(self, tiers: list[StorageTier]) -> None:
+        """Claim each tier's directory; the first tier must succeed.  A slower tier that cannot
+        be reached does not fail the save (its flush reports the failure); a busy one does."""
+        name = CLAIM_NAME if self.rank is None else rank_claim_name(self.rank)
+        try:
+            for i, t in enumerate(tiers):
+                try:
+                    c = acquire(t, name, self.save_id, busy=self.busy)
+                except CheckpointError:
+                    raise  # busy: another save holds it
+                except Exception as e:  # noqa: BLE001 - fsspec backends raise their own types
+                    if i == 0:
+                        raise
+                    log.warning("could not claim %s (%s); its flush will report the failure", t.url, e)
+                    continue
+                self._claims[t.url] = c
+                self._tidies[t.url] = Tidy(t, self.save_id, superseded_here(t, rank=self.rank),
+                                           list(c.took_over), self.rank)
+        except BaseException:
+            self.release()
+            raise
+
+    def after_commit(self, tier: StorageTier, manifest: Manifest) -> None:
+        """``tier`` committed this save: remove what it superseded, then let its claim go."""
+        try:
+            tidy = self._tidies.pop(tier.url, None)
+            if tidy is None:
+                return
+            if self.rank is None:
+                tidy.run({f for f in manifest.files if f not in manifest.homes})
+            else:
+                names, old, protect = rank_superseded(tier, self.rank, self.save_id)
+                for n in names:  # uncommit first: a crash from here on leaves only leftovers
+                    tier.remove(n)
+                tidy.superseded = old
+                tidy.run(protect)
+        except (OSError, CheckpointError) as e:
+            log.warning("%s committed, but tidying superseded files failed (%s); they stay "
+                        "until the next save here", tier.url, e)
+        finally:
+            self.release(tier.url)
+
+    def release(self, url: str | None = None) -> None:
+        """Let the claim of ``url`` (default: every claim) go."""
+        for u in list(self._claims) if url is None else [url]:
+            self._tidies.pop(u, None)
+            c = self._claims.pop(u, None)
+            if c is not None:
+                c.release()
