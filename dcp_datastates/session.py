@@ -43,18 +43,31 @@ class SaveSession:
             self.persist_msg.share_memory_()
             self.stamps.share_memory_()
         self.stamps[0] = time.monotonic()
-        self._event = threading.Event()
-        self.future = None  # the async_save future, when the caller attached it
+        self._event = threading.Event()  # snapshotted or failed (this process)
+        self._persisted = threading.Event()  # persisted, or failed (this process)
+        self._future = None  # the async_save future, when the caller attached it
 
     def __getstate__(self):
         d = dict(self.__dict__)
-        d["_event"] = None
-        d["future"] = None
+        d["_event"] = d["_persisted"] = None
+        d["_future"] = None
         return d
 
     def __setstate__(self, d):
         self.__dict__.update(d)
         self._event = threading.Event()
+        self._persisted = threading.Event()
+
+    @property
+    def future(self):
+        return self._future
+
+    @future.setter
+    def future(self, fut) -> None:
+        """The async_save future: its failure wakes waiters too."""
+        self._future = fut
+        if fut is not None:
+            fut.add_done_callback(lambda _f: self._event.set())
 
     # -- producer side ------------------------------------------------------
     def stamp(self, stage: str) -> None:
@@ -78,6 +91,7 @@ class SaveSession:
         self.msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         self.flags[_FAILED] = 1
         self._event.set()
+        self._persisted.set()
 
     def mark_persisted(self, error: BaseException | None = None) -> None:
         """This rank's part of the slow-tier flush is over (coordinator: every tier committed)."""
@@ -88,15 +102,13 @@ class SaveSession:
         else:
             self.stamp("persisted")
         self.flags[_PERSISTED] = 1
+        self._persisted.set()
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.flags[_PERSISTED]:
-            if self.failed:
-                raise SnapshotError(f"save failed: {self.error_text()}")
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
+        if not self._wait(self._persisted, lambda: bool(self.flags[_PERSISTED]) or self.failed, timeout):
+            return False
+        if self.failed and not self.flags[_PERSISTED]:
+            raise SnapshotError(f"save failed: {self.error_text()}")
         if self.flags[_PERSIST_FAILED]:
             raw = bytes(self.persist_msg.numpy()).rstrip(b"\0").decode(errors="replace")
             raise SnapshotError(f"flush to a persistent tier failed: {raw}")
@@ -120,20 +132,28 @@ class SaveSession:
         return raw.decode(errors="replace")
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
+        fut = self._future
+        if not self._wait(self._event, lambda: self.snapshotted or self.failed or (
+                fut is not None and fut.done()), timeout):
+            return False
+        if self.failed:
+            raise SnapshotError(f"async save failed before its snapshot completed: {self.error_text()}")
+        if not self.snapshotted and fut is not None and fut.exception() is not None:
+            raise SnapshotError(f"async save failed: {fut.exception()}") from fut.exception()
+        return True  # snapshotted (a completed save implies it)
+
+    def _wait(self, event: threading.Event, done, timeout: float | None) -> bool:
+        """Wait until ``done()``.  In one process the producer sets ``event``: a plain wait.  In
+        PROCESS mode the producer is DCP's checkpoint daemon, which can only flip flags in the
+        shared memory both map (an Event cannot be handed to an already running process), so
+        the wait re-reads them at a backing-off interval of at most 10 ms."""
+        if not self.cross_process:
+            return event.wait(timeout) or done()
         deadline = None if timeout is None else time.monotonic() + timeout
         poll = 0.0005
-        while True:
-            if self.failed:
-                raise SnapshotError(f"async save failed before its snapshot completed: {self.error_text()}")
-            if self.snapshotted:
-                return True
-            fut = self.future
-            if fut is not None and fut.done():
-                exc = fut.exception()
-                if exc is not None:
-                    raise SnapshotError(f"async save failed: {exc}") from exc
-                return True  # committed implies snapshotted
+        while not done():
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            self._event.wait(poll)
+            event.wait(poll)
             poll = min(poll * 2, 0.01)
+        return True

@@ -90,7 +90,12 @@ class HostCache:
                 if not waited:
                     self.waits += 1
                     waited = True
-                self._cv.wait(0.05)
+                self._cv.wait()  # woken by free() or, for an aborted save, by wake()
+
+    def wake(self) -> None:
+        """Wake every waiting ``alloc`` (a save was aborted: its waiter must see it)."""
+        with self._cv:
+            self._cv.notify_all()
 
     def free(self, offset: int, nbytes: int) -> None:
         size = align_up(max(nbytes, 1))

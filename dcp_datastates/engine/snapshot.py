@@ -204,6 +204,7 @@ class SaveJob:
         self.durable: Future = Future()
         self.error: BaseException | None = None
         self.abort = threading.Event()
+        self.on_abort: list = []  # called when the job fails (wakes its cache waiters)
         self.file_sizes: list[int] = [0] * len(sinks)
         self.bytes_total = sum(i.nbytes for i in items)
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
@@ -217,6 +218,8 @@ class SaveJob:
                 return
             self.error = exc
         self.abort.set()
+        for wake in self.on_abort:
+            wake()
         self.snapshot_done.set()
         _settle(self.snapshotted, error=exc)
         for sink in self.sinks:
@@ -261,6 +264,7 @@ class SnapshotEngine:
             it.placed = []
         job = SaveJob(items, sinks, label=label)
         job.unit_bytes = unit_bytes
+        job.on_abort.append(self.cache.wake)
         _job_started()
         job.durable.add_done_callback(_job_ended)
         self._jobs.put((job, copy, ready_event))
