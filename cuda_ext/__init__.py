@@ -68,7 +68,7 @@ def check(result, what: str = ""):
         rt = _runtime()
         try:
             name = rt.cudaGetErrorName(err)[1].decode()
-        except Exception:
+        except (AttributeError, TypeError, ValueError, IndexError):  # no name: the number will do
             name = str(err)
         raise CudaError(f"{what} failed: {name}")
     if not vals:
@@ -137,7 +137,8 @@ def _numa_cpus(device: int) -> set[int] | None:
             a, _, b = part.partition("-")
             cpus.update(range(int(a), int(b or a) + 1))
         return cpus
-    except Exception:
+    except (OSError, ValueError) as e:  # no NUMA information: no affinity hint
+        log.debug("no NUMA node for the GPU (%s)", e)
         return None
 
 
@@ -152,8 +153,8 @@ class PinnedHandle:
         if rt is not None and self.ptr:
             try:
                 rt.cudaFreeHost(self.ptr)
-            except Exception:
-                pass
+            except Exception as e:  # noqa: BLE001 - a finalizer must not raise; say what leaked
+                log.warning("cudaFreeHost of %d bytes failed: %s", self.nbytes, e)
             self.ptr = 0
 
 
@@ -199,8 +200,8 @@ class Event:
         if rt is not None:
             try:
                 rt.cudaEventDestroy(self.ev)
-            except Exception:
-                pass
+            except Exception as e:  # noqa: BLE001 - a finalizer must not raise; say what leaked
+                log.warning("cudaEventDestroy failed: %s", e)
 
 
 def _new_event(device: int) -> Event:

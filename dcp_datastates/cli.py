@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .errors import PickleNotAllowedError
+from .errors import CheckpointError, PickleNotAllowedError
 from .verify import _rank_of, inspect_run, verify_checkpoint
 import msgpack
 from .format import MANIFEST_NAME
@@ -62,8 +62,9 @@ def cmd_inspect(args) -> int:
     try:
         if tier.exists(".persisted"):
             tiers += list(msgpack.unpackb(tier.read_bytes(".persisted")))
-    except Exception:  # noqa: BLE001 - the record is informational
-        pass
+    except (CheckpointError, OSError, ValueError, TypeError, msgpack.UnpackException) as e:
+        print(f"note: the record of slower tiers is unreadable ({e}); listing this tier only",
+              file=sys.stderr)
     rows = []
     for fqn, t in sorted(m.tensors.items()):
         nbytes = sum((c.extent.nbytes if c.extent else sum(p[2].nbytes for p in c.parts.values()))

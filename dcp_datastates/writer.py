@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _faults
 from ._version import __version__
 from .engine import get_engine
 from .engine.host_cache import default_host_cache_bytes, shared_host_cache
@@ -212,7 +211,6 @@ class DataStatesWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         with _failing(self):
             self.tier.makedirs()
-            _faults.point("plan")
             if not self.overwrite and self._committed_here():
                 raise CheckpointExistsError(
                     "a committed checkpoint already exists here; pass overwrite=True to "

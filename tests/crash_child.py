@@ -27,6 +27,8 @@ def tiers(base: str) -> list[str]:
 
 def _rank_main(rank, world, base, mode, step, started):
     from dcp_datastates import Checkpointer
+    from tests.faults import install
+    install()  # the harness's fault point, by wrapping the storage interface
     c = Checkpointer(tiers(base), async_mode=None if mode == "sync" else "thread")
     sd = state_for(step)
     if rank == 0 and started:

@@ -194,6 +194,8 @@ PURGE_CHILD = r"""
 import sys
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.retention import purge_steps
+from tests.faults import install
+install()
 purge_steps(StorageTier(sys.argv[1]), sys.argv[2].split(","))
 """
 
@@ -204,7 +206,8 @@ def test_crash_during_purge_leaves_retained_steps_loadable(tmp_path, nth):
     c = Checkpointer([str(run)], async_mode=None, incremental=True)
     _run_steps(c, range(1, 6))
     ready = tmp_path / "ready"
-    env = dict(os.environ, DCP_DATASTATES_FAULT=f"purge:{nth}", DCP_DATASTATES_FAULT_READY=str(ready))
+    env = dict(os.environ, DCP_DATASTATES_FAULT=f"purge:{nth}", DCP_DATASTATES_FAULT_READY=str(ready),
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.Popen([sys.executable, "-c", PURGE_CHILD, str(run), "step-1,step-2,step-3"], env=env)
     deadline = time.monotonic() + 60
     while not ready.exists() and p.poll() is None and time.monotonic() < deadline:

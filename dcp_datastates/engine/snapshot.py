@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import _faults
 from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.layout import ALIGNMENT, align_up
@@ -225,8 +224,8 @@ class SaveJob:
         for sink in self.sinks:
             try:
                 sink.abort()
-            except Exception:  # pragma: no cover - best effort
-                log.debug("sink abort failed", exc_info=True)
+            except OSError as e:  # the save fails anyway; its partial file is never committed
+                log.warning("aborting %s failed: %s", getattr(sink, "name", sink), e)
         if not self.durable.done():
             self.durable.set_exception(exc)
 
@@ -340,7 +339,6 @@ class SnapshotEngine:
                 self.cache.free(off, b.nbytes)
                 raise
             self._flush.submit(self._flush_batch, job, b, view, off, event)
-            _faults.point("copy")
             # a source is no longer needed once its last piece is issued (kept until the
             # copy completes through `flat` of this frame for GPU; CPU copies are synchronous)
         self._snapshot_done(job, copier)
@@ -403,7 +401,6 @@ class SnapshotEngine:
                     sink.pwrite(memoryview(full.numpy()), off, logical=n)
                 else:
                     sink.pwrite(mv[x:y], off)
-                _faults.point("write")
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         finally:

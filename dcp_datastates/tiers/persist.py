@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgpack
 
-from .. import _faults
 from ..errors import CheckpointError, ManifestError
 
 from ..format.manifest import MANIFEST_NAME, Manifest, decode_manifest
@@ -84,7 +83,6 @@ def _copy_local(src: StorageTier, dst: StorageTier, name: str, size: int) -> int
 
 def copy_file(src: StorageTier, dst: StorageTier, name: str) -> int:
     """Stream one file from ``src`` to ``dst`` in large pieces (multipart on object stores)."""
-    _faults.point("persist")
     size = src.size(name)
     if src.local and dst.local and hasattr(os, "copy_file_range"):
         try:
@@ -151,8 +149,9 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
         except BaseException as e:
             try:  # best effort: tell the coordinator not to wait for this rank
                 dst.commit_bytes(failed_name(rank, save_id), str(e).encode()[:4096])
-            except Exception:  # noqa: BLE001 - the tier may be gone altogether
-                pass
+            except Exception as marker_error:  # noqa: BLE001 - the tier may be gone altogether
+                log.warning("could not leave the failure marker on %s (%s); the coordinator "
+                            "waits until its timeout", dst.url, marker_error)
             raise
 
     def upload() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import _faults
 from ..errors import CheckpointError
 from ..format.manifest import Manifest
 from ..format.names import CLAIM_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, is_ours
@@ -92,7 +91,6 @@ def purge_steps(run: StorageTier, drop: list[str], *,
                 t.remove(n)
         except OSError as e:
             log.warning("retention: could not uncommit %s (%s); skipping it", t.url, e)
-        _faults.point("purge")
     live = live_files(run, also)
     gone = []
     marked = []
@@ -126,7 +124,6 @@ def _sweep(t: StorageTier, keep: set[str]) -> bool:
             t.remove(n)
         except OSError as e:
             log.warning("retention: could not remove %s/%s (%s)", t.url, n, e)
-        _faults.point("purge")
     if foreign:
         log.warning("retention: %s holds entries dcp-datastates did not write (%s); they are "
                     "kept, and so is the directory", t.url, ", ".join(sorted(foreign)[:8]))
