@@ -111,13 +111,25 @@ def test_flatten_raising_process_mode(tmp_path):
 
 
 # -------------------------------------------------- a registered type in FSDP2 state
-def _fsdp_save(rank, world, path):
+def _fsdp_save(rank, world, path, mode="sync"):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from dcp_datastates import async_save
     from tests.workers import app_state, make_fsdp
     model, opt = make_fsdp(world)
     sd = app_state(model, opt)
     sd["extra"]["scaled"] = pt.Scaled(torch.arange(6.0), torch.ones(2), 0.5)
     sd["pair"] = pt.Pair(pt.Scaled(torch.arange(3.0), torch.zeros(2), 2.0), torch.arange(4.0), "p")
-    dcp.save(sd, storage_writer=DataStatesWriter(path))
+    if mode == "sync":
+        dcp.save(sd, storage_writer=DataStatesWriter(path))
+        return
+    kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    writer = DataStatesWriter(path)
+    fut = async_save(sd, storage_writer=writer, process_group=dist.new_group(backend="gloo"),
+                     async_checkpointer_type=kind)
+    writer.wait_snapshot(timeout=120)
+    fut.result()
 
 
 def _fsdp_load(rank, world, path):
@@ -134,8 +146,9 @@ def _fsdp_load(rank, world, path):
     assert torch.equal(p.extra, torch.arange(4.0)) and torch.equal(p.inner.data, torch.arange(3.0))
 
 
-@pytest.mark.parametrize("load_world", [1, 3])
-def test_registered_types_in_fsdp_state_reshard(tmp_path, load_world):
+@pytest.mark.parametrize("mode,load_worlds", [("sync", (1, 3)), ("thread", (3,)), ("process", (1,))])
+def test_registered_types_in_fsdp_state_reshard(tmp_path, mode, load_worlds):
     path = str(tmp_path / "c")
-    run_ranks(2, _fsdp_save, path)
-    run_ranks(load_world, _fsdp_load, path)
+    run_ranks(2, _fsdp_save, path, mode)
+    for w in load_worlds:
+        run_ranks(w, _fsdp_load, path)
