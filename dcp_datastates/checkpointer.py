@@ -83,6 +83,10 @@ class Checkpointer:
         self.keep = list(keep)
         self.persist_every = persist_every
         self.async_mode = async_mode
+        if async_mode == "process" and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("Checkpointer(async_mode='process') needs an initialized process group "
+                             "(DCP's checkpoint daemon joins it): call dist.init_process_group first, "
+                             "or use async_mode='thread'")
         self.pg = process_group
         self.node_local = node_local
         self.storage_options = list(storage_options or [None] * len(self.tiers))

@@ -1,20 +1,51 @@
-"""``dcp-datastates`` / ``python -m dcp_datastates``: demo, inspect, verify."""
+"""``dcp-datastates`` / ``python -m dcp_datastates``: inspect, verify, convert, bench, demo.
+
+Exit codes: 0 ok; 1 damaged (verify found a problem); 2 bad usage or a refused request (a
+pickle without ``--allow-pickle``); 3 the path does not exist; 4 the path holds no committed
+checkpoint (a run directory where a step is needed, an interrupted save, a purged step);
+5 the path holds a checkpoint of another format (DCP's own); 6 any other checkpoint error.
+Known errors print one line on stderr, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import warnings
 
-from .errors import CheckpointError, PickleNotAllowedError
-from .verify import _rank_of, inspect_run, verify_checkpoint
 import msgpack
-from .format import MANIFEST_NAME
-from .reader import load_manifest
-from .tiers import StorageTier
-from .cli_demo import run_demo
+
 from . import convert
+from ._version import __version__
 from .bench import run_bench
+from .cli_demo import run_demo
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .errors import (CheckpointError, ForeignFormatError, NotACheckpointError, PickleNotAllowedError,
+                     UnsupportedFormatVersion)
+from .format import MANIFEST_NAME
+from .format.names import PERSISTED_RECORD
+from .format.values import decode_value
+from .tiers import StorageTier
+from .tiers.manifests import load_manifest
+from .verify import _rank_of, inspect_run, verify_checkpoint, verify_run
+
+EXIT_DAMAGED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOT_A_CHECKPOINT, EXIT_FOREIGN, EXIT_ERROR = 1, 2, 3, 4, 5, 6
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``512MiB``, ``1.5G`` or plain bytes (``200000``): decimal units for ``KB``...,
+    binary for ``KiB``...."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 200000, 512MiB, 5GB)")
+    num, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
+    scale = (1024 if binary else 1000) ** " KMGT".index(unit or " ")
+    return int(num * scale)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -60,8 +91,8 @@ def cmd_inspect(args) -> int:
     m = load_manifest(tier)
     tiers = [args.path]
     try:
-        if tier.exists(".persisted"):
-            tiers += list(msgpack.unpackb(tier.read_bytes(".persisted")))
+        if tier.exists(PERSISTED_RECORD):
+            tiers += list(msgpack.unpackb(tier.read_bytes(PERSISTED_RECORD, max_bytes=1 << 20)))
     except (CheckpointError, OSError, ValueError, TypeError, msgpack.UnpackException) as e:
         print(f"note: the record of slower tiers is unreadable ({e}); listing this tier only",
               file=sys.stderr)
@@ -78,8 +109,18 @@ def cmd_inspect(args) -> int:
                      "chunks_per_rank": {str(k): v for k, v in sorted(per_rank.items(), key=str)},
                      "bytes": nbytes})
     for fqn, v in sorted(m.values.items()):
-        rows.append({"key": fqn, "dtype": f"value/{v.encoding}", "shape": [], "chunks": 1,
-                     "bytes": len(v.data)})
+        row = {"key": fqn, "dtype": f"value/{v.encoding}", "shape": [], "chunks": 1, "bytes": len(v.data)}
+        if v.node is not None:
+            row.update(dtype=f"value/{v.node.provider}", chunks=len(v.node.parts),
+                       bytes=sum(e.nbytes for _, _, e in v.node.parts.values()))
+        elif v.encoding == "msgpack" and len(v.data) <= 256:
+            try:
+                val = decode_value(v.data)
+            except ValueError:
+                val = None
+            if isinstance(val, (int, float, str, bool)) or val is None:
+                row["value"] = val  # scalars are shown: step counters, learning rates, names
+        rows.append(row)
     owned, shared = m.usage()
     own_files = {n: sz for n, sz in m.files.items() if n not in m.homes}
     info = {"path": args.path, "format_version": m.version, "save_id": m.save_id,
@@ -99,25 +140,43 @@ def cmd_inspect(args) -> int:
     for r in rows:
         cpr = r.get("chunks_per_rank") or {}
         chunks = f"{r['chunks']} (" + " ".join(f"r{k}:{v}" for k, v in cpr.items()) + ")" if cpr else str(r["chunks"])
+        shown = f"  = {r['value']!r}" if "value" in r else ""
         print(f"{r['key']:<{kw}}  {r['dtype']:<14} {str(r['shape']):<20} {chunks:<22} "
-              f"{_fmt_bytes(r['bytes']):>12}")
+              f"{_fmt_bytes(r['bytes']):>12}{shown}")
     return 0
 
 
 # ------------------------------------------------------------------ verify
 
 def cmd_verify(args) -> int:
-    problems = verify_checkpoint(args.path, _opts(args), progress=None if args.json else _progress)
+    progress = None if args.json else _progress
+    tier = StorageTier(args.path, _opts(args))
+    single = tier.exists(MANIFEST_NAME) or not any(n.startswith("step-") for n in tier.listdir())
+    if single:
+        _classify(tier)  # missing, not a checkpoint, another format: its own exit code
+        results = {args.path: verify_checkpoint(args.path, _opts(args), progress=progress)}
+    else:  # a run directory: every committed step
+        results = {tier.child(k).url: v for k, v in verify_run(args.path, _opts(args), progress).items()}
+        if not results:
+            raise NotACheckpointError("the run directory holds no committed step", checkpoint=args.path)
+    bad = {k: v for k, v in results.items() if v}
     if args.json:
-        print(json.dumps({"path": args.path, "ok": not problems, "problems": problems}))
-    elif problems:
-        print(f"DAMAGED: {args.path}")
-        for p in problems:
-            print(f"  {p}")
-        print("restore from another tier or an earlier step")
-    else:
-        print(f"OK: {args.path}: every block matches its checksum")
-    return 1 if problems else 0
+        if single:
+            print(json.dumps({"path": args.path, "ok": not bad, "problems": results[args.path]}))
+        else:
+            print(json.dumps({"path": args.path, "ok": not bad, "checkpoints": [
+                {"path": k, "ok": not v, "problems": v} for k, v in results.items()]}))
+        return EXIT_DAMAGED if bad else 0
+    for path, problems in results.items():
+        if problems:
+            print(f"DAMAGED: {path}")
+            for p in problems:
+                print(f"  {p}")
+        else:
+            print(f"OK: {path}: every block matches its checksum")
+    if bad:
+        print("restore the damaged checkpoint(s) from another tier or load an earlier step")
+    return EXIT_DAMAGED if bad else 0
 
 
 # -------------------------------------------------------------------- demo
@@ -128,18 +187,26 @@ def cmd_demo(args) -> int:
 
 # ----------------------------------------------------------------- convert
 
+def _classify(tier: StorageTier) -> None:
+    """Raise the reader's error when ``tier`` holds no checkpoint of ours at all; a damaged one
+    (an invalid manifest) is left for ``verify`` to report."""
+    try:
+        load_manifest(tier)
+    except (NotACheckpointError, ForeignFormatError, UnsupportedFormatVersion):
+        raise
+    except CheckpointError:
+        pass
+
+
 def cmd_convert(args) -> int:
+    if args.to != "datastates":
+        _classify(StorageTier(args.src))
     if args.to == "dcp":
         convert.to_dcp(args.src, args.dst)
     elif args.to == "datastates":
-        try:
-            convert.from_dcp(args.src, args.dst, allow_pickle=args.allow_pickle)
-        except PickleNotAllowedError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        convert.from_dcp(args.src, args.dst, allow_pickle=args.allow_pickle)
     else:
-        shard = int(args.max_shard_bytes) if args.max_shard_bytes else None
-        files = convert.to_safetensors(args.src, args.dst, max_shard_bytes=shard)
+        files = convert.to_safetensors(args.src, args.dst, max_shard_bytes=args.max_shard_bytes)
         if not args.json:
             print(f"wrote {len(files)} safetensors file(s) under {args.dst}")
     if args.json:
@@ -168,8 +235,50 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _unwrap(e: BaseException) -> BaseException:
+    for f in (getattr(e, "failures", None) or {}).values():
+        return f[0] if isinstance(f, tuple) else getattr(f, "exc", f)
+    return e
+
+
+def _exit_code(e: CheckpointError, path: str | None) -> int:
+    if isinstance(e, PickleNotAllowedError):
+        return EXIT_USAGE
+    if isinstance(e, ForeignFormatError):
+        return EXIT_FOREIGN
+    if isinstance(e, NotACheckpointError):
+        missing = path is not None and "://" not in path and not os.path.exists(path)
+        return EXIT_NOT_FOUND if missing else EXIT_NOT_A_CHECKPOINT
+    return EXIT_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dcp-datastates", description=__doc__)
+    """Run one command; known errors print one line and return their exit code."""
+    # the CLI runs in one process: DCP's notes about a missing process group are noise here
+    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
+    args = _parser().parse_args(argv)
+    path = getattr(args, "path", None) or getattr(args, "src", None)
+    try:
+        return args.fn(args)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return _exit_code(e, path)
+    except CheckpointException as e:  # DCP wraps each rank's error: report ours, in one line
+        inner = _unwrap(e)
+        print(f"error: {str(inner).splitlines()[0] if str(inner) else type(inner).__name__}", file=sys.stderr)
+        return _exit_code(inner, path) if isinstance(inner, CheckpointError) else EXIT_ERROR
+    except FileNotFoundError as e:
+        print(f"error: {e.filename or path}: no such file or directory", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except BrokenPipeError:  # `inspect --json | head`: the reader went away; nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dcp-datastates", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"dcp-datastates {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="the main job: 2-rank FSDP2 training; save vs DCP; kill and resume")
     p.add_argument("--out", help="directory for the checkpoints (default: a temp dir)")
@@ -183,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dst")
     p.add_argument("--to", choices=["dcp", "datastates", "safetensors"], required=True,
                    help="dcp: ours -> DCP; datastates: DCP -> ours; safetensors: ours -> safetensors")
-    p.add_argument("--max-shard-bytes", help="safetensors: shard into files of at most this size")
+    p.add_argument("--max-shard-bytes", type=parse_size,
+                   help="safetensors: shard into files of at most this size (200000, 512MiB, 5GB)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="datastates: read DCP's pickled .metadata and torch.save values (trusted "
                         "checkpoints only), and keep values msgpack cannot express, as pickle")
@@ -202,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--storage-options", help="fsspec options as JSON, for URLs")
         p.set_defaults(fn=fn)
-    args = ap.parse_args(argv)
-    return args.fn(args)
+    return ap
 
 
 if __name__ == "__main__":  # pragma: no cover

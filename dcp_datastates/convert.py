@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from .errors import PickleNotAllowedError
 from .format.layout import align_up
+from .format.names import MANIFEST_NAME
 from .reader import DataStatesReader
 from .writer import DataStatesWriter
 
@@ -52,7 +53,7 @@ def from_dcp(src: str, dst: str, *, allow_pickle: bool = False) -> None:
         raise PickleNotAllowedError(
             "DCP's .metadata is a pickle and reading it would run code from the file; pass "
             "--allow-pickle (allow_pickle=True) only if you trust this checkpoint",
-            checkpoint=src, file=".metadata")
+            checkpoint=src, file=MANIFEST_NAME)
     sd = _load_all(dcp.FileSystemReader(src))
     dcp.save(sd, storage_writer=DataStatesWriter(dst, allow_pickle=allow_pickle), no_dist=True)
 

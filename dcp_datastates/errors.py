@@ -100,3 +100,7 @@ class TornSnapshotError(SnapshotError):
 class ProviderError(CheckpointError):
     """A state provider failed (its ``flatten`` or ``unflatten`` raised), or the checkpoint
     names a provider this process has not registered."""
+
+
+class ForeignFormatError(ManifestError):
+    """The path holds a checkpoint of another format (DCP's own ``FileSystemWriter``)."""

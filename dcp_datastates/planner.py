@@ -145,9 +145,10 @@ def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, th
              for k in range(stripe_count(total, thread_count))]
     where = place_regions([r.nbytes for _, r in regions], len(names))
     copy_items = []
-    for (i, r), (stripe, off) in zip(regions, where):
+    for (i, r), at in zip(regions, where):
         item = placed[i].item
-        ci = CopyItem(f"{item.index.fqn}{'/' + r.name if r.name else ''}", r.source, off, r.nbytes, stripe)
+        ci = CopyItem(f"{item.index.fqn}{'/' + r.name if r.name else ''}", r.source, at.offset, r.nbytes,
+                      at.stripe)
         if base is not None:
             ci.base = base.extents(item.index.fqn, tuple(item.index.offset or ())).get(r.name or "")
             ci.base_files = base.here

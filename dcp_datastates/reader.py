@@ -117,6 +117,8 @@ class DataStatesReader(StorageReader):
         self.bytes_needed = 0
         self.bytes_direct = 0  # of bytes_read, read through O_DIRECT (tiers/direct_io.py)
         self._lock = threading.Lock()
+        self._chunk_index = None  # (manifest, {(fqn, offsets): chunk})
+        self._cast_warned: set[str] = set()
 
     # --------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id=None) -> None:
@@ -278,17 +280,18 @@ class DataStatesReader(StorageReader):
 
     def _make_task(self, ri, planner, m: Manifest) -> "_ReadTask":
         fqn = ri.storage_index.fqn
-        entry = m.tensors.get(fqn)
         key = tuple(ri.storage_index.offset) if ri.storage_index.offset is not None else ()
-        chunk = None
-        if entry is not None:
-            for c in entry.chunks:
-                if c.offsets == key:
-                    chunk = c
-                    break
+        if self._chunk_index is None or self._chunk_index[0] is not m:  # one index per manifest
+            self._chunk_index = (m, {(f, c.offsets): c for f, t in m.tensors.items() for c in t.chunks})
+        chunk = self._chunk_index[1].get((fqn, key))
         if chunk is None:
             raise ManifestError(f"no stored chunk at offsets {list(key)}", checkpoint=self.path, key=fqn)
         dest = planner.resolve_tensor(ri).detach()
+        entry = m.tensors[fqn]
+        if dest.dtype != dtype_from_name(entry.dtype) and fqn not in self._cast_warned:
+            self._cast_warned.add(fqn)
+            log.warning("%s: tensor %s was saved as %s and is loaded into a %s tensor: its values are "
+                        "cast", self.path, fqn, entry.dtype, str(dest.dtype).replace("torch.", ""))
         return _ReadTask(self, ri, dest, entry.dtype, chunk, m.block_size)
 
     def _run_piece(self, files: "_FileSet", task: "_ReadTask", i: int) -> None:
@@ -303,8 +306,8 @@ class DataStatesReader(StorageReader):
             except (DataFileError, ChecksumMismatch, OSError) as e:
                 if first_error is None:
                     first_error = e
-                if ti + 1 < len(files.tiers):
-                    log.warning("%s; reading it from %s instead", e, files.tiers[ti + 1].url)
+                if ti + 1 < len(files.tiers) and files.first_fallback(ti, name):
+                    log.warning("%s; reading this file from %s instead", e, files.tiers[ti + 1].url)
                 continue
             with self._lock:
                 self.bytes_read += n
@@ -363,8 +366,18 @@ class _FileSet:
         # O_DIRECT descriptor and its alignment per (tier, file); (None, None) where refused
         self._direct: dict[tuple[int, str], tuple] = {}
         self._local = threading.local()
+        self._warned: set[tuple[int, str]] = set()
         self._stages: list = []
         self._lock = threading.Lock()
+
+    def first_fallback(self, ti: int, name: str) -> bool:
+        """True the first time ``name`` falls back from tier ``ti`` (one warning per file and
+        tier, however many ranges of it are read)."""
+        with self._lock:
+            if (ti, name) in self._warned:
+                return False
+            self._warned.add((ti, name))
+            return True
 
     def tier_for(self, ti: int, name: str) -> StorageTier:
         """The directory of tier ``ti`` that holds ``name``: the checkpoint's own, or the

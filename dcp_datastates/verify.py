@@ -2,16 +2,17 @@
 file, every tier) and the per-step usage of a run directory (``inspect RUN``)."""
 
 from __future__ import annotations
-import re
-from .errors import CheckpointError
-from .reader import load_manifest
-from .tiers.retention import STEP_DIR
+
 import xxhash
+
+from .errors import CheckpointError
 from .format.checksum import verify_blocks
+from .format.names import DATA_FILE, STEP_DIR, is_manifest_name
 from .tiers import StorageTier
+from .tiers.manifests import load_manifest
 
 def _rank_of(file: str) -> int | None:
-    m = re.match(r"^data-r(\d{5})-", file)
+    m = DATA_FILE.match(file)
     return int(m.group(1)) if m else None
 
 
@@ -38,9 +39,13 @@ def inspect_run(tier) -> list[dict]:
     return rows
 
 
-def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[str]:
-    """Check every block of every extent; return one line per problem (empty when intact)."""
+VERIFY_PIECE = 16 << 20  # bytes read and checked at a time: memory stays bounded
 
+
+def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[str]:
+    """Check every block of every extent of the checkpoint at ``path``; one line per problem
+    (empty when intact).  A missing or unreadable manifest is a problem too (the CLI tells a
+    path that holds no checkpoint at all apart before it calls this)."""
     tier = StorageTier(path, storage_options)
     try:
         m = load_manifest(tier)
@@ -55,7 +60,9 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
             for pname, (_, _, ext) in c.parts.items():
                 extents.append((f"{fqn}/{pname}", ext))
     for fqn, v in m.values.items():
-        if xxhash.xxh3_64_intdigest(v.data) != v.checksum:
+        if v.node is not None:  # a registered type: its parts are extents
+            extents += [(f"{fqn}/{pname}", ext) for pname, (_, _, ext) in v.node.parts.items()]
+        elif xxhash.xxh3_64_intdigest(v.data) != v.checksum:
             problems.append(f"value {fqn}: checksum mismatch in the manifest")
     sizes = {}
     homes = {name: tier.sibling(home) for name, home in m.homes.items()}
@@ -63,7 +70,7 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
         where = f" (in {m.homes[name]})" if name in m.homes else ""
         try:
             sizes[name] = homes.get(name, tier).size(name)
-        except (FileNotFoundError, OSError):
+        except OSError:
             problems.append(f"file {name}{where}: missing")
             continue
         if sizes[name] < want:
@@ -74,14 +81,42 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
         if any(s.file not in sizes or sizes[s.file] < s.offset + s.nbytes for s in e.segs):
             problems.append(f"tensor {fqn}: extent in {', '.join(sorted(e.files()))} is missing or truncated")
             continue
-        buf = bytearray(e.nbytes)
-        for name, off, pos, n in e.locate(0, e.nbytes):
-            homes.get(name, tier).read_into(name, off, memoryview(buf)[pos:pos + n])
-        bad = verify_blocks(buf, e.sums, 0, m.block_size)
-        if bad is not None:
-            (name, off, _p, _n), = e.locate(bad * m.block_size, 1)
-            problems.append(f"tensor {fqn}: checksum mismatch in {name} block {bad} (file offset {off})")
+        try:
+            problem = _check_extent(tier, homes, m.block_size, fqn, e)
+        except (CheckpointError, OSError) as err:
+            problem = f"tensor {fqn}: {err}"
+        if problem:
+            problems.append(problem)
         done += e.nbytes
         if progress:
             progress(done, total, "verify")
     return problems
+
+
+def _check_extent(tier, homes, block_size: int, fqn: str, e) -> str | None:
+    step = max(block_size, VERIFY_PIECE // block_size * block_size)
+    buf = bytearray(min(step, max(e.nbytes, 1)))
+    for start in range(0, e.nbytes, step):
+        n = min(step, e.nbytes - start)
+        mv = memoryview(buf)[:n]
+        for name, off, pos, k in e.locate(start, n):
+            homes.get(name, tier).read_into(name, off, mv[pos:pos + k])
+        bad = verify_blocks(mv, e.sums, start // block_size, block_size)
+        if bad is not None:
+            (name, off, _p, _n), = e.locate(bad * block_size, 1)
+            return f"tensor {fqn}: checksum mismatch in {name} block {bad} (file offset {off})"
+    return None
+
+
+def verify_run(path: str, storage_options=None, progress=None) -> dict[str, list[str]]:
+    """Verify every committed step of a run directory: ``{step directory: problems}``."""
+    run = StorageTier(path, storage_options)
+    out = {}
+    for name, kind in run.entries():
+        if kind != "dir" or not STEP_DIR.match(name):
+            continue
+        step = run.child(name)
+        if not any(is_manifest_name(n) for n in step.listdir()):
+            continue  # uncommitted, in flight, or a purged step's husk: not a checkpoint
+        out[name] = verify_checkpoint(step.url, storage_options, progress)
+    return dict(sorted(out.items(), key=lambda kv: int(STEP_DIR.match(kv[0]).group(1))))

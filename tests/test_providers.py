@@ -65,9 +65,16 @@ def test_process_async_round_trip(tmp_path):
     run_ranks(1, _process_mode, str(tmp_path / "c"))
 
 
-def test_unregistered_provider_on_load_names_it(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "thread", "process"])
+def test_unregistered_provider_on_load_names_it(tmp_path, mode):
     path = str(tmp_path / "c")
-    dcp.save(pt.sample_state(), storage_writer=DataStatesWriter(path), no_dist=True)
+    if mode == "process":
+        run_ranks(1, _process_mode, path)  # saves in PROCESS mode (and checks that round trip)
+    elif mode == "thread":
+        writer = DataStatesWriter(path)
+        dcp.async_save(pt.sample_state(), storage_writer=writer).result(timeout=120)
+    else:
+        dcp.save(pt.sample_state(), storage_writer=DataStatesWriter(path), no_dist=True)
     from dcp_datastates import register_provider, unregister_provider
     unregister_provider(pt.Scaled)
     try:

@@ -6,6 +6,8 @@ block-aligned ranged reads work; the gap up to the boundary is zero padding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 ALIGNMENT = 4096
 
 
@@ -39,12 +41,19 @@ def stripe_count(total_bytes: int, thread_count: int) -> int:
     return max(1, min(thread_count, total_bytes // STRIPE_MIN_BYTES))
 
 
-def place_regions(sizes: list[int], n_files: int) -> list[tuple[int, int]]:
-    """``(stripe, offset)`` for each region of ``sizes``: largest first onto the least-filled
-    stripe, so that the files are balanced and each flush thread writes one."""
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one region goes: its stripe (data file index) and its aligned offset there."""
+    stripe: int
+    offset: int
+
+
+def place_regions(sizes: list[int], n_files: int) -> list[Placement]:
+    """A placement for each region of ``sizes``: largest first onto the least-filled stripe, so
+    that the files are balanced and each flush thread writes one.  A pure function."""
     layouts = [FileLayout(str(k)) for k in range(n_files)]
-    where: list[tuple[int, int]] = [(0, 0)] * len(sizes)
+    where: list[Placement] = [Placement(0, 0)] * len(sizes)
     for nbytes, i in sorted(((n, i) for i, n in enumerate(sizes)), reverse=True):
         k = min(range(n_files), key=lambda k: layouts[k].end)
-        where[i] = (k, layouts[k].place(nbytes))
+        where[i] = Placement(k, layouts[k].place(nbytes))
     return where

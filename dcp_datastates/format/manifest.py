@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import msgpack
 import xxhash
 
-from ..errors import ManifestError, UnsupportedFormatVersion
+from ..errors import ForeignFormatError, ManifestError, UnsupportedFormatVersion
 from .checksum import BLOCK_SIZE, DIGEST_BYTES, split_digests
 from .dtypes import dtype_from_name
 from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
@@ -337,6 +337,12 @@ def decode_manifest(data: bytes, *, source: str = "<memory>") -> Manifest:
         raise ManifestError(f"manifest is {len(data)} bytes, beyond the {MAX_MANIFEST_BYTES} limit",
                             checkpoint=source)
     if not data.startswith(MAGIC):
+        if data[:1] == b"\x80":  # a pickle: DCP's FileSystemWriter writes .metadata so
+            raise ForeignFormatError(
+                "this is a checkpoint in DCP's own format (FileSystemWriter), not dcp-datastates: "
+                "load it with torch.distributed.checkpoint.FileSystemReader, or convert it with "
+                "`dcp-datastates convert SRC DST --to datastates --allow-pickle` if you trust it",
+                checkpoint=source)
         raise ManifestError("not a dcp-datastates manifest (bad magic bytes); the file is damaged "
                             "or was written by another tool", checkpoint=source)
     if len(data) < len(MAGIC) + 8:

@@ -35,6 +35,7 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.config.override import derive, override
 from torchtitan.tools import filesystem
 
+from ..format.names import MANIFEST_NAME
 from ..guard import async_save
 from ..reader import DataStatesReader
 from ..writer import DataStatesWriter
@@ -131,7 +132,7 @@ class DataStatesCheckpointManager(CheckpointManager):
             path = filesystem.join(self.folder, name)
             if path == self._ds_inflight:
                 continue
-            if filesystem.isfile(filesystem.join(path, ".metadata")):
+            if filesystem.isfile(filesystem.join(path, MANIFEST_NAME)):
                 committed.append((int(m.group(1)), path))
         committed.sort()
         if self.purge_thread is None:  # torchtitan starts it whenever keep_latest_k > 0

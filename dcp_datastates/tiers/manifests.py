@@ -14,7 +14,7 @@ import logging
 
 from ..errors import DataFileError, ManifestError, NotACheckpointError
 from ..format.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
-from ..format.names import MANIFEST_NAME, is_manifest_name, parse_rank_manifest
+from ..format.names import MANIFEST_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, parse_rank_manifest
 from .storage import StorageTier
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,7 @@ def load_manifest(tier: StorageTier) -> Manifest:
     if MANIFEST_NAME in names or (not tier.local and tier.exists(MANIFEST_NAME)):
         return read_manifest(tier, MANIFEST_NAME)
     if not any(is_manifest_name(n) for n in names):
-        raise NotACheckpointError(
-            "no committed manifest: this directory is missing, empty, or holds a save that "
-            "never committed; load an earlier step", checkpoint=where)
+        raise NotACheckpointError(_why_not_a_checkpoint(tier, names), checkpoint=where)
     saves = rank_saves(tier, names)
     complete = [g for g in saves if g[0].complete]
     newer = [g for g in saves if not g[0].complete and (not complete or g[0].created_unix > complete[-1][0].created_unix)]
@@ -115,6 +113,29 @@ def load_manifest(tier: StorageTier) -> Manifest:
                     "complete save %s", where, newer[-1][0].save_id, sorted(newer[-1][0].names)[:8],
                     newer[-1][0].missing[:8], save.save_id)
     return _merge(tier, save, ms)
+
+
+def _why_not_a_checkpoint(tier: StorageTier, names: list[str]) -> str:
+    """The most useful explanation of a directory without a committed manifest."""
+    if not names and not tier.is_real_dir():
+        return "the directory does not exist (check the path)"
+    steps = []
+    for n, kind in tier.entries():
+        if kind == "dir" and STEP_DIR.match(n) and MANIFEST_NAME in tier.child(n).listdir():
+            steps.append(n)
+    if steps:
+        steps.sort(key=lambda n: int(STEP_DIR.match(n).group(1)))
+        shown = ", ".join(steps[-5:])
+        return (f"this is a run directory, not a checkpoint: it holds {len(steps)} committed "
+                f"step(s) ({shown}); load one of them, e.g. {tier.child(steps[-1]).url}, or use "
+                "Checkpointer.load, which picks the newest")
+    if not names:
+        return "the directory is empty: nothing was ever saved here"
+    if PURGED_MARK in names:
+        return ("this step was purged by retention; what is left are files that later steps of "
+                "the run still use (an incremental husk), not a checkpoint of its own")
+    return ("no committed manifest: this directory holds a save that never committed (it was "
+            "interrupted or is still running); load an earlier step")
 
 
 def committed_manifest(tier: StorageTier) -> Manifest | None:

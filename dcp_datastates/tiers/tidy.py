@@ -23,8 +23,8 @@ import threading
 
 from ..errors import CheckpointError
 from ..format.manifest import Manifest
-from ..format.names import (MANIFEST_NAME, TEMP_INFIX, data_file_save_id, is_manifest_name, is_temp_manifest, marker_save_id,
-                            parse_rank_manifest)
+from ..format.names import (MANIFEST_NAME, TEMP_INFIX, data_file_save_id, is_manifest_name,
+                            is_temp_manifest, marker_save_id, parse_rank_manifest)
 from .manifests import load_manifest, rank_saves, read_manifest
 from .storage import StorageTier
 
@@ -93,19 +93,9 @@ class Tidy:
 
     def run(self, protect_own: set[str]) -> list[str]:
         """Remove what this save may remove, sparing ``protect_own`` (files of manifests that
-        stay in this directory) and everything the run references.  Returns what it removed."""
+        stay in this directory) and everything the run references.  Returns what it removed.
+        The run's manifests are read only when there is something to remove."""
         t = self.tier
-        try:
-            live = run_references(t.parent(), skip=t.name)
-        except OSError as e:
-            log.warning("not removing superseded files of %s: the run directory cannot be "
-                        "listed (%s)", t.url, e)
-            return []
-        keep = protect_own | live.get(t.name, set())
-        if "*" in keep:
-            log.warning("not removing superseded files of %s: a checkpoint of the run that may use "
-                        "them cannot be read", t.url)
-            return []
         doomed: set[str] = set()
         for m in self.superseded:
             doomed.update(f for f in m.files if f not in m.homes)
@@ -120,12 +110,24 @@ class Tidy:
                     doomed.add(n)
             elif is_temp_manifest(n) and self._own_temp(n):
                 doomed.add(n)  # under the claim nobody else commits this manifest here
+        doomed = (doomed & set(names)) - protect_own
+        if not doomed:
+            return []
+        try:
+            live = run_references(t.parent(), skip=t.name)
+        except OSError as e:
+            log.warning("not removing superseded files of %s: the run directory cannot be "
+                        "listed (%s)", t.url, e)
+            return []
+        keep = live.get(t.name, set())
+        if "*" in keep:
+            log.warning("not removing superseded files of %s: a checkpoint of the run that may use "
+                        "them cannot be read", t.url)
+            return []
         removed = []
-        present = set(names)
         for n in sorted(doomed - keep):
-            if n in present:
-                t.remove(n)
-                removed.append(n)
+            t.remove(n)
+            removed.append(n)
         if removed:
             log.debug("removed %d superseded or leftover files from %s", len(removed), t.url)
         return removed
@@ -159,7 +161,7 @@ def superseded_here(tier: StorageTier, *, rank: int | None) -> list[Manifest]:
     ``.metadata`` for a collective save, the rank's own rank manifests otherwise."""
     if rank is None:
         try:
-            return [read_manifest(tier, ".metadata")] if tier.exists(".metadata") else []
+            return [read_manifest(tier, MANIFEST_NAME)] if tier.exists(MANIFEST_NAME) else []
         except CheckpointError as e:
             log.warning("the manifest being replaced in %s cannot be read (%s); its files stay", tier.url, e)
             return []

@@ -1,0 +1,136 @@
+"""A new user's first hour (issue 16): mistakes end in one line that says what to do, with a
+distinct exit code, and the reader recognises the common ones."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "dcp_datastates", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def _one_line_error(r, code, *words):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr[-2000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    for step in (7, 8):
+        dcp.save({"w": torch.randn(64, 64), "step": step, "lr": 1e-3},
+                 storage_writer=DataStatesWriter(str(run / f"step-{step}")), no_dist=True)
+    return run
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dcp") / "ckpt"
+    dcp.save({"w": torch.randn(8)}, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+    return d
+
+
+@pytest.mark.parametrize("cmd", [["verify"], ["inspect"], ["convert", "--to", "dcp"]])
+def test_missing_path_is_not_found_not_damaged(tmp_path, cmd):
+    args = [cmd[0], str(tmp_path / "typo")] + ([str(tmp_path / "out")] + cmd[1:] if cmd[0] == "convert" else [])
+    _one_line_error(cli(*args), 3, "does not exist")
+
+
+def test_verify_run_directory_checks_every_step(run_dir):
+    r = cli("verify", str(run_dir))
+    assert r.returncode == 0 and "step-7" in r.stdout and "step-8" in r.stdout, r.stdout + r.stderr
+
+
+def test_dcp_checkpoint_is_named_as_such(dcp_dir):
+    _one_line_error(cli("verify", str(dcp_dir)), 5, "DCP's own format", "FileSystemReader")
+    with pytest.raises(BaseException) as ei:
+        dcp.load({"w": torch.zeros(8)}, storage_reader=DataStatesReader(str(dcp_dir)), no_dist=True)
+    assert "DCP's own format" in str(ei.value) and "convert" in str(ei.value)
+
+
+def test_run_directory_given_to_the_reader_lists_its_steps(run_dir):
+    with pytest.raises(BaseException) as ei:
+        dcp.load({"w": torch.zeros(64, 64)}, storage_reader=DataStatesReader(str(run_dir)), no_dist=True)
+    text = str(ei.value)
+    assert "run directory" in text and "step-7" in text and "step-8" in text
+    _one_line_error(cli("inspect", str(run_dir / "step-9")), 3)
+
+
+def test_purged_step_is_explained(tmp_path):
+    run = tmp_path / "run"
+    c = Checkpointer([str(run)], async_mode=None, incremental=True, keep=1)
+    w = torch.randn(512, 1024)  # 2 MiB: shared by later steps
+    for step in (1, 2):
+        c.save(step, {"w": w, "b": torch.randn(4)})
+    c.close()
+    assert (run / "step-1" / ".purged").exists()  # a husk: later steps use its bytes
+    _one_line_error(cli("verify", str(run / "step-1")), 4, "purged")
+    r = cli("verify", str(run))
+    assert r.returncode == 0 and "step-2" in r.stdout and "step-1" not in r.stdout, r.stdout
+
+
+def test_dtype_mismatch_warns(tmp_path, caplog):
+    path = str(tmp_path / "c")
+    dcp.save({"w": torch.randn(16)}, storage_writer=DataStatesWriter(path), no_dist=True)
+    out = {"w": torch.zeros(16, dtype=torch.bfloat16)}
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates.reader"):
+        dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
+    assert any("saved as float32" in r.message and "bfloat16" in r.message for r in caplog.records)
+
+
+def test_one_fallback_warning_per_file(tmp_path, caplog):
+    fast, slow = str(tmp_path / "fast" / "step-1"), str(tmp_path / "slow" / "step-1")
+    sd = {f"t{i}": torch.randn(1024) for i in range(16)}
+    w = DataStatesWriter(fast, persist_to=[slow])
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    assert w.wait_persisted(60)
+    for n in os.listdir(fast):
+        if n.endswith(".dsd"):
+            os.remove(os.path.join(fast, n))
+    out = {k: torch.zeros(1024) for k in sd}
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates.reader"):
+        dcp.load(out, storage_reader=DataStatesReader(fast, fallback=[slow]), no_dist=True)
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    fallbacks = [r for r in caplog.records if "instead" in r.message]
+    assert len(fallbacks) == 1, [r.message for r in fallbacks]
+
+
+def test_sizes_version_and_quiet_pipes(run_dir, tmp_path):
+    r = cli("convert", str(run_dir / "step-7"), str(tmp_path / "st"), "--to", "safetensors",
+            "--max-shard-bytes", "5GB")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = cli("convert", str(run_dir / "step-7"), str(tmp_path / "st2"), "--to", "safetensors",
+            "--max-shard-bytes", "lots")
+    assert r.returncode == 2 and "is not a size" in r.stderr and "Traceback" not in r.stderr
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.startswith("dcp-datastates ")
+    p = subprocess.run(f"{sys.executable} -m dcp_datastates inspect {run_dir / 'step-7'} --json | head -1",
+                       shell=True, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.stdout.strip() == "{" and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr
+
+
+def test_inspect_shows_scalars(run_dir):
+    r = cli("inspect", str(run_dir / "step-7"))
+    assert r.returncode == 0 and "= 7" in r.stdout and "= 0.001" in r.stdout, r.stdout
+
+
+def test_process_mode_needs_a_process_group_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="initialized process group"):
+        Checkpointer([str(tmp_path / "run")], async_mode="process")
