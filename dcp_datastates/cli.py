@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -199,6 +200,7 @@ def _classify(tier: StorageTier) -> None:
 
 
 def cmd_convert(args) -> int:
+    logging.getLogger("dcp_datastates.convert").setLevel(logging.ERROR)  # reported below instead
     if args.to != "datastates":
         _classify(StorageTier(args.src))
     if args.to == "dcp":
@@ -206,9 +208,14 @@ def cmd_convert(args) -> int:
     elif args.to == "datastates":
         convert.from_dcp(args.src, args.dst, allow_pickle=args.allow_pickle)
     else:
-        files = convert.to_safetensors(args.src, args.dst, max_shard_bytes=args.max_shard_bytes)
+        res = convert.to_safetensors(args.src, args.dst, max_shard_bytes=args.max_shard_bytes,
+                                     keys=args.keys, strip_prefix=args.strip_prefix)
         if not args.json:
-            print(f"wrote {len(files)} safetensors file(s) under {args.dst}")
+            where = args.dst if args.dst.endswith(".safetensors") else f"in {args.dst}"
+            print(f"wrote {len(res.files)} safetensors file(s) {where}")
+            if res.left_out:
+                print(f"left out {len(res.left_out)} non-tensor value(s), written to {res.values_file}: "
+                      + ", ".join(res.left_out[:10]) + (" ..." if len(res.left_out) > 10 else ""))
     if args.json:
         print(json.dumps({"src": args.src, "dst": args.dst, "to": args.to, "ok": True}))
     elif args.to != "safetensors":
@@ -255,7 +262,7 @@ def _exit_code(e: CheckpointError, path: str | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; known errors print one line and return their exit code."""
     # the CLI runs in one process: DCP's notes about a missing process group are noise here
-    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
+    warnings.filterwarnings("ignore", message=r"torch.distributed is (disabled|unavailable)")
     args = _parser().parse_args(argv)
     path = getattr(args, "path", None) or getattr(args, "src", None)
     try:
@@ -292,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--to", choices=["dcp", "datastates", "safetensors"], required=True,
                    help="dcp: ours -> DCP; datastates: DCP -> ours; safetensors: ours -> safetensors")
+    p.add_argument("--keys", nargs="+", metavar="GLOB",
+                   help="safetensors: export only these flattened names (globs, e.g. 'model.*')")
+    p.add_argument("--strip-prefix", help="safetensors: remove this prefix from names (e.g. 'model.')")
     p.add_argument("--max-shard-bytes", type=parse_size,
                    help="safetensors: shard into files of at most this size (200000, 512MiB, 5GB)")
     p.add_argument("--allow-pickle", action="store_true",

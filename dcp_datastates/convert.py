@@ -5,17 +5,20 @@ Each conversion reads the whole state into host memory, then writes it in the ot
 * ``to_dcp``: dcp-datastates -> DCP ``FileSystemWriter`` (readable by any DCP).
 * ``from_dcp``: DCP ``FileSystemWriter`` -> dcp-datastates.  DCP's ``.metadata`` is a pickle and
   its non-tensor values are ``torch.save`` blobs: convert only checkpoints you trust.
-* ``to_safetensors``: tensors only, one file or shards of at most ``max_shard_bytes`` with a
-  ``model.safetensors.index.json``.  Keys are DCP's flattened names; non-tensor values are left
-  out (and listed in the log).
+* ``to_safetensors``: tensors, as one file (``dst`` named ``*.safetensors``) or a directory
+  holding ``model.safetensors`` or shards of at most ``max_shard_bytes`` with a
+  ``model.safetensors.index.json``.  Keys are DCP's flattened names (``keys`` picks some,
+  ``strip_prefix`` shortens them); non-tensor values are written to ``values.json`` beside.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
 import struct
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -90,21 +93,60 @@ def _write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
+@dataclass
+class SafetensorsExport:
+    """What ``to_safetensors`` wrote: the safetensors files, and the non-tensor values left
+    out (safetensors holds tensors only), written as JSON beside them when there are any."""
+    files: list[str]
+    left_out: list[str] = field(default_factory=list)
+    values_file: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
 def to_safetensors(src: str, dst: str, *, max_shard_bytes: int | None = None,
-                   storage_options: dict | None = None) -> list[str]:
-    """Write ``dst`` (a file, or a directory of shards when ``max_shard_bytes`` is set)."""
+                   storage_options: dict | None = None, keys: list[str] | None = None,
+                   strip_prefix: str | None = None) -> SafetensorsExport:
+    """Export the tensors of checkpoint ``src``.
+
+    ``dst`` named ``*.safetensors`` is one file; anything else is a directory that receives
+    ``model.safetensors``, or shards of at most ``max_shard_bytes`` and
+    ``model.safetensors.index.json`` (HuggingFace's layout).  ``keys``: glob patterns of the
+    flattened names to export (default all); ``strip_prefix``: removed from the names that
+    start with it (``"model."`` for a HuggingFace model).  Non-tensor values go to
+    ``values.json`` beside the tensors (``<file>.values.json`` for a single file)."""
     flat = _flatten(_load_all(DataStatesReader(src, storage_options=storage_options)))
+    if keys:
+        flat = {k: v for k, v in flat.items() if any(fnmatch.fnmatchcase(k, p) for p in keys)}
+    if strip_prefix:
+        flat = {(k[len(strip_prefix):] if k.startswith(strip_prefix) else k): v for k, v in flat.items()}
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    skipped = sorted(set(flat) - set(tensors))
-    if skipped:
-        log.info("safetensors holds tensors only; left out %d values: %s", len(skipped), skipped[:10])
+    values = {k: v for k, v in flat.items() if k not in tensors}
     bad = sorted(k for k, t in tensors.items() if t.dtype not in _ST_DTYPES)
     if bad:
         raise ValueError(f"dtypes of {bad[:5]} have no safetensors code")
+    single_file = dst.endswith(".safetensors")
+    if single_file and max_shard_bytes:
+        raise ValueError(f"{dst} names one file; give a directory to shard into")
+    if not single_file:
+        os.makedirs(dst, exist_ok=True)
+    out = SafetensorsExport([])
+    if values:
+        out.left_out = sorted(values)
+        out.values_file = f"{dst}.values.json" if single_file else os.path.join(dst, "values.json")
+        with open(out.values_file, "w") as f:
+            json.dump(values, f, indent=1, sort_keys=True, default=repr)
+        log.warning("safetensors holds tensors only: %d values written to %s instead (%s)",
+                    len(values), out.values_file, ", ".join(out.left_out[:10]))
     if not max_shard_bytes:
-        _write_safetensors(dst, tensors)
-        return [dst]
-    os.makedirs(dst, exist_ok=True)
+        path = dst if single_file else os.path.join(dst, "model.safetensors")
+        _write_safetensors(path, tensors)
+        out.files = [path]
+        return out
     shards: list[dict] = [{}]
     size = 0
     for k, t in tensors.items():
@@ -122,4 +164,5 @@ def to_safetensors(src: str, dst: str, *, max_shard_bytes: int | None = None,
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    return [os.path.join(dst, n) for n in names]
+    out.files = [os.path.join(dst, n) for n in names]
+    return out

@@ -134,3 +134,21 @@ def test_inspect_shows_scalars(run_dir):
 def test_process_mode_needs_a_process_group_at_construction(tmp_path):
     with pytest.raises(ValueError, match="initialized process group"):
         Checkpointer([str(tmp_path / "run")], async_mode="process")
+
+
+def test_safetensors_export_is_a_directory_and_keeps_values(run_dir, tmp_path):
+    from safetensors.torch import load_file
+    out = tmp_path / "hf"
+    r = cli("convert", str(run_dir / "step-7"), str(out), "--to", "safetensors")
+    assert r.returncode == 0 and "left out 2 non-tensor value(s)" in r.stdout, r.stdout + r.stderr
+    assert sorted(os.listdir(out)) == ["model.safetensors", "values.json"]
+    import json
+    assert json.load(open(out / "values.json")) == {"lr": 0.001, "step": 7}
+    assert set(load_file(str(out / "model.safetensors"))) == {"w"}
+    hf = str(tmp_path / "hf-src")
+    dcp.save({"model": {"w": torch.randn(4), "b": torch.randn(2)}, "optim": {"m": torch.randn(4)}, "step": 3},
+             storage_writer=DataStatesWriter(hf), no_dist=True)
+    r = cli("convert", hf, str(tmp_path / "renamed"), "--to", "safetensors", "--keys", "model.*",
+            "--strip-prefix", "model.")
+    assert r.returncode == 0 and "left out" not in r.stdout, r.stdout + r.stderr
+    assert set(load_file(str(tmp_path / "renamed" / "model.safetensors"))) == {"w", "b"}
