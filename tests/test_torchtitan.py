@@ -39,6 +39,11 @@ def workdir(tmp_path_factory):
     return str(d)
 
 
+OVERRIDE = "dcp_datastates.integrations.torchtitan.use_datastates"
+# the writer's options through torchtitan's override kwargs, as docs/torchtitan.md shows
+WITH_OPTIONS = OVERRIDE + '={"host_cache_bytes": 33554432, "thread_count": 2}'
+
+
 def _train(workdir, mode, dump, port):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            os.path.join(HERE, "torchtitan", "cpu_train.py"),
@@ -46,7 +51,7 @@ def _train(workdir, mode, dump, port):
            "--training.local_batch_size", "2", "--parallelism.spmd_backend", "partial_dtensor",
            "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "6",
            "--checkpoint.async_mode", mode, "--dump_folder", dump,
-           "--override.imports", "dcp_datastates.integrations.torchtitan.use_datastates"]
+           "--override.imports", WITH_OPTIONS if mode == "async" else OVERRIDE]
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     out = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
@@ -63,6 +68,8 @@ def test_resume_matches_uninterrupted(workdir, mode):
     dump = os.path.join(workdir, "runs", mode)
     first, log1 = _train(workdir, mode, dump, free_port())
     assert "DataStatesCheckpointManager.Config" in log1
+    if mode == "async":
+        assert "host cache 32 MiB, 2 flush threads per rank" in log1, log1[-3000:]
     ckpt = os.path.join(dump, "checkpoint")
     assert sorted(os.listdir(ckpt)) == ["step-2", "step-4", "step-6"]
     for step in ("step-2", "step-4", "step-6"):

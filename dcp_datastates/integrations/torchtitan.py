@@ -5,6 +5,10 @@ Activate it without touching torchtitan, with its override mechanism::
     torchrun ... -m torchtitan.train ... --checkpoint.enable \\
         --override.imports dcp_datastates.integrations.torchtitan.use_datastates
 
+The writer's options are the override's kwargs (torchtitan parses ``target=<json>``)::
+
+    --override.imports 'dcp_datastates.integrations.torchtitan.use_datastates={"host_cache_bytes": 4294967296, "thread_count": 4}'
+
 ``DataStatesCheckpointManager`` subclasses torchtitan's ``CheckpointManager`` and
 
 * saves through ``DataStatesWriter`` and loads through ``DataStatesReader`` (``dcp_save`` /
@@ -34,9 +38,11 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.config.override import derive, override
 from torchtitan.tools import filesystem
+from torchtitan.tools.logging import logger
 
 from ..format.names import MANIFEST_NAME
 from ..guard import async_save
+from ..engine.host_cache import default_host_cache_bytes
 from ..reader import DataStatesReader
 from ..writer import DataStatesWriter
 
@@ -62,6 +68,10 @@ class DataStatesCheckpointManager(CheckpointManager):
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
         self._ds_config = config
+        if self.enable:
+            cache = config.host_cache_bytes or default_host_cache_bytes()
+            logger.info(f"dcp-datastates checkpointing: host cache {cache >> 20} MiB, "
+                        f"{config.thread_count} flush threads per rank")
         self._ds_writer: DataStatesWriter | None = None
         self._ds_inflight: str | None = None
         # torchtitan builds a pinned DefaultStager for async_with_pinned_mem when this is None;
@@ -143,8 +153,15 @@ class DataStatesCheckpointManager(CheckpointManager):
 
 @override(target=CheckpointManager.Config, exact=True,
           description="use dcp-datastates as the DCP storage backend")
-def use_datastates(cfg: CheckpointManager.Config) -> DataStatesCheckpointManager.Config:
-    return derive(cfg, DataStatesCheckpointManager.Config)
+def use_datastates(cfg: CheckpointManager.Config, *, host_cache_bytes: int = 0,
+                   thread_count: int = 4) -> DataStatesCheckpointManager.Config:
+    """The checkpoint config, as dcp-datastates' manager.  The writer's options come as the
+    override's kwargs: ``--override.imports
+    'dcp_datastates.integrations.torchtitan.use_datastates={"host_cache_bytes": 4294967296}'``."""
+    new = derive(cfg, DataStatesCheckpointManager.Config)
+    new.host_cache_bytes = int(host_cache_bytes)
+    new.thread_count = int(thread_count)
+    return new
 
 
 __all__ = ["DataStatesCheckpointManager", "use_datastates"]
