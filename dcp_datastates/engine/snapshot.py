@@ -357,8 +357,10 @@ class SnapshotEngine:
         for it in job.items:
             it.source = None  # release references: the allocator may reuse the memory now
         job.timings["snapshot_done"] = time.monotonic()
-        job.snapshot_done.set()
+        # the future first: its callbacks (the session's "snapshotted" stamp) run before the
+        # event lets the flush threads close the files and report the data written
         _settle(job.snapshotted, result=job)
+        job.snapshot_done.set()
         log.debug("%s: snapshot done in %.3fs", job.label,
                   job.timings["snapshot_done"] - job.timings["submitted"])
 
