@@ -396,13 +396,18 @@ def _skip_span(up: msgpack.Unpacker) -> tuple[int, int]:
     return a, up.tell()
 
 
+def _map_header(up: msgpack.Unpacker, what: str) -> int:
+    """The entry count of the map ``up`` is at, or ``_Bad(what)``."""
+    try:
+        return up.read_map_header()
+    except (ValueError, msgpack.UnpackException):
+        raise _Bad(what) from None
+
+
 def _unpack_streaming(payload: bytes) -> dict:
     """The body as a dict whose tensors' ``chunks`` are ``_ChunkStream`` objects."""
     up = _unpacker(payload)
-    try:
-        n = up.read_map_header()
-    except (ValueError, msgpack.UnpackException):
-        raise _Bad("the body does not decode as a map") from None
+    n = _map_header(up, "the body does not decode as a map")
     body: dict = {}
     span = None
     for _ in range(n):
@@ -417,19 +422,13 @@ def _unpack_streaming(payload: bytes) -> dict:
         return body
     section = payload[span[0]:span[1]]
     tup = _unpacker(section)
-    try:
-        nt = tup.read_map_header()
-    except (ValueError, msgpack.UnpackException):
-        raise _Bad("tensors must be a map") from None
+    nt = _map_header(tup, "tensors must be a map")
     tensors: dict = {}
     for _ in range(nt):
         fqn = tup.unpack()
         if not isinstance(fqn, str) or fqn in tensors:
             raise _Bad("tensor keys must be distinct strings")
-        try:
-            nk = tup.read_map_header()
-        except (ValueError, msgpack.UnpackException):
-            raise _Bad(f"tensor {fqn!r} must be a map") from None
+        nk = _map_header(tup, f"tensor {fqn!r} must be a map")
         t: dict = {}
         for _ in range(nk):
             k = tup.unpack()
