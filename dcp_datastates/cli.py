@@ -203,13 +203,14 @@ def cmd_convert(args) -> int:
     logging.getLogger("dcp_datastates.convert").setLevel(logging.ERROR)  # reported below instead
     if args.to != "datastates":
         _classify(StorageTier(args.src))
+    opts = convert.ConvertOptions(batch_bytes=args.batch_bytes, progress=None if args.json else _progress)
     if args.to == "dcp":
-        convert.to_dcp(args.src, args.dst)
+        convert.to_dcp(args.src, args.dst, options=opts)
     elif args.to == "datastates":
-        convert.from_dcp(args.src, args.dst, allow_pickle=args.allow_pickle)
+        convert.from_dcp(args.src, args.dst, allow_pickle=args.allow_pickle, options=opts)
     else:
         res = convert.to_safetensors(args.src, args.dst, max_shard_bytes=args.max_shard_bytes,
-                                     keys=args.keys, strip_prefix=args.strip_prefix)
+                                     keys=args.keys, strip_prefix=args.strip_prefix, options=opts)
         if not args.json:
             where = args.dst if args.dst.endswith(".safetensors") else f"in {args.dst}"
             print(f"wrote {len(res.files)} safetensors file(s) {where}")
@@ -307,6 +308,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true",
                    help="datastates: read DCP's pickled .metadata and torch.save values (trusted "
                         "checkpoints only), and keep values msgpack cannot express, as pickle")
+    p.add_argument("--batch-bytes", type=parse_size, default=256 << 20,
+                   help="the most tensor bytes held in memory at once (default 256MiB; a larger "
+                        "tensor is read alone)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_convert)
     p = sub.add_parser("bench", help="benchmark against DCP in one run; table and PNG charts")

@@ -1,6 +1,8 @@
 """Conversions to and from DCP's FileSystemWriter format and to HuggingFace safetensors.
 
-Each conversion reads the whole state into host memory, then writes it in the other format.
+Each conversion streams: tensors are read a batch at a time (``ConvertOptions.batch_bytes``,
+256 MiB by default, or one tensor when it is larger) and written before the next batch is
+read, so memory holds one batch and the small non-tensor values, never the whole state.
 
 * ``to_dcp``: dcp-datastates -> DCP ``FileSystemWriter`` (readable by any DCP).
 * ``from_dcp``: DCP ``FileSystemWriter`` -> dcp-datastates.  DCP's ``.metadata`` is a pickle and
@@ -17,11 +19,17 @@ import fnmatch
 import json
 import logging
 import os
+import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from .errors import PickleNotAllowedError
@@ -40,44 +48,182 @@ for _n, _c in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         _ST_DTYPES[getattr(torch, _n)] = _c
 
 
-def _load_all(reader) -> dict:
-    return _load_state_dict_from_keys(storage_reader=reader)
+@dataclass
+class ConvertOptions:
+    """How a conversion runs.  ``batch_bytes``: the most tensor bytes read into memory at
+    once (a tensor larger than that is read alone); ``progress(done, total, label)``: called
+    as tensor bytes are written."""
+    batch_bytes: int = 256 << 20
+    progress: Callable[[int, int, str], None] | None = None
 
 
-def to_dcp(src: str, dst: str, *, storage_options: dict | None = None) -> None:
-    sd = _load_all(DataStatesReader(src, storage_options=storage_options))
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(dst), no_dist=True)
+def _nbytes(md: TensorStorageMetadata) -> int:
+    return math.prod(md.size) * md.properties.dtype.itemsize
 
 
-def from_dcp(src: str, dst: str, *, allow_pickle: bool = False) -> None:
+class _Batches:
+    """Tensors of a checkpoint, read a batch at a time (``batch_bytes`` at most, in the order
+    given) through DCP's public ``load`` into tensors allocated here: memory holds one batch,
+    never the whole state."""
+
+    def __init__(self, reader, metadata: Metadata, order: list[str], opts: ConvertOptions, label: str):
+        self.reader, self.md, self.opts, self.label = reader, metadata.state_dict_metadata, opts, label
+        self.md_all = metadata
+        self.order = order
+        self.next = 0
+        self.ready: dict[str, torch.Tensor] = {}
+        self.total = sum(_nbytes(self.md[k]) for k in order)
+        self.done = 0
+
+    def take(self, fqn: str) -> torch.Tensor:
+        if fqn not in self.ready:
+            self._read_from(fqn)
+        t = self.ready.pop(fqn)
+        self.done += t.numel() * t.element_size()
+        if self.opts.progress:
+            self.opts.progress(self.done, self.total, self.label)
+        return t
+
+    def _read_from(self, fqn: str) -> None:
+        if self.order[self.next:self.next + 1] != [fqn]:
+            self.next = self.order.index(fqn)  # asked out of order: go on from there
+        keys = [k for k in self.order[self.next:] if k not in self.ready]
+        group = next(_groups(keys, self.md_all, self.opts.batch_bytes))
+        self.next = self.order.index(group[-1], self.next) + 1
+        batch = {k: torch.empty(self.md[k].size, dtype=self.md[k].properties.dtype) for k in group}
+        dcp.load(batch, storage_reader=self.reader, no_dist=True)
+        self.ready.update(batch)
+
+
+def _tensor_keys(metadata: Metadata) -> list[str]:
+    return [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+
+
+def _values(reader, metadata: Metadata) -> dict:
+    """The non-tensor values of a checkpoint (small), by flattened name."""
+    keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    if not keys:
+        return {}
+    return flatten_state_dict(_load_state_dict_from_keys(keys=keys, storage_reader=reader))[0]
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """Saves a state dict whose tensors are placeholders on the meta device: each tensor is
+    read from the source when the writer asks for its bytes (``resolve_data``)."""
+
+    def __init__(self, batches: _Batches):
+        super().__init__()
+        self.batches = batches
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        # the writer asks for the tensors in its plan's order: read them in that order
+        self.batches.order = [i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        return plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        return self.batches.take(write_item.index.fqn)
+
+
+def _placeholders(metadata: Metadata, values: dict) -> dict:
+    flat = dict(values)
+    for k in _tensor_keys(metadata):
+        md = metadata.state_dict_metadata[k]
+        flat[k] = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+    return _nested(flat, metadata)
+
+
+def to_dcp(src: str, dst: str, *, storage_options: dict | None = None,
+           options: ConvertOptions | None = None) -> None:
+    """Write checkpoint ``src`` in DCP's ``FileSystemWriter`` format, tensor batch by batch."""
+    opts = options or ConvertOptions()
+    reader = DataStatesReader(src, storage_options=storage_options)
+    md = reader.read_metadata()
+    batches = _Batches(reader, md, _tensor_keys(md), opts, "convert")
+    state = _placeholders(md, _values(reader, md))
+    # one file per item: FileSystemWriter keeps every tensor of a file until the file is closed
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(dst, single_file_per_rank=False, thread_count=1),
+             planner=_StreamingSavePlanner(batches), no_dist=True)
+
+
+def from_dcp(src: str, dst: str, *, allow_pickle: bool = False, options: ConvertOptions | None = None) -> None:
     """DCP's ``.metadata`` is a pickle and its values are ``torch.save`` blobs: reading them
-    runs code from the checkpoint, so this needs ``allow_pickle=True`` (a trusted source)."""
+    runs code from the checkpoint, so this needs ``allow_pickle=True`` (a trusted source).
+
+    DCP's files hold each tensor as a ``torch.save`` blob that only its reader decodes, so the
+    tensors are read a batch at a time into a scratch file mapped in memory beside ``dst``
+    (as large as the tensors; removed at the end), which the save then reads from: host memory
+    stays bounded, the page cache holds what the kernel lets it."""
     if not allow_pickle:
         raise PickleNotAllowedError(
             "DCP's .metadata is a pickle and reading it would run code from the file; pass "
             "--allow-pickle (allow_pickle=True) only if you trust this checkpoint",
             checkpoint=src, file=MANIFEST_NAME)
-    sd = _load_all(dcp.FileSystemReader(src))
-    dcp.save(sd, storage_writer=DataStatesWriter(dst, allow_pickle=allow_pickle), no_dist=True)
+    opts = options or ConvertOptions()
+    reader = dcp.FileSystemReader(src)
+    md = reader.read_metadata()
+    keys = _tensor_keys(md)
+    offsets, pos = {}, 0
+    for k in keys:
+        offsets[k] = pos
+        pos = align_up(pos + _nbytes(md.state_dict_metadata[k]), 64)
+    total = sum(_nbytes(md.state_dict_metadata[k]) for k in keys)
+    scratch = f"{dst.rstrip('/')}.convert-scratch"
+    try:
+        arena = torch.from_file(scratch, shared=True, size=max(pos, 1), dtype=torch.uint8)
+        views = {}
+        for k in keys:
+            m = md.state_dict_metadata[k]
+            views[k] = arena[offsets[k]:offsets[k] + _nbytes(m)].view(m.properties.dtype).view(m.size)
+        done = 0
+        for group in _groups(keys, md, opts.batch_bytes):
+            dcp.load({k: views[k] for k in group}, storage_reader=reader, no_dist=True)
+            done += sum(_nbytes(md.state_dict_metadata[k]) for k in group)
+            if opts.progress:
+                opts.progress(done, total, "convert")
+        state = _nested({**_values(reader, md), **views}, md)
+        dcp.save(state, storage_writer=DataStatesWriter(dst, allow_pickle=allow_pickle, host_cache_bytes=opts.batch_bytes),
+                 no_dist=True)
+    finally:
+        if os.path.exists(scratch):
+            os.remove(scratch)
 
 
-def _flatten(sd: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in sd.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
+def _groups(keys: list[str], md: Metadata, batch_bytes: int):
+    """``keys`` in order, in runs of at most ``batch_bytes`` of tensor (or one larger tensor)."""
+    group, size = [], 0
+    for k in keys:
+        n = _nbytes(md.state_dict_metadata[k])
+        if group and size + n > batch_bytes:
+            yield group
+            group, size = [], 0
+        group.append(k)
+        size += n
+    if group:
+        yield group
 
 
-def _write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+def _nested(flat: dict, md: Metadata) -> dict:
+    """``flat`` in the checkpoint's own nesting (``planner_data``), so that the converted
+    checkpoint has the same keys."""
+    mapping = md.planner_data if isinstance(md.planner_data, dict) else {}
+    if flat and all(k in mapping for k in flat):
+        return unflatten_state_dict(flat, {k: mapping[k] for k in flat})
+    return flat
+
+
+def _write_safetensors(path: str, entries: list[tuple[str, str]], md: Metadata, batches: _Batches) -> None:
+    """One safetensors file of ``entries`` (name in the file, checkpoint key): the header comes
+    from the checkpoint's metadata, the tensors are read a batch at a time as they are written."""
     header: dict = {}
     pos = 0
-    for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+    for name, key in entries:
+        m = md.state_dict_metadata[key]
+        n = _nbytes(m)
+        header[name] = {"dtype": _ST_DTYPES[m.properties.dtype], "shape": list(m.size),
+                        "data_offsets": [pos, pos + n]}
         pos += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     # pad the header with spaces so the data starts 4 KiB-aligned (the format allows it)
@@ -86,9 +232,11 @@ def _write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", hlen))
         f.write(raw)
-        for t in tensors.values():
+        for _, key in entries:
+            t = batches.take(key)
             if t.numel():
-                f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del t
         f.flush()
         os.fsync(f.fileno())
 
@@ -110,7 +258,7 @@ class SafetensorsExport:
 
 def to_safetensors(src: str, dst: str, *, max_shard_bytes: int | None = None,
                    storage_options: dict | None = None, keys: list[str] | None = None,
-                   strip_prefix: str | None = None) -> SafetensorsExport:
+                   strip_prefix: str | None = None, options: ConvertOptions | None = None) -> SafetensorsExport:
     """Export the tensors of checkpoint ``src``.
 
     ``dst`` named ``*.safetensors`` is one file; anything else is a directory that receives
@@ -119,19 +267,23 @@ def to_safetensors(src: str, dst: str, *, max_shard_bytes: int | None = None,
     flattened names to export (default all); ``strip_prefix``: removed from the names that
     start with it (``"model."`` for a HuggingFace model).  Non-tensor values go to
     ``values.json`` beside the tensors (``<file>.values.json`` for a single file)."""
-    flat = _flatten(_load_all(DataStatesReader(src, storage_options=storage_options)))
-    if keys:
-        flat = {k: v for k, v in flat.items() if any(fnmatch.fnmatchcase(k, p) for p in keys)}
-    if strip_prefix:
-        flat = {(k[len(strip_prefix):] if k.startswith(strip_prefix) else k): v for k, v in flat.items()}
-    tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    values = {k: v for k, v in flat.items() if k not in tensors}
-    bad = sorted(k for k, t in tensors.items() if t.dtype not in _ST_DTYPES)
+    opts = options or ConvertOptions()
+    reader = DataStatesReader(src, storage_options=storage_options)
+    md = reader.read_metadata()
+
+    def picked(k: str) -> bool:
+        return not keys or any(fnmatch.fnmatchcase(k, p) for p in keys)
+
+    def renamed(k: str) -> str:
+        return k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k
+    tensors = [(renamed(k), k) for k in _tensor_keys(md) if picked(k)]
+    bad = sorted(k for _, k in tensors if md.state_dict_metadata[k].properties.dtype not in _ST_DTYPES)
     if bad:
         raise ValueError(f"dtypes of {bad[:5]} have no safetensors code")
     single_file = dst.endswith(".safetensors")
     if single_file and max_shard_bytes:
         raise ValueError(f"{dst} names one file; give a directory to shard into")
+    values = {renamed(k): v for k, v in _values(reader, md).items() if picked(k)}
     if not single_file:
         os.makedirs(dst, exist_ok=True)
     out = SafetensorsExport([])
@@ -142,27 +294,27 @@ def to_safetensors(src: str, dst: str, *, max_shard_bytes: int | None = None,
             json.dump(values, f, indent=1, sort_keys=True, default=repr)
         log.warning("safetensors holds tensors only: %d values written to %s instead (%s)",
                     len(values), out.values_file, ", ".join(out.left_out[:10]))
+    shards: list[list[tuple[str, str]]] = [[]]
+    size = 0
+    for name, k in tensors:
+        n = _nbytes(md.state_dict_metadata[k])
+        if max_shard_bytes and shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, k))
+        size += n
+    batches = _Batches(reader, md, [k for shard in shards for _, k in shard], opts, "convert")
     if not max_shard_bytes:
         path = dst if single_file else os.path.join(dst, "model.safetensors")
-        _write_safetensors(path, tensors)
+        _write_safetensors(path, shards[0], md, batches)
         out.files = [path]
         return out
-    shards: list[dict] = [{}]
-    size = 0
-    for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += n
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards):
-        _write_safetensors(os.path.join(dst, name), shard)
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+        _write_safetensors(os.path.join(dst, name), shard, md, batches)
+        weight_map.update({n: name for n, _ in shard})
     with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        json.dump({"metadata": {"total_size": batches.total}, "weight_map": weight_map}, f, indent=1)
     out.files = [os.path.join(dst, n) for n in names]
     return out

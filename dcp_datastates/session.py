@@ -14,13 +14,17 @@ flags live in a small shared-memory tensor that both processes map.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import SnapshotError
+
+log = logging.getLogger(__name__)
 
 _SNAPSHOT, _FAILED, _COMMITTED, _PERSISTED, _PERSIST_FAILED = 0, 1, 2, 3, 4
 _MSG_BYTES = 1024
@@ -157,3 +161,43 @@ class SaveSession:
             event.wait(poll)
             poll = min(poll * 2, 0.01)
         return True
+
+
+# ------------------------------------------------------------ the step barrier
+# A lazy snapshot is safe once training waits for it before its first in-place update.  For
+# updates made by a torch optimizer that wait is automatic: a lazy save puts its session here
+# and a global optimizer step pre-hook waits for every pending session before any step().  The
+# hook stays registered once installed (torch iterates its hooks while calling them, so a hook
+# cannot remove itself); with nothing pending it costs one lock.  In-place changes made outside
+# an optimizer are caught by the version check instead (engine/snapshot.py).
+_barrier_lock = threading.Lock()
+_pending: list[tuple[SaveSession, float]] = []
+_hook_installed = False
+
+
+def hold_step(session: SaveSession, timeout_s: float) -> None:
+    """Make every optimizer ``step()`` wait (at most ``timeout_s``) until ``session`` has
+    snapshotted or failed."""
+    global _hook_installed
+    with _barrier_lock:
+        _pending.append((session, timeout_s))
+        if not _hook_installed:
+            register_optimizer_step_pre_hook(_before_step)
+            _hook_installed = True
+
+
+def _before_step(optimizer, args, kwargs) -> None:
+    with _barrier_lock:
+        if not _pending:
+            return None
+        waiting = list(_pending)
+        _pending.clear()
+    for session, timeout_s in waiting:
+        try:
+            if not session.wait_snapshot(timeout_s):
+                log.warning("optimizer step went on after waiting %.0f s for an async save's snapshot; "
+                            "if that save is still copying, it will fail as torn instead of committing",
+                            timeout_s)
+        except SnapshotError as e:  # the save reports its failure through its own future
+            log.warning("an async save failed before its snapshot completed; training goes on: %s", e)
+    return None

@@ -47,7 +47,7 @@ from .format.build import build_manifest
 from .format.names import rank_manifest_name
 from .format.records import RankRecord
 from .planner import Placed, lay_out, records_for
-from .session import SaveSession
+from .session import SaveSession, hold_step
 from .tiers import StorageTier
 from .tiers.incremental import Base, load_base
 from .tiers.manifests import committed_here
@@ -77,6 +77,7 @@ class DataStatesWriter(StorageWriter):
         incremental_base: a committed sibling checkpoint whose unchanged bytes are referenced,
             per ``dedup_unit_bytes`` (a multiple of 1 MiB, default 4 MiB).
         o_direct: write local data files with O_DIRECT from the aligned host cache.
+        step_barrier_s: optimizers' ``step()`` waits up to this for an async save's snapshot (0: off).
     """
 
     _synchronize_after_execute: bool = False
@@ -87,8 +88,8 @@ class DataStatesWriter(StorageWriter):
                  storage_options: dict | None = None, async_mode: str | None = None,
                  persist_to: list[str] | str | None = None, persist: bool = True,
                  persist_options: dict | None = None, o_direct: bool = True,
-                 incremental_base: str | None = None,
-                 dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT) -> None:
+                 incremental_base: str | None = None, dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT,
+                 step_barrier_s: float = 600.0) -> None:
         super().__init__()
         _check_options(thread_count, host_cache_bytes, async_mode, dedup_unit_bytes)
         self.path = None if path is None else str(path)
@@ -98,7 +99,7 @@ class DataStatesWriter(StorageWriter):
         self.persist_to = [str(p) for p in ([persist_to] if isinstance(persist_to, str) else persist_to or [])]
         self.persist, self.persist_options, self.o_direct = persist, persist_options, o_direct
         self.incremental_base = None if incremental_base is None else str(incremental_base)
-        self.dedup_unit_bytes = dedup_unit_bytes
+        self.dedup_unit_bytes, self.step_barrier_s = dedup_unit_bytes, step_barrier_s
         self.rank, self.is_coordinator, self.use_collectives = 0, True, True
         self.save_id = uuid.uuid4().hex[:12]
         self.last_stats: dict[str, int] = {}
@@ -124,6 +125,8 @@ class DataStatesWriter(StorageWriter):
         process = self.async_mode == "process"
         self._session = SaveSession(lazy=True, cross_process=process)
         self._stage_pid, self._staged = os.getpid(), True
+        if self.step_barrier_s > 0:
+            hold_step(self._session, self.step_barrier_s)
         tensors = list(iter_tensors(state_dict))
         if not process:
             # copies follow the kernels queued so far; a tensor changed in place before its

@@ -152,3 +152,28 @@ def test_safetensors_export_is_a_directory_and_keeps_values(run_dir, tmp_path):
             "--strip-prefix", "model.")
     assert r.returncode == 0 and "left out" not in r.stdout, r.stdout + r.stderr
     assert set(load_file(str(tmp_path / "renamed" / "model.safetensors"))) == {"w", "b"}
+
+
+def test_convert_streams_in_bounded_memory(tmp_path):
+    """convert holds one batch of tensors, never the whole state: 256 MiB of state converted
+    with 16 MiB batches grows anonymous memory by under a quarter of the state (measured: 40,
+    32 and 17 MiB; reading it all took 256+), in each direction,
+    and the result is bit-exact."""
+    state = {"model": {f"w{i}": torch.randn(2 << 20) for i in range(32)}, "step": 5}  # 32 x 8 MiB
+    total = 32 * (8 << 20)
+    src = str(tmp_path / "src")
+    dcp.save(state, storage_writer=DataStatesWriter(src), no_dist=True)
+    runs = {"dcp": (src, str(tmp_path / "as-dcp")), "safetensors": (src, str(tmp_path / "st")),
+            "datastates": (str(tmp_path / "as-dcp"), str(tmp_path / "back"))}
+    for direction, (a, b) in runs.items():
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "convert_child.py"), direction, a, b,
+                            str(16 << 20)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=ROOT))
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = __import__("json").loads(r.stdout.strip().splitlines()[-1])
+        assert out["growth"] < total // 4, (direction, out)
+        assert out["progress"] == [total, total] and out["calls"] >= 2, (direction, out)
+    back = {"model": {f"w{i}": torch.empty(2 << 20) for i in range(32)}, "step": 0}
+    dcp.load(back, storage_reader=DataStatesReader(str(tmp_path / "back")), no_dist=True)
+    assert back["step"] == 5 and all(torch.equal(back["model"][k], state["model"][k]) for k in back["model"])
+    assert not os.path.exists(str(tmp_path / "back") + ".convert-scratch")

@@ -2,9 +2,11 @@
 
 Plain ``dcp.async_save(..., storage_writer=DataStatesWriter(...))`` followed at once by
 ``optimizer.step()``: before, the checkpoint committed with 14 of 16 tensors holding post-step
-values and 2 a mix.  Now each tensor's version counter is read when the save starts and again
-once its bytes are copied; a change fails the save, uncommitted, with a message that says what
-to do.  The same run with ``SnapshotGuard`` commits the pre-step state exactly.
+values and 2 a mix.  Now any torch optimizer's step waits for a pending snapshot (the step
+barrier), so that run commits the pre-step state, in THREAD and PROCESS modes; and each tensor's
+version counter is read when the save starts and again once its bytes are copied, so an update
+the barrier does not cover (outside an optimizer, or with the barrier off) fails the save,
+uncommitted, with a message that says what to do.
 """
 
 from __future__ import annotations
@@ -35,17 +37,68 @@ def _unwrap(e: BaseException) -> BaseException:
     return e
 
 
-def test_step_without_waiting_fails_uncommitted(tmp_path):
+def _loads_exactly(path: str, expected: dict) -> None:
+    out = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
+    assert all(torch.equal(out[k], expected[k]) for k in expected)
+
+
+def test_plain_async_save_then_step_commits_the_pre_step_state(tmp_path):
+    """The issue's trap, by default: the step waits for the snapshot (the step barrier)."""
     m, opt = _model()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
     path = str(tmp_path / "step-1")
     writer = DataStatesWriter(path, host_cache_bytes=4 << 20)
     fut = dcp.async_save(m.state_dict(), storage_writer=writer)
-    opt.step()  # the natural mistake: no wait_snapshot(), no SnapshotGuard
+    opt.step()  # no wait_snapshot(), no SnapshotGuard
+    fut.result(timeout=120)
+    assert not torch.equal(m[0].weight, before["0.weight"])  # the step did happen
+    _loads_exactly(path, before)
+
+
+def test_step_without_the_barrier_fails_uncommitted(tmp_path):
+    m, opt = _model()
+    path = str(tmp_path / "step-1")
+    writer = DataStatesWriter(path, host_cache_bytes=4 << 20, step_barrier_s=0)
+    fut = dcp.async_save(m.state_dict(), storage_writer=writer)
+    opt.step()  # the natural mistake with the barrier off
     with pytest.raises(BaseException) as ei:
         fut.result(timeout=120)
     text = str(_unwrap(ei.value)) + str(ei.value)
     assert "changed in place" in text and "wait_snapshot" in text, text[-2000:]
     assert not os.path.exists(os.path.join(path, ".metadata"))
+
+
+def test_in_place_change_outside_the_optimizer_fails_uncommitted(tmp_path):
+    """The barrier only covers optimizers; the version check catches every other update."""
+    m, _ = _model()
+    path = str(tmp_path / "step-1")
+    fut = dcp.async_save(m.state_dict(), storage_writer=DataStatesWriter(path, host_cache_bytes=4 << 20))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.5)
+    with pytest.raises(BaseException) as ei:
+        fut.result(timeout=120)
+    assert "changed in place" in str(_unwrap(ei.value)) + str(ei.value)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+
+
+def _process_step(rank, world, path):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from dcp_datastates import async_save
+    m, opt = _model()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    fut = async_save(m.state_dict(), storage_writer=DataStatesWriter(path, host_cache_bytes=4 << 20),
+                     async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    opt.step()  # the daemon copies; the trainer's step waits for its snapshot
+    fut.result(timeout=120)
+    _loads_exactly(path, before)
+
+
+def test_process_mode_step_commits_the_pre_step_state(tmp_path):
+    from tests.dist import run_ranks
+    run_ranks(1, _process_step, str(tmp_path / "step-1"))
 
 
 def test_with_guard_commits_the_pre_step_state(tmp_path):
