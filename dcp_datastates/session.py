@@ -180,6 +180,8 @@ def hold_step(session: SaveSession, timeout_s: float) -> None:
     snapshotted or failed."""
     global _hook_installed
     with _barrier_lock:
+        # saves no step waited for (evaluation, say) are dropped once they are past the snapshot
+        _pending[:] = [(s, t) for s, t in _pending if not (s.snapshotted or s.failed)]
         _pending.append((session, timeout_s))
         if not _hook_installed:
             register_optimizer_step_pre_hook(_before_step)
