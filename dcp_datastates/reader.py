@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+    BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta,
     TensorProperties, TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
@@ -36,7 +36,7 @@ from torch.futures import Future
 from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestError,
                      NotACheckpointError, PickleNotAllowedError)
 from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name, verify_blocks
-from .format.manifest import Chunk, Extent
+from .format.manifest import Chunk, Extent, paused_gc
 from .format.values import decode_value
 from .errors import ProviderError
 from .planner import deliver_object
@@ -54,21 +54,23 @@ READ_PIECE = 16 << 20
 
 
 def manifest_to_metadata(m: Manifest, checkpoint_id: str) -> Metadata:
+    """DCP's ``Metadata`` of manifest ``m``: each tensor's chunks in the manifest's order (a
+    ``ReadItem``'s ``storage_index.index`` is then the chunk's place in ``m``).  No
+    ``storage_data``: this reader finds chunks in the manifest, not through DCP."""
     sdm: dict = {}
-    storage_data: dict = {}
+    csm, size = ChunkStorageMetadata, torch.Size
+    props: dict[str, TensorProperties] = {}
     for fqn, t in m.tensors.items():
-        chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                  for c in t.chunks]
-        sdm[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype_from_name(t.dtype)),
-                                         size=torch.Size(t.size), chunks=chunks)
-        for c in t.chunks:
-            storage_data[MetadataIndex(fqn, c.offsets)] = (fqn, tuple(c.offsets))
+        p = props.get(t.dtype)
+        if p is None:
+            p = props[t.dtype] = TensorProperties(dtype=dtype_from_name(t.dtype))
+        sdm[fqn] = TensorStorageMetadata(properties=p, size=size(t.size),
+                                         chunks=[csm(size(c.offsets), size(c.sizes)) for c in t.chunks])
     for fqn in m.values:
         sdm[fqn] = BytesStorageMetadata()
-        storage_data[MetadataIndex(fqn)] = (fqn, None)
     return Metadata(state_dict_metadata=sdm,
                     planner_data={k: tuple(v) for k, v in m.planner_data.items()},
-                    storage_data=storage_data,
+                    storage_data={},
                     storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=m.save_id))
 
 
@@ -153,7 +155,8 @@ class DataStatesReader(StorageReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self.manifest = self._load_manifest()
-        return manifest_to_metadata(self.manifest, self.path)
+        with paused_gc():
+            return manifest_to_metadata(self.manifest, self.path)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         if self.manifest is None:
@@ -174,8 +177,50 @@ class DataStatesReader(StorageReader):
         tiers = self._tiers()
         m = self.manifest or self._load_manifest()
         self.manifest = m
-        tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
-        self._check_coverage(tensor_items, planner, m)
+        with paused_gc():  # a few records per item, none cyclic (format/model.py)
+            tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
+            self._check_coverage(tensor_items, planner, m)
+            tasks = self._tasks(plan, planner, m, tensor_items)
+        files = _FileSet(tiers, m.homes)
+        try:
+            pieces = [(t, i) for t in tasks for i in range(len(t.ranges))]
+            # one pool task per batch of small pieces: a future and a lock per 64-byte tensor
+            # cost more than its read
+            # threads pay off for large reads; for small ones they only contend for the GIL
+            total = sum(t.buf_size for t in tasks)
+            threads = max(1, min(self.thread_count, total // (4 << 20)))
+            with ThreadPoolExecutor(threads, thread_name_prefix="dcpds-read") as pool:
+                for _ in pool.map(lambda b: [self._run_piece(files, *ti) for ti in b],
+                                  _batches(pieces, lambda ti: ti[0].ranges[ti[1]][2])):
+                    pass
+                for _ in pool.map(lambda b: [t.finalize() for t in b],
+                                  _batches(tasks, lambda t: t.buf_size)):
+                    pass
+        finally:
+            files.close()
+        with paused_gc():
+            self._deliver_all(tasks, planner)
+        if len(tiers) > 1 and self.served:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            log.info("rank %d restored %s", rank, ", ".join(
+                f"{n / 2**20:.1f} MiB from {u}" for u, n in self.served.items()))
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _deliver_all(self, tasks: list["_ReadTask"], planner) -> None:
+        """Hand every finished task's tensor (or rebuilt object) to the planner."""
+        sd = getattr(planner, "state_dict", None)
+        for t in tasks:
+            if t.rebuilt is not None and not (isinstance(sd, dict) and _is_dtensor(sd.get(t.ri.dest_index.fqn))):
+                # what the provider rebuilt replaces the placeholder (a DTensor entry keeps its
+                # place in the mesh and only receives the bytes)
+                self._deliver(t.ri, planner, t.rebuilt, tensor=t.dest is not None)
+            if t.dest is not None:
+                planner.commit_tensor(t.ri, t.dest)
+
+    def _tasks(self, plan: LoadPlan, planner, m: Manifest, tensor_items) -> list["_ReadTask"]:
+        """One read task per item (values are delivered here, from the manifest)."""
         tasks = []
         for ri in plan.items:
             if ri.type != LoadItemType.BYTE_IO:
@@ -185,32 +230,7 @@ class DataStatesReader(StorageReader):
                 tasks.append(_ReadTask(self, ri, None, "uint8", v.node, m.block_size))
             else:
                 self._load_value(ri, planner, m)
-        tasks += [self._make_task(ri, planner, m) for ri in tensor_items]
-        files = _FileSet(tiers, m.homes)
-        try:
-            pieces = [(t, i) for t in tasks for i in range(len(t.ranges))]
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcpds-read") as pool:
-                for _ in pool.map(lambda ti: self._run_piece(files, *ti), pieces):
-                    pass
-                for _ in pool.map(lambda t: t.finalize(), tasks):
-                    pass
-        finally:
-            files.close()
-        sd = getattr(planner, "state_dict", None)
-        for t in tasks:
-            if t.rebuilt is not None and not (isinstance(sd, dict) and _is_dtensor(sd.get(t.ri.dest_index.fqn))):
-                # what the provider rebuilt replaces the placeholder (a DTensor entry keeps its
-                # place in the mesh and only receives the bytes)
-                self._deliver(t.ri, planner, t.rebuilt, tensor=t.dest is not None)
-            if t.dest is not None:
-                planner.commit_tensor(t.ri, t.dest)
-        if len(tiers) > 1 and self.served:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-            log.info("rank %d restored %s", rank, ", ".join(
-                f"{n / 2**20:.1f} MiB from {u}" for u, n in self.served.items()))
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+        return tasks + [self._make_task(ri, planner, m) for ri in tensor_items]
 
     def _check_coverage(self, items, planner, m: Manifest) -> None:
         sd = getattr(planner, "state_dict", None)
@@ -281,13 +301,17 @@ class DataStatesReader(StorageReader):
     def _make_task(self, ri, planner, m: Manifest) -> "_ReadTask":
         fqn = ri.storage_index.fqn
         key = tuple(ri.storage_index.offset) if ri.storage_index.offset is not None else ()
-        if self._chunk_index is None or self._chunk_index[0] is not m:  # one index per manifest
-            self._chunk_index = (m, {(f, c.offsets): c for f, t in m.tensors.items() for c in t.chunks})
-        chunk = self._chunk_index[1].get((fqn, key))
+        entry = m.tensors.get(fqn)
+        at = ri.storage_index.index  # DCP's planners give the chunk's place in our metadata
+        chunk = entry.chunks[at] if entry is not None and isinstance(at, int) and 0 <= at < len(entry.chunks) \
+            and entry.chunks[at].offsets == key else None
+        if chunk is None and entry is not None:  # another planner: look it up
+            if self._chunk_index is None or self._chunk_index[0] is not m:  # one index per manifest
+                self._chunk_index = (m, {(f, c.offsets): c for f, t in m.tensors.items() for c in t.chunks})
+            chunk = self._chunk_index[1].get((fqn, key))
         if chunk is None:
             raise ManifestError(f"no stored chunk at offsets {list(key)}", checkpoint=self.path, key=fqn)
         dest = planner.resolve_tensor(ri).detach()
-        entry = m.tensors[fqn]
         if dest.dtype != dtype_from_name(entry.dtype) and fqn not in self._cast_warned:
             self._cast_warned.add(fqn)
             log.warning("%s: tensor %s was saved as %s and is loaded into a %s tensor: its values are "
@@ -344,6 +368,21 @@ class DataStatesReader(StorageReader):
                 raise ChecksumMismatch(f"checksum mismatch in block {bad} (chunk bytes "
                                        f"{bad * task.block_size}+, file offset {file_off + (bad - first_block) * task.block_size}+)",
                                        checkpoint=tier.url, file=name, key=key)
+
+
+def _batches(items: list, nbytes, target: int = 8 << 20, per_item: int = 64 << 10) -> list[list]:
+    """``items`` in order, in batches of about ``target`` bytes, counting each item at least
+    ``per_item`` (so a batch holds at most ``target / per_item`` small ones)."""
+    out, batch, size = [], [], 0
+    for x in items:
+        batch.append(x)
+        size += max(nbytes(x), per_item)
+        if size >= target:
+            out.append(batch)
+            batch, size = [], 0
+    if batch:
+        out.append(batch)
+    return out
 
 
 def _is_dtensor(obj) -> bool:

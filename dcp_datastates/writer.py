@@ -43,6 +43,7 @@ from .engine.host_cache import default_host_cache_bytes, shared_host_cache
 from .engine.live import any_gpu, iter_tensors, ready_point, versions, want_pinned
 from .errors import CheckpointError, CheckpointExistsError
 from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
+from .format.manifest import paused_gc
 from .format.build import build_manifest
 from .format.names import rank_manifest_name
 from .format.records import RankRecord
@@ -164,9 +165,7 @@ class DataStatesWriter(StorageWriter):
         """Block until the last save reached every ``persist_to`` tier (coordinator: committed
         there; other ranks: uploaded).  False on timeout; raises if the flush failed."""
         s = self._session
-        if s is None or not self.persist_to or not self.persist:
-            return True
-        return s.wait_persisted(timeout)
+        return True if s is None or not self.persist_to or not self.persist else s.wait_persisted(timeout)
 
     def timings(self) -> dict[str, float]:
         """Seconds from the last save's call to each stage it reached (``snapshot_done_s``...)."""
@@ -244,10 +243,11 @@ class DataStatesWriter(StorageWriter):
             return self._write(plan, planner, self._session or SaveSession(lazy=False))
 
     def _write(self, plan: SavePlan, planner: SavePlanner, session: SaveSession) -> Future:
-        placed, copy_items, names = lay_out(
-            plan, planner, rank=self.rank, save_id=self.save_id, thread_count=self.thread_count,
-            base=self._base, started=getattr(session, "versions", None) if session.lazy else None,
-            allow_pickle=self.allow_pickle, checkpoint=self.path)
+        with paused_gc():  # a few records per item, none cyclic (format/model.py)
+            placed, copy_items, names = lay_out(
+                plan, planner, rank=self.rank, save_id=self.save_id, thread_count=self.thread_count,
+                base=self._base, started=getattr(session, "versions", None) if session.lazy else None,
+                allow_pickle=self.allow_pickle, checkpoint=self.path)
         fut: Future = Future()
         self._persistence = Persistence(self.tier, self._persist_tiers(), self.save_id, self.rank,
                                         on_done=session.mark_persisted, after_commit=self._after_commit,
@@ -296,7 +296,8 @@ class DataStatesWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with _failing(self):
-            manifest = _manifest_for(metadata, results, self.save_id)
+            with paused_gc():
+                manifest = _manifest_for(metadata, results, self.save_id)
             name = MANIFEST_NAME
             if not self.use_collectives:
                 manifest.ranks = [self.rank]

@@ -186,3 +186,69 @@ def test_msgpack_bomb_refused(ckpt):
     deep = b"\x91" * 100000 + b"\xc0"  # 100k nested arrays
     open(m, "wb").write(MAGIC + deep + struct.pack("<Q", xxhash.xxh3_64_intdigest(deep)))
     assert "does not decode" in _err(lambda: _load(ckpt))
+
+
+# ------------------------------------------------ format version 3: the columnar table
+def _set(b, key, i, v):
+    col = bytearray(b["table"][key])
+    struct.pack_into("<q", col, 8 * i, v)
+    b["table"][key] = bytes(col)
+
+
+def _v3(mutate):
+    return lambda d: rewrite_manifest(d, mutate, version=3)
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda b: _set(b, "seg_offset", 0, 1 << 60), "outside"),
+    (lambda b: _set(b, "seg_nbytes", 0, -5), "negative"),
+    (lambda b: _set(b, "seg_nbytes", 0, 7), "segments hold"),
+    (lambda b: _set(b, "seg_offset", 0, b["files"][0][1]), "runs past the end"),
+    (lambda b: _set(b, "seg_file", 0, 99), "outside"),
+    (lambda b: _set(b, "nchunks", 0, 1 << 20), "expected"),
+    (lambda b: _set(b, "offsets", 0, 1 << 40), "leaves the tensor"),
+    (lambda b: _set(b, "nsegs", 0, -1), "expected"),
+    (lambda b: _set(b, "size", 0, -3), "negative"),
+    (lambda b: b["table"].__setitem__("sums", b["table"]["sums"][:-1]), "block digests"),
+    (lambda b: b["table"].__setitem__("ndim", bytes([100])), "at most 64"),
+    (lambda b: b["table"].__setitem__("dtypes", ["evil"]), "unknown dtype"),
+    (lambda b: b["table"].__setitem__("names", b["table"]["names"] * 2), "distinct"),
+    (lambda b: b["table"].__setitem__("size", [10]), "must be bytes"),
+    (lambda b: b["table"].__setitem__("special", {"0": {"p": "x"}}), "special"),
+    (lambda b: b["files"].append(["../../etc/passwd", 10]), "not a plain name"),
+    (lambda b: b["files"].append(list(b["files"][0])), "listed twice"),
+    (lambda b: b.__setitem__("files", {b["files"][0][0]: b["files"][0][1]}), "list"),
+])
+def test_hostile_table_fields_refused(ckpt, mutate, needle):
+    """Version 3's columns, each crafted wrong with a valid body checksum."""
+    _v3(mutate)(ckpt)
+    msg = _err(lambda: _load(ckpt))
+    assert needle in msg and ckpt in msg, msg
+
+
+def test_table_with_a_million_empty_chunks_is_bounded(tmp_path):
+    """A crafted count cannot make the reader allocate more than the file holds, and a
+    million empty chunks fold into one record."""
+    d = str(tmp_path / "c")
+    _save(d, {"w": torch.arange(16.0)})
+
+    def mutate(b):
+        t = b["table"]
+        t["names"].append("e")
+        t["dtypes"] = t["dtypes"] + ["float32"] if "float32" not in t["dtypes"] else t["dtypes"]
+        t["dtype"] += bytes([t["dtypes"].index("float32")])
+        t["ndim"] += bytes([2])
+        t["size"] += struct.pack("<2q", 0, 1 << 20)
+        n = 1_000_000
+        t["nchunks"] += struct.pack("<q", n)
+        t["offsets"] += b"".join(struct.pack("<2q", 0, i) for i in range(n))
+        t["sizes"] += bytes(16 * n)
+        t["nsegs"] += bytes(8 * n)
+        t["sums"] += bytes(16 * n)
+    rewrite_manifest(d, mutate, version=3)
+    from dcp_datastates.tiers import StorageTier
+    from dcp_datastates.tiers.manifests import load_manifest
+    m = load_manifest(StorageTier(d))
+    assert len(m.tensors["e"].chunks) == 1 and m.tensors["e"].size == (0, 1 << 20)
+    out = _load(d, {"w": torch.zeros(16)})
+    assert torch.equal(out["w"], torch.arange(16.0))

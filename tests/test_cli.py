@@ -54,7 +54,7 @@ def ckpt(tmp_path):
 
 def test_inspect(ckpt):
     r = cli("inspect", ckpt)
-    assert "w" in r.stdout and "bfloat16" in r.stdout and "format v2" in r.stdout and "committed on" in r.stdout
+    assert "w" in r.stdout and "bfloat16" in r.stdout and "format v3" in r.stdout and "committed on" in r.stdout
     info = json.loads(cli("inspect", ckpt, "--json").stdout)
     rows = {e["key"]: e for e in info["entries"]}
     assert rows["w"]["shape"] == [256, 300] and rows["w"]["bytes"] == 256 * 300 * 4

@@ -189,7 +189,7 @@ def f_manifest_garbage(d):
 
 
 def f_manifest_unknown_version(d):
-    _rewrite_manifest(d, lambda b: b.update(version=3))
+    _rewrite_manifest(d, lambda b: b.update(version=99))
     return ".metadata", None
 
 

@@ -283,10 +283,10 @@ def test_manifest_v1_still_loads(tmp_path):
     import msgpack
     import struct
     import xxhash
-    from dcp_datastates.format.manifest import MAGIC
+    from dcp_datastates.format.manifest import MAGIC, decode_manifest, encode_manifest
     d = tmp_path / "v1"
     _save(str(d), {"w": torch.arange(10.0)})
-    raw = open(d / ".metadata", "rb").read()[len(MAGIC):-8]
+    raw = encode_manifest(decode_manifest(open(d / ".metadata", "rb").read()), version=2)[len(MAGIC):-8]
     body = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     body["version"] = 1
     del body["homes"]

@@ -378,11 +378,11 @@ def test_error_types_are_checkpoint_errors():
 _MAKE_EMPTY_CHUNKS = """
 import os, struct, sys, msgpack, xxhash, torch, torch.distributed.checkpoint as dcp
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.format.manifest import MAGIC
+from dcp_datastates.format.manifest import MAGIC, decode_manifest, encode_manifest
 d = sys.argv[1]
 dcp.save({"w": torch.arange(16.0)}, storage_writer=DataStatesWriter(d), no_dist=True)
 p = os.path.join(d, ".metadata")
-data = open(p, "rb").read()
+data = encode_manifest(decode_manifest(open(p, "rb").read()), version=2)  # the version 2 layout
 body = msgpack.unpackb(data[len(MAGIC):-8], raw=False, strict_map_key=False)
 body["tensors"]["e"] = {"dtype": "float32", "size": [0, 1 << 20],
                         "chunks": [{"o": [0, i], "s": [0, 0], "x": [[], 0, bytes(16)]} for i in range(1_000_000)]}

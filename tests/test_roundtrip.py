@@ -210,3 +210,18 @@ def test_async_timings_guard_and_bounded_cache(tmp_path):
     dcp.load(out, storage_reader=DataStatesReader(str(tmp_path / "c")), no_dist=True)
     assert all(torch.equal(out["m"][k], before[k]) for k in before)
     assert not dist.is_initialized()
+
+
+def test_format_v2_checkpoints_still_load(tmp_path):
+    """Checkpoints written before the columnar table (format version 2) load bit-exactly,
+    nested keys, several chunks and values included."""
+    from dcp_datastates.format.manifest import decode_manifest, encode_manifest
+    d = tmp_path / "v2"
+    sd = {"model": {"w": torch.randn(33, 7), "e": torch.empty(0)}, "step": 9, "b": torch.arange(5)}
+    dcp.save(sd, storage_writer=DataStatesWriter(str(d)), no_dist=True)
+    p = d / ".metadata"
+    p.write_bytes(encode_manifest(decode_manifest(p.read_bytes()), version=2))
+    assert decode_manifest(p.read_bytes()).version == 2
+    out = {"model": {"w": torch.zeros(33, 7), "e": torch.empty(0)}, "step": 0, "b": torch.zeros(5, dtype=torch.long)}
+    dcp.load(out, storage_reader=DataStatesReader(str(d)), no_dist=True)
+    assert torch.equal(out["model"]["w"], sd["model"]["w"]) and out["step"] == 9 and torch.equal(out["b"], sd["b"])

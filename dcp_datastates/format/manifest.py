@@ -21,20 +21,21 @@ from __future__ import annotations
 import math
 import re
 import struct
-from dataclasses import dataclass, field
 
 import msgpack
 import xxhash
 
 from ..errors import ForeignFormatError, ManifestError, UnsupportedFormatVersion
 from .checksum import BLOCK_SIZE, DIGEST_BYTES, split_digests
+from .columnar import decode_table, encode_table
+from .model import (  # noqa: F401 (the model is re-exported: most layers import it from here)
+    FORMAT_VERSION, Chunk, Extent, Manifest, Seg, TensorEntry, ValueEntry, _Bad, check_tiling, paused_gc)
 from .dtypes import dtype_from_name
 from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 
 MAGIC = b"\xffDCP-DATASTATES\n"
 FORMAT_NAME = "dcp-datastates"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 
 
 MAX_MANIFEST_BYTES = 1 << 31
@@ -44,164 +45,6 @@ MAX_FILE_BYTES = 1 << 50
 MAX_WORLD = 1 << 22
 MAX_ENTRIES = 1 << 24
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
-
-
-@dataclass(slots=True)
-class Seg:
-    """``nbytes`` contiguous bytes at ``offset`` in data file ``file``."""
-    file: str
-    offset: int
-    nbytes: int
-
-
-@dataclass(slots=True)
-class Extent:
-    """Bytes of one stored chunk: consecutive segments, one digest per block.
-
-    Usually one segment.  Several when the chunk was written in pieces that landed apart
-    in the file, or when an incremental save kept some pieces from an earlier checkpoint.
-    Every segment but the last holds whole blocks, so block ``b`` of the chunk never
-    straddles two files."""
-    segs: list[Seg]
-    nbytes: int
-    sums: list  # per block: 16-byte xxh3-128 digest (v2) or xxh3-64 int (v1)
-
-    @classmethod
-    def contiguous(cls, file: str, offset: int, nbytes: int, sums: list) -> "Extent":
-        return cls([Seg(file, offset, nbytes)], nbytes, sums)
-
-    @property
-    def file(self) -> str:
-        """The file of the first segment (the only one for most extents)."""
-        return self.segs[0].file if self.segs else ""
-
-    @property
-    def offset(self) -> int:
-        return self.segs[0].offset if self.segs else 0
-
-    def files(self) -> set[str]:
-        return {s.file for s in self.segs}
-
-    def locate(self, start: int, n: int) -> list[tuple[str, int, int, int]]:
-        """Where chunk bytes ``[start, start + n)`` are: ``(file, file_offset, pos, length)``
-        per segment touched, ``pos`` counted from ``start``."""
-        out = []
-        base = 0
-        end = start + n
-        for s in self.segs:
-            a, b = max(start, base), min(end, base + s.nbytes)
-            if a < b:
-                out.append((s.file, s.offset + a - base, a - start, b - a))
-            base += s.nbytes
-            if base >= end:
-                break
-        return out
-
-    def to_wire(self) -> list:
-        return [[[s.file, s.offset, s.nbytes] for s in self.segs], self.nbytes,
-                b"".join(self.sums)]
-
-    @classmethod
-    def from_wire(cls, x) -> "Extent":
-        """Inverse of :meth:`to_wire` for trusted in-process data (the writer's results);
-        manifests read from storage go through the validating decoder instead."""
-        segs, nbytes, sums = x
-        return cls([Seg(f, o, n) for f, o, n in segs], nbytes, split_digests(sums))
-
-
-@dataclass(slots=True)
-class Chunk:
-    """One saved piece of a tensor: its box in the global tensor and its bytes."""
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    extent: Extent | None  # None when a provider stores the chunk as parts
-    provider: str | None = None
-    meta: object = None
-    # leaf tensors of the provider, by path ("data", or "inner/data" for a nested provider)
-    parts: dict[str, tuple[str, tuple[int, ...], Extent]] = field(default_factory=dict)
-    # how the parts nest: {part: None (a tensor leaf) | {"p": provider, "m": meta, "t": tree}};
-    # None when every part is a tensor leaf of the top provider (the format before nesting)
-    tree: dict | None = None
-
-
-@dataclass(slots=True)
-class TensorEntry:
-    dtype: str
-    size: tuple[int, ...]
-    chunks: list[Chunk]
-
-
-@dataclass(slots=True)
-class ValueEntry:
-    encoding: str  # "msgpack"; "provider" (node below); "pickle"/"torch" only by opt-in
-    data: bytes
-    checksum: int
-    node: "Chunk | None" = None  # encoding "provider": a registered type's parts and metadata
-
-
-@dataclass(slots=True)
-class Manifest:
-    save_id: str
-    world_size: int
-    ranks: list[int]
-    files: dict[str, int]
-    tensors: dict[str, TensorEntry]
-    values: dict[str, ValueEntry]
-    planner_data: dict[str, list]
-    homes: dict[str, str] = field(default_factory=dict)  # file -> sibling checkpoint holding it
-    version: int = FORMAT_VERSION  # as read (1 or 2); always written as FORMAT_VERSION
-    block_size: int = BLOCK_SIZE
-    created_unix: float = 0.0
-    torch_version: str = ""
-    writer: str = ""
-    extra: dict = field(default_factory=dict)
-
-    def usage(self) -> tuple[int, dict[str, int]]:
-        """Tensor bytes this checkpoint owns (in its own files) and, per earlier checkpoint of
-        the run, the bytes it shares from there (incremental saves)."""
-        owned, shared = 0, {}
-        for t in self.tensors.values():
-            for c in t.chunks:
-                exts = [c.extent] if c.extent is not None else [p[2] for p in c.parts.values()]
-                for e in exts:
-                    for seg in e.segs:
-                        home = self.homes.get(seg.file)
-                        if home is None:
-                            owned += seg.nbytes
-                        else:
-                            shared[home] = shared.get(home, 0) + seg.nbytes
-        return owned, shared
-
-    def merge(self, other: "Manifest", *, source: str = "<memory>") -> None:
-        """Fold a rank-local manifest (``use_collectives=False``) of the same save into this
-        one.  Ranks that disagree on a tensor, or whose chunks overlap, raise ``ManifestError``."""
-        for name, size in other.files.items():
-            if self.files.get(name, size) != size:
-                raise ManifestError(f"rank manifests disagree on the size of {name}", checkpoint=source)
-            self.files[name] = size
-        self.homes.update(other.homes)
-        touched = []
-        for fqn, t in other.tensors.items():
-            mine = self.tensors.get(fqn)
-            if mine is None:
-                self.tensors[fqn] = TensorEntry(t.dtype, t.size, list(t.chunks))
-                continue
-            if (mine.dtype, mine.size) != (t.dtype, t.size):
-                raise ManifestError(f"rank manifests disagree on {fqn}: {mine.dtype}{list(mine.size)} "
-                                    f"vs {t.dtype}{list(t.size)}", checkpoint=source, key=fqn)
-            seen = {(c.offsets, c.sizes) for c in mine.chunks}
-            mine.chunks.extend(c for c in t.chunks if (c.offsets, c.sizes) not in seen)
-            touched.append(fqn)
-        for fqn in touched:
-            try:
-                check_tiling(fqn, self.tensors[fqn].chunks)
-            except _Bad as e:
-                raise ManifestError(f"invalid manifest: {e}", checkpoint=source, key=fqn) from None
-        for fqn, v in other.values.items():
-            self.values.setdefault(fqn, v)
-        for k, v in other.planner_data.items():
-            self.planner_data.setdefault(k, v)
-        self.ranks = sorted(set(self.ranks) | set(other.ranks))
 
 
 def _chunk_to_wire(c: Chunk) -> dict:
@@ -223,10 +66,19 @@ def _value_to_wire(v: ValueEntry) -> list:
     return [v.encoding, v.data, v.checksum]
 
 
-def encode_manifest(m: Manifest) -> bytes:
+def encode_manifest(m: Manifest, *, version: int = FORMAT_VERSION) -> bytes:
+    """The manifest file of ``m``: format version 3 (the columnar tensor table), or 2 (one map
+    per chunk, for tools and tests that need the older layout)."""
+    if version not in (2, FORMAT_VERSION):
+        raise ValueError(f"cannot write format version {version}")
+    with paused_gc():
+        return _encode(m, version)
+
+
+def _encode(m: Manifest, version: int) -> bytes:
     body = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": version,
         "save_id": m.save_id,
         "created_unix": m.created_unix,
         "torch": m.torch_version,
@@ -235,24 +87,23 @@ def encode_manifest(m: Manifest) -> bytes:
         "ranks": m.ranks,
         "block_size": m.block_size,
         "checksum": "xxh3-128",
-        "files": m.files,
         "homes": m.homes,
-        "tensors": {k: {"dtype": t.dtype, "size": list(t.size),
-                        "chunks": [_chunk_to_wire(c) for c in t.chunks]}
-                    for k, t in m.tensors.items()},
         "values": {k: _value_to_wire(v) for k, v in m.values.items()},
         "planner_data": m.planner_data,
         "extra": m.extra,
     }
+    if version >= 3:
+        body["files"] = [[name, size] for name, size in m.files.items()]
+        body["table"] = encode_table(m.tensors, {name: i for i, name in enumerate(m.files)}, _chunk_to_wire)
+    else:
+        body["files"] = m.files
+        body["tensors"] = {k: {"dtype": t.dtype, "size": list(t.size), "chunks": [_chunk_to_wire(c) for c in t.chunks]}
+                           for k, t in m.tensors.items()}
     payload = msgpack.packb(body, use_bin_type=True)
     return MAGIC + payload + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload))
 
 
 # ----------------------------------------------------------------- decoding
-
-class _Bad(Exception):
-    pass
-
 
 def _req(d: dict, key: str, typ):
     if not isinstance(d, dict) or key not in d:
@@ -351,6 +202,11 @@ def decode_manifest(data: bytes, *, source: str = "<memory>") -> Manifest:
     if struct.unpack("<Q", tail)[0] != xxhash.xxh3_64_intdigest(payload):
         raise ManifestError("manifest checksum mismatch: the file is truncated or corrupt; "
                             "restore it from another tier or re-save", checkpoint=source)
+    with paused_gc():
+        return _decode_body(payload, source)
+
+
+def _decode_body(payload: bytes, source: str) -> Manifest:
     try:
         body = _unpack_streaming(payload)
     except _Bad as e:
@@ -442,32 +298,6 @@ def _unpack_streaming(payload: bytes) -> dict:
     return body
 
 
-def check_tiling(fqn: str, chunks: list[Chunk]) -> None:
-    """Chunks of one tensor may not overlap: then the volumes the reader sums are the
-    union it covers.  A sweep along the dimension with the most distinct offsets compares
-    only chunks whose extents along it intersect (one neighbour each for FSDP shards)."""
-    boxes = [c for c in chunks if c.sizes and all(c.sizes)]
-    if len(boxes) < 2:
-        seen = set()
-        for c in chunks:  # scalars and 0-d: one chunk per offset
-            if not c.sizes and c.offsets in seen:
-                raise _Bad(f"{fqn}: two chunks at offsets {list(c.offsets)}")
-            seen.add(c.offsets)
-        return
-    nd = len(boxes[0].offsets)
-    d = max(range(nd), key=lambda k: len({c.offsets[k] for c in boxes}))
-    boxes.sort(key=lambda c: c.offsets[d])
-    for i, a in enumerate(boxes):
-        end = a.offsets[d] + a.sizes[d]
-        for b in boxes[i + 1:]:
-            if b.offsets[d] >= end:
-                break
-            if all(bo < ao + asz and ao < bo + bsz
-                   for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                raise _Bad(f"{fqn}: chunks at {list(a.offsets)} (size {list(a.sizes)}) and "
-                           f"{list(b.offsets)} (size {list(b.sizes)}) overlap")
-
-
 MAX_TREE_DEPTH = 32
 
 
@@ -518,32 +348,17 @@ def _provider_fields(chunk: Chunk, c: dict, files, block_size: int, version: int
         chunk.tree = c["t"]
 
 
-def _from_body(body) -> Manifest:
-    if not isinstance(body, dict):
-        raise _Bad("body must be a map")
-    if body.get("format") != FORMAT_NAME:
-        raise _Bad(f"format is {body.get('format')!r}, expected {FORMAT_NAME!r}")
-    version = _req(body, "version", int)
-    if version not in READABLE_VERSIONS:
-        raise UnsupportedFormatVersion(
-            f"format version {version} is not supported by this dcp-datastates "
-            f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade dcp-datastates")
-    block_size = _int(_req(body, "block_size", int), "block_size", 4096, 1 << 34)
-    world = _int(_req(body, "world_size", int), "world_size", 1, MAX_WORLD)
-    ranks = [_int(r, "rank", 0, world - 1) for r in _req(body, "ranks", list)]
-    files: dict[str, int] = {}
-    for name, size in _req(body, "files", dict).items():
-        files[check_file_name(name)] = _int(size, f"size of {name}")
-    homes: dict[str, str] = {}
-    raw_homes = (body.get("homes") or {}) if version >= 2 else {}
-    if not isinstance(raw_homes, dict):
-        raise _Bad("homes must be a map")
-    for name, home in raw_homes.items():
-        if check_file_name(name) not in files:
-            raise _Bad(f"home given for file {name!r}, which the manifest does not list")
-        if not name.endswith(".dsd"):  # only data files are ever read from a sibling directory
-            raise _Bad(f"file {name!r} in another directory is not a data file (*.dsd)")
-        homes[name] = check_file_name(home)
+def _special_chunk(fqn: str, offsets: tuple, sizes: tuple, wire, files, block_size: int, version: int) -> Chunk:
+    """A provider chunk of a version 3 table (stored as the version 2 chunk map)."""
+    if not isinstance(wire, dict) or "p" not in wire or "x" in wire:
+        raise _Bad(f"{fqn}: a special chunk must be a provider's")
+    chunk = Chunk(offsets, sizes, None)
+    _provider_fields(chunk, wire, files, block_size, version, fqn)
+    return chunk
+
+
+def _tensors_v2(body, files: dict[str, int], block_size: int, version: int) -> dict[str, TensorEntry]:
+    """Versions 1 and 2: one msgpack map per chunk, decoded chunk by chunk."""
     tensors: dict[str, TensorEntry] = {}
     n_chunks = 0
     for fqn, t in _req(body, "tensors", dict).items():
@@ -582,6 +397,10 @@ def _from_body(body) -> Manifest:
             chunks.append(chunk)
         check_tiling(fqn, chunks)
         tensors[fqn] = TensorEntry(dtype, size, chunks)
+    return tensors
+
+
+def _values(body, files: dict[str, int], block_size: int, version: int) -> dict[str, ValueEntry]:
     values: dict[str, ValueEntry] = {}
     for fqn, v in _req(body, "values", dict).items():
         if not isinstance(fqn, str):
@@ -596,6 +415,49 @@ def _from_body(body) -> Manifest:
                 or not isinstance(v[1], bytes):
             raise _Bad(f"value {fqn!r} is malformed")
         values[fqn] = ValueEntry(v[0], v[1], _int(v[2], f"{fqn} checksum", 0, (1 << 64) - 1))
+    return values
+
+
+def _from_body(body) -> Manifest:
+    if not isinstance(body, dict):
+        raise _Bad("body must be a map")
+    if body.get("format") != FORMAT_NAME:
+        raise _Bad(f"format is {body.get('format')!r}, expected {FORMAT_NAME!r}")
+    version = _req(body, "version", int)
+    if version not in READABLE_VERSIONS:
+        raise UnsupportedFormatVersion(
+            f"format version {version} is not supported by this dcp-datastates "
+            f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade dcp-datastates")
+    block_size = _int(_req(body, "block_size", int), "block_size", 4096, 1 << 34)
+    world = _int(_req(body, "world_size", int), "world_size", 1, MAX_WORLD)
+    ranks = [_int(r, "rank", 0, world - 1) for r in _req(body, "ranks", list)]
+    files: dict[str, int] = {}
+    if version >= 3:  # a list, so that the tensor table can refer to files by position
+        for pair in _req(body, "files", list):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise _Bad("files must be a list of [name, size] pairs")
+            if check_file_name(pair[0]) in files:
+                raise _Bad(f"file {pair[0]!r} is listed twice")
+            files[pair[0]] = _int(pair[1], f"size of {pair[0]}")
+    else:
+        for name, size in _req(body, "files", dict).items():
+            files[check_file_name(name)] = _int(size, f"size of {name}")
+    homes: dict[str, str] = {}
+    raw_homes = (body.get("homes") or {}) if version >= 2 else {}
+    if not isinstance(raw_homes, dict):
+        raise _Bad("homes must be a map")
+    for name, home in raw_homes.items():
+        if check_file_name(name) not in files:
+            raise _Bad(f"home given for file {name!r}, which the manifest does not list")
+        if not name.endswith(".dsd"):  # only data files are ever read from a sibling directory
+            raise _Bad(f"file {name!r} in another directory is not a data file (*.dsd)")
+        homes[name] = check_file_name(home)
+    if version >= 3:
+        tensors = decode_table(_req(body, "table", dict), list(files.items()), block_size,
+                               lambda fqn, o, z, w: _special_chunk(fqn, o, z, w, files, block_size, version))
+    else:
+        tensors = _tensors_v2(body, files, block_size, version)
+    values = _values(body, files, block_size, version)
     planner_data = _req(body, "planner_data", dict)
     for k, path in planner_data.items():
         if not isinstance(k, str) or not isinstance(path, list) or not all(isinstance(p, (str, int)) for p in path):

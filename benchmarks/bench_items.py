@@ -1,0 +1,66 @@
+"""Per-item cost: many small tensors through the public API, against DCP, in one process.
+
+    python benchmarks/bench_items.py [--tensors 20000] [--floats 16] [--reps 3] [--dir /tmp/dcpds-items]
+
+Saves (``dcp.save``, synchronous, fsync on) and loads (``dcp.load`` into preallocated tensors)
+a flat state of ``--tensors`` tensors of ``--floats`` fp32 values each, with dcp-datastates and
+with DCP's FileSystemWriter/Reader, alternating, each save into a fresh directory; and times
+``read_metadata`` alone.  Medians of ``--reps`` rounds; ratios are medians of per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import DataStatesReader, DataStatesWriter
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tensors", type=int, default=20000)
+    ap.add_argument("--floats", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/dcpds-items")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    state = {f"layers.{i // 8}.p{i % 8}": torch.randn(args.floats) for i in range(args.tensors)}
+    systems = {
+        "ours": (lambda p: DataStatesWriter(p), lambda p: DataStatesReader(p)),
+        "dcp": (lambda p: dcp.FileSystemWriter(p), lambda p: dcp.FileSystemReader(p)),
+    }
+    times: dict[str, dict[str, list[float]]] = {s: {"save": [], "load": [], "read_metadata": []} for s in systems}
+    for rep in range(args.reps):
+        order = list(systems) if rep % 2 == 0 else list(reversed(systems))
+        for name in order:
+            make_w, make_r = systems[name]
+            path = os.path.join(args.dir, f"{name}-{rep}")
+            shutil.rmtree(path, ignore_errors=True)
+            times[name]["save"].append(_timed(lambda: dcp.save(state, storage_writer=make_w(path), no_dist=True)))
+            out = {k: torch.empty_like(v) for k, v in state.items()}
+            times[name]["load"].append(_timed(lambda: dcp.load(out, storage_reader=make_r(path), no_dist=True)))
+            assert all(torch.equal(out[k], state[k]) for k in state)
+            times[name]["read_metadata"].append(_timed(lambda: make_r(path).read_metadata()))
+            shutil.rmtree(path, ignore_errors=True)
+    print(f"{args.tensors} tensors of {args.floats} fp32, {args.reps} rounds, torch {torch.__version__}")
+    print(f"{'':14} {'DCP s':>8} {'ours s':>8} {'ours vs DCP':>12}")
+    for what in ("save", "load", "read_metadata"):
+        ratio = statistics.median(d / o for d, o in zip(times["dcp"][what], times["ours"][what]))
+        print(f"{what:14} {statistics.median(times['dcp'][what]):>8.3f} {statistics.median(times['ours'][what]):>8.3f} "
+              f"{ratio:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()

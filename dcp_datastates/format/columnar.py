@@ -1,0 +1,234 @@
+"""The tensor table of format version 3: every tensor's chunks as columns of integers.
+
+Version 2 stored each chunk as a msgpack map (about 146 bytes a chunk, a dozen Python objects
+and as many checks to decode).  Version 3 stores the same records as a handful of arrays, so a
+manifest is validated in bulk, with numpy over whole columns, before any record is built:
+
+======================  ============================  =========================================
+field                   type                          per
+======================  ============================  =========================================
+``names``               list of str                   tensor (distinct)
+``dtypes``              list of str                   distinct dtype, referenced by ``dtype``
+``dtype``, ``ndim``     bytes, uint8                  tensor
+``size``                bytes, int64 LE               tensor dimension (sum of ``ndim``)
+``nchunks``             bytes, int64 LE               tensor
+``offsets``, ``sizes``  bytes, int64 LE               chunk dimension, chunks in tensor order
+``nsegs``               bytes, int64 LE               chunk; -1: the chunk is in ``special``
+``seg_file``            bytes, int64 LE               segment: index into the manifest's files
+``seg_offset``,         bytes, int64 LE               segment
+``seg_nbytes``
+``sums``                bytes                         block of a plain chunk: its 16-byte digest
+``special``             map str(chunk index) -> map   chunk stored by a registered provider
+======================  ============================  =========================================
+
+A plain chunk holds ``max(1, ceil(nbytes / block_size))`` digests; its segments hold exactly
+its bytes and every segment but its last ends on a block boundary.  ``docs/format.md`` has the
+full specification.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .checksum import DIGEST_BYTES
+from .dtypes import dtype_from_name
+from .model import Chunk, Extent, Seg, TensorEntry, _Bad, check_tiling
+
+MAX_NDIM = 64
+MAX_DIM = 1 << 48
+MAX_ENTRIES = 1 << 24
+MAX_FILE_BYTES = 1 << 50
+_I8 = np.dtype("<i8")
+
+
+def _col(values: list[int]) -> bytes:
+    return np.asarray(values, dtype=_I8).tobytes()
+
+
+def encode_table(tensors: dict[str, TensorEntry], file_index: dict[str, int], special_wire) -> dict:
+    """The columns of ``tensors``; ``file_index``: each file's place in the manifest's file
+    list; ``special_wire(chunk)``: the msgpack form of a provider chunk."""
+    dtypes: dict[str, int] = {}
+    dcode, ndim, size, nchunks = [], [], [], []
+    offsets, sizes, nsegs, seg_file, seg_offset, seg_nbytes = [], [], [], [], [], []
+    sums: list[bytes] = []
+    special: dict[str, dict] = {}
+    ci = 0
+    for t in tensors.values():
+        dcode.append(dtypes.setdefault(t.dtype, len(dtypes)))
+        ndim.append(len(t.size))
+        size.extend(t.size)
+        nchunks.append(len(t.chunks))
+        for c in t.chunks:
+            offsets.extend(c.offsets)
+            sizes.extend(c.sizes)
+            if c.extent is None:
+                nsegs.append(-1)
+                special[str(ci)] = special_wire(c)
+            else:
+                nsegs.append(len(c.extent.segs))
+                for s in c.extent.segs:
+                    seg_file.append(file_index[s.file])
+                    seg_offset.append(s.offset)
+                    seg_nbytes.append(s.nbytes)
+                sums.extend(c.extent.sums)
+            ci += 1
+    return {"names": list(tensors), "dtypes": list(dtypes), "dtype": bytes(dcode), "ndim": bytes(ndim),
+            "size": _col(size), "nchunks": _col(nchunks), "offsets": _col(offsets), "sizes": _col(sizes),
+            "nsegs": _col(nsegs), "seg_file": _col(seg_file), "seg_offset": _col(seg_offset),
+            "seg_nbytes": _col(seg_nbytes), "sums": b"".join(sums), "special": special}
+
+
+def _ints(table: dict, key: str, n: int | None = None, lo: int = 0, hi: int = MAX_FILE_BYTES) -> np.ndarray:
+    raw = table.get(key)
+    if not isinstance(raw, bytes) or len(raw) % 8:
+        raise _Bad(f"table field {key!r} must be bytes of little-endian int64")
+    a = np.frombuffer(raw, dtype=_I8)
+    if n is not None and len(a) != n:
+        raise _Bad(f"table field {key!r} holds {len(a)} entries, expected {n}")
+    if len(a) and (int(a.min()) < lo or int(a.max()) > hi):
+        bad = int(a.min()) if int(a.min()) < lo else int(a.max())
+        raise _Bad(f"table field {key!r} holds {bad}, " + ("a negative value" if bad < 0 else f"outside [{lo}, {hi}]"))
+    return a
+
+
+def _bytes(table: dict, key: str, n: int) -> np.ndarray:
+    raw = table.get(key)
+    if not isinstance(raw, bytes) or len(raw) != n:
+        raise _Bad(f"table field {key!r} must be {n} bytes")
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Where each run of ``counts`` starts in the concatenation."""
+    out = np.zeros(len(counts), dtype=_I8)
+    if len(counts) > 1:
+        np.cumsum(counts[:-1], out=out[1:])
+    return out
+
+
+def decode_table(table, files: list[tuple[str, int]], block_size: int, special_chunk) -> dict[str, TensorEntry]:
+    """Validate the columns in bulk, then build the records.  ``files``: the manifest's
+    (name, size) list that ``seg_file`` indexes; ``special_chunk(fqn, offsets, sizes, wire)``:
+    the record of a provider chunk (validated by the caller)."""
+    if not isinstance(table, dict):
+        raise _Bad("the tensor table must be a map")
+    names = table.get("names")
+    if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+        raise _Bad("table field 'names' must be a list of strings")
+    nt = len(names)
+    if len(set(names)) != nt:
+        raise _Bad("tensor names must be distinct")
+    dnames = table.get("dtypes")
+    if not isinstance(dnames, list) or not all(isinstance(x, str) for x in dnames):
+        raise _Bad("table field 'dtypes' must be a list of strings")
+    itemsizes = np.asarray([dtype_from_name(d).itemsize for d in dnames] or [1], dtype=_I8)
+    dcode = _bytes(table, "dtype", nt).astype(_I8)
+    if nt and int(dcode.max()) >= len(dnames):
+        raise _Bad("a tensor's dtype code is not in 'dtypes'")
+    ndim = _bytes(table, "ndim", nt).astype(_I8)
+    if nt and int(ndim.max()) > MAX_NDIM:
+        raise _Bad(f"a tensor has more than {MAX_NDIM} dimensions (at most {MAX_NDIM})")
+    gsize = _ints(table, "size", int(ndim.sum()), 0, MAX_DIM)
+    nchunks = _ints(table, "nchunks", nt, 0, MAX_ENTRIES)
+    nc = int(nchunks.sum())
+    if nc > MAX_ENTRIES:
+        raise _Bad(f"more than {MAX_ENTRIES} chunks")
+    chunk_t = np.repeat(np.arange(nt, dtype=_I8), nchunks)
+    cnd = ndim[chunk_t]
+    nd_total = int(cnd.sum())
+    offs = _ints(table, "offsets", nd_total, 0, MAX_DIM)
+    sizes = _ints(table, "sizes", nd_total, 0, MAX_DIM)
+    cstart = _starts(cnd)
+    # each chunk dimension against its tensor's: offset + size <= size of the tensor
+    gidx = np.repeat(_starts(ndim)[chunk_t] - cstart, cnd) + np.arange(nd_total, dtype=_I8)
+    over = np.nonzero(offs + sizes > gsize[gidx])[0]
+    if len(over):
+        c = int(np.searchsorted(cstart, over[0], side="right") - 1)
+        raise _Bad(f"{names[int(chunk_t[c])]}: a chunk leaves the tensor (dimension {int(over[0] - cstart[c])})")
+    # elements and bytes of each chunk (0-d chunks hold one element)
+    numel = np.ones(nc, dtype=_I8)
+    has = np.nonzero(cnd)[0]
+    if len(has):
+        approx = np.multiply.reduceat(sizes.astype(np.float64), cstart[has])
+        if float(approx.max()) > MAX_FILE_BYTES:
+            raise _Bad("a chunk is absurdly large")
+        numel[has] = np.multiply.reduceat(sizes, cstart[has])
+    nbytes = numel * itemsizes[dcode[chunk_t]] if nc else numel
+    nsegs = _ints(table, "nsegs", nc, -1, MAX_ENTRIES)
+    plain = nsegs >= 0
+    segc = np.where(plain, nsegs, 0)
+    ns = int(segc.sum())
+    if ns > MAX_ENTRIES:
+        raise _Bad("too many segments")
+    fsizes = np.asarray([s for _, s in files] or [0], dtype=_I8)
+    sfile = _ints(table, "seg_file", ns, 0, max(0, len(files) - 1))
+    soff = _ints(table, "seg_offset", ns)
+    sn = _ints(table, "seg_nbytes", ns)
+    if ns and not files:
+        raise _Bad("extent refers to a file not listed in the manifest")
+    past = np.nonzero(soff + sn > fsizes[sfile])[0]
+    if len(past):
+        i = int(past[0])
+        raise _Bad(f"extent [{int(soff[i])}, {int(soff[i] + sn[i])}) runs past the end of "
+                   f"{files[int(sfile[i])][0]} ({files[int(sfile[i])][1]} bytes)")
+    sstart = _starts(segc)
+    held = np.concatenate([[0], np.cumsum(sn)])
+    total = held[sstart + segc] - held[sstart]
+    wrong = np.nonzero(plain & ((total != nbytes) | ((nbytes > 0) & (segc == 0))))[0]
+    if len(wrong):
+        c = int(wrong[0])
+        raise _Bad(f"{names[int(chunk_t[c])]}: segments hold {int(total[c])} bytes, the chunk needs {int(nbytes[c])}")
+    if ns:
+        last = np.zeros(ns, dtype=bool)
+        last[(sstart + segc - 1)[segc > 0]] = True
+        if np.any(~last & (sn % block_size != 0)):
+            raise _Bad("a segment other than a chunk's last ends inside a checksum block")
+    nsums = np.where(plain, np.maximum(1, -(-nbytes // block_size)), 0)
+    sums = table.get("sums")
+    if not isinstance(sums, bytes) or len(sums) != int(nsums.sum()) * DIGEST_BYTES:
+        raise _Bad(f"table field 'sums': expected {int(nsums.sum())} block digests of {DIGEST_BYTES} bytes")
+    special = table.get("special") or {}
+    if not isinstance(special, dict) or sorted(special) != sorted(str(i) for i in np.nonzero(~plain)[0].tolist()):
+        raise _Bad("table field 'special' must hold exactly the chunks whose 'nsegs' is -1")
+    return _records(names, dnames, dcode, ndim, gsize, nchunks, cnd, offs, sizes, numel, nbytes, nsegs,
+                    sfile, soff, sn, nsums, sums, special, files, special_chunk)
+
+
+def _records(names, dnames, dcode, ndim, gsize, nchunks, cnd, offs, sizes, numel, nbytes, nsegs,
+             sfile, soff, sn, nsums, sums, special, files, special_chunk) -> dict[str, TensorEntry]:
+    fnames = [f for f, _ in files]
+    offs_l, sizes_l, gsize_l = offs.tolist(), sizes.tolist(), gsize.tolist()
+    cnd_l, numel_l, nbytes_l, nsegs_l, nsums_l = cnd.tolist(), numel.tolist(), nbytes.tolist(), nsegs.tolist(), nsums.tolist()
+    sfile_l, soff_l, sn_l = sfile.tolist(), soff.tolist(), sn.tolist()
+    out: dict[str, TensorEntry] = {}
+    p = g = c = s = d = 0
+    for t, fqn in enumerate(names):
+        nd = int(ndim[t])
+        entry = TensorEntry(dnames[int(dcode[t])], tuple(gsize_l[g:g + nd]), [])
+        g += nd
+        has_empty = False
+        for _ in range(int(nchunks[t])):
+            k = cnd_l[c]
+            o, z = tuple(offs_l[p:p + k]), tuple(sizes_l[p:p + k])
+            p += k
+            n = nsegs_l[c]
+            if n < 0:
+                chunk = special_chunk(fqn, o, z, special[str(c)])
+            else:
+                segs = [Seg(fnames[sfile_l[i]], soff_l[i], sn_l[i]) for i in range(s, s + n)]
+                s += n
+                m = nsums_l[c]
+                chunk = Chunk(o, z, Extent(segs, nbytes_l[c], [sums[i:i + DIGEST_BYTES] for i in range(d, d + DIGEST_BYTES * m, DIGEST_BYTES)]))
+                d += DIGEST_BYTES * m
+            c += 1
+            if not numel_l[c - 1]:
+                if has_empty:  # holds no byte and covers nothing: one represents them all
+                    continue
+                has_empty = True
+            entry.chunks.append(chunk)
+        if len(entry.chunks) > 1:
+            check_tiling(fqn, entry.chunks)
+        out[fqn] = entry
+    return out
+
