@@ -21,6 +21,7 @@ def build_manifest(*, shapes: dict[str, tuple[str, tuple[int, ...]]],
     tensors = {fqn: TensorEntry(dt, tuple(size), []) for fqn, (dt, size) in shapes.items()}
     values: dict[str, ValueEntry] = {}
     seen: set[tuple] = set()
+    seen_add = seen.add
     for rank_results in results:
         for fqn, offsets, rec in rank_results:
             if rec.rank is not None:
@@ -34,12 +35,13 @@ def build_manifest(*, shapes: dict[str, tuple[str, tuple[int, ...]]],
                 values[fqn] = ValueEntry("provider", b"", 0, Chunk((), (), None, rec.provider, rec.meta,
                                                                    dict(rec.parts), rec.tree))
                 continue
-            key = (fqn, tuple(offsets or ()))
+            offs = tuple(offsets) if offsets else ()
+            key = (fqn, offs)
             if key in seen:  # a replicated item written by several ranks: keep one
                 continue
-            seen.add(key)
+            seen_add(key)
             if rec.kind == "tensor":
-                tensors[fqn].chunks.append(Chunk(key[1], tuple(rec.sizes), rec.extent))
+                tensors[fqn].chunks.append(Chunk(offs, rec.sizes, rec.extent))
             else:
                 tensors[fqn].chunks.append(Chunk(key[1], tuple(rec.sizes), None, rec.provider,
                                                  rec.meta, dict(rec.parts), rec.tree))

@@ -18,6 +18,8 @@ Format version 1 stored xxh3-64 integers; :func:`verify_blocks` still checks the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import xxhash
 
 BLOCK_SIZE = 1 << 20
@@ -33,6 +35,42 @@ def block_checksums(buf, block_size: int = BLOCK_SIZE) -> list[bytes]:
     if n == 0:
         return [_EMPTY]
     return [xxhash.xxh3_128_digest(mv[i:i + block_size]) for i in range(0, n, block_size)]
+
+
+class Digests(Sequence):
+    """The block digests of one extent, kept as the one string they were read as: a manifest
+    of a large state lists hundreds of thousands of blocks, and a bytes object per digest
+    cost most of its decode time.  Indexing returns a digest, slicing a list of them."""
+
+    __slots__ = ("joined",)
+
+    def __init__(self, joined: bytes) -> None:
+        self.joined = joined
+
+    def __len__(self) -> int:
+        return len(self.joined) // DIGEST_BYTES
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("digest index out of range")
+        return self.joined[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Digests):
+            return self.joined == other.joined
+        return list(self) == list(other) if isinstance(other, (list, tuple)) else NotImplemented
+
+    __hash__ = None  # mutable peers (lists) compare equal
+
+
+def join_digests(sums) -> bytes:
+    """The concatenated form of a list of digests or a :class:`Digests`."""
+    return sums.joined if isinstance(sums, Digests) else b"".join(sums)
 
 
 def split_digests(joined: bytes) -> list[bytes]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checksum import DIGEST_BYTES
+from .checksum import DIGEST_BYTES, Digests, join_digests
 from .dtypes import dtype_from_name
 from .model import Chunk, Extent, Seg, TensorEntry, _Bad, check_tiling
 
@@ -53,6 +53,10 @@ def encode_table(tensors: dict[str, TensorEntry], file_index: dict[str, int], sp
     offsets, sizes, nsegs, seg_file, seg_offset, seg_nbytes = [], [], [], [], [], []
     sums: list[bytes] = []
     special: dict[str, dict] = {}
+    # bound once: this loop runs once per chunk (hundreds of thousands at scale)
+    off_x, size_x, nsegs_a, file_a, soff_a, sn_a = (offsets.extend, sizes.extend, nsegs.append,
+                                                     seg_file.append, seg_offset.append, seg_nbytes.append)
+    sums_x, sums_a = sums.extend, sums.append
     ci = 0
     for t in tensors.values():
         dcode.append(dtypes.setdefault(t.dtype, len(dtypes)))
@@ -60,18 +64,22 @@ def encode_table(tensors: dict[str, TensorEntry], file_index: dict[str, int], sp
         size.extend(t.size)
         nchunks.append(len(t.chunks))
         for c in t.chunks:
-            offsets.extend(c.offsets)
-            sizes.extend(c.sizes)
-            if c.extent is None:
-                nsegs.append(-1)
+            off_x(c.offsets)
+            size_x(c.sizes)
+            ext = c.extent
+            if ext is None:
+                nsegs_a(-1)
                 special[str(ci)] = special_wire(c)
             else:
-                nsegs.append(len(c.extent.segs))
-                for s in c.extent.segs:
-                    seg_file.append(file_index[s.file])
-                    seg_offset.append(s.offset)
-                    seg_nbytes.append(s.nbytes)
-                sums.extend(c.extent.sums)
+                nsegs_a(len(ext.segs))
+                for s in ext.segs:
+                    file_a(file_index[s.file])
+                    soff_a(s.offset)
+                    sn_a(s.nbytes)
+                if type(ext.sums) is list:
+                    sums_x(ext.sums)
+                else:
+                    sums_a(join_digests(ext.sums))
             ci += 1
     return {"names": list(tensors), "dtypes": list(dtypes), "dtype": bytes(dcode), "ndim": bytes(ndim),
             "size": _col(size), "nchunks": _col(nchunks), "offsets": _col(offsets), "sizes": _col(sizes),
@@ -219,7 +227,7 @@ def _records(names, dnames, dcode, ndim, gsize, nchunks, cnd, offs, sizes, numel
                 segs = [Seg(fnames[sfile_l[i]], soff_l[i], sn_l[i]) for i in range(s, s + n)]
                 s += n
                 m = nsums_l[c]
-                chunk = Chunk(o, z, Extent(segs, nbytes_l[c], [sums[i:i + DIGEST_BYTES] for i in range(d, d + DIGEST_BYTES * m, DIGEST_BYTES)]))
+                chunk = Chunk(o, z, Extent(segs, nbytes_l[c], Digests(sums[d:d + DIGEST_BYTES * m])))
                 d += DIGEST_BYTES * m
             c += 1
             if not numel_l[c - 1]:

@@ -26,7 +26,7 @@ import msgpack
 import xxhash
 
 from ..errors import ForeignFormatError, ManifestError, UnsupportedFormatVersion
-from .checksum import BLOCK_SIZE, DIGEST_BYTES, split_digests
+from .checksum import BLOCK_SIZE, DIGEST_BYTES, Digests
 from .columnar import decode_table, encode_table
 from .model import (  # noqa: F401 (the model is re-exported: most layers import it from here)
     FORMAT_VERSION, Chunk, Extent, Manifest, Seg, TensorEntry, ValueEntry, _Bad, check_tiling, paused_gc)
@@ -147,7 +147,7 @@ def _sums(v, want: int, version: int, what: str) -> list:
         return v
     if not isinstance(v, bytes) or len(v) != want * DIGEST_BYTES:
         raise _Bad(f"{what}: expected {want} block digests of {DIGEST_BYTES} bytes")
-    return split_digests(v)
+    return Digests(v)
 
 
 def _seg(v, files: dict[str, int], what: str) -> Seg:

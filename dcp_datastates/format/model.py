@@ -11,7 +11,7 @@ import gc
 from dataclasses import dataclass, field
 
 from ..errors import ManifestError
-from .checksum import BLOCK_SIZE, split_digests
+from .checksum import BLOCK_SIZE, join_digests, split_digests
 
 FORMAT_VERSION = 3  # written now; manifest.py reads the versions it lists
 
@@ -55,7 +55,7 @@ class Extent:
     straddles two files."""
     segs: list[Seg]
     nbytes: int
-    sums: list  # per block: 16-byte xxh3-128 digest (v2) or xxh3-64 int (v1)
+    sums: list  # per block: 16-byte xxh3-128 digest (v2, v3: a checksum.Digests) or xxh3-64 int (v1)
 
     @classmethod
     def contiguous(cls, file: str, offset: int, nbytes: int, sums: list) -> "Extent":
@@ -90,7 +90,7 @@ class Extent:
 
     def to_wire(self) -> list:
         return [[[s.file, s.offset, s.nbytes] for s in self.segs], self.nbytes,
-                b"".join(self.sums)]
+                join_digests(self.sums)]
 
     @classmethod
     def from_wire(cls, x) -> "Extent":
