@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from .errors import CheckpointError
 from .format import decode_manifest
 from .format.manifest import MANIFEST_NAME, is_manifest_name
@@ -91,6 +92,8 @@ class Checkpointer:
         self.node_local = node_local
         self.storage_options = list(storage_options or [None] * len(self.tiers))
         self.writer_options = writer_options
+        # the staging cache is allocated (pinned on a GPU machine) now, in the background
+        prepare_host_cache(writer_options.get("host_cache_bytes") or default_host_cache_bytes())
         self.incremental = incremental
         self._last_committed: int | None = None  # newest step this process committed
         self._manifests: dict[int, object] = {}  # step -> Manifest, while it flushes to slower tiers

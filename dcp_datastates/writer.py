@@ -39,7 +39,7 @@ from torch.futures import Future
 
 from ._version import __version__
 from .engine import get_engine
-from .engine.host_cache import default_host_cache_bytes, shared_host_cache
+from .engine.host_cache import default_host_cache_bytes, prepare_host_cache, shared_host_cache
 from .engine.live import any_gpu, iter_tensors, ready_point, versions, want_pinned
 from .errors import CheckpointError, CheckpointExistsError
 from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
@@ -96,6 +96,7 @@ class DataStatesWriter(StorageWriter):
         self.path = None if path is None else str(path)
         self.overwrite, self.thread_count, self.allow_pickle = overwrite, thread_count, allow_pickle
         self.host_cache_bytes = host_cache_bytes or default_host_cache_bytes()
+        prepare_host_cache(self.host_cache_bytes)  # in the background: ready for the first save
         self.sync_files, self.storage_options, self.async_mode = sync_files, storage_options, async_mode
         self.persist_to = [str(p) for p in ([persist_to] if isinstance(persist_to, str) else persist_to or [])]
         self.persist, self.persist_options, self.o_direct = persist, persist_options, o_direct
@@ -107,9 +108,7 @@ class DataStatesWriter(StorageWriter):
         self.last_timings: dict[str, float] = {}
         self._base: Base | None = None
         self._session: SaveSession | None = None
-        self._staged = False
-        self._stage_pid = os.getpid()
-        self._job = None
+        self._staged, self._stage_pid, self._job = False, os.getpid(), None
         self._claims: SaveClaims | None = None
         self._persistence: Persistence | None = None
         self._refs: dict[str, tuple[str, int]] = {}

@@ -1,8 +1,11 @@
 """The bounded host cache.
 
-One buffer of ``capacity`` bytes, allocated once per process on first use
-(pinned through ``cuda_ext`` when a GPU is usable, plain memory otherwise)
-and reused by every later save.  Host memory used for staging therefore never
+One buffer of ``capacity`` bytes, allocated once per process (pinned through
+``cuda_ext`` when a GPU is usable, plain memory otherwise) and reused by every
+later save.  ``prepare_host_cache`` allocates it in the background as soon as a
+writer is made, so that the first snapshot does not wait for it: pinning
+gigabytes takes seconds (2.8 s for 4.8 GB on the H200 machine, issue 14), the
+whole first-checkpoint stall there.  Host memory used for staging therefore never
 grows with the size of the state.  Space is handed out in 4 KiB-aligned
 pieces; when the cache is full, ``alloc`` blocks until a flush frees space:
 this is the back-pressure that keeps memory bounded.
@@ -14,10 +17,12 @@ import bisect
 import logging
 import os
 import threading
+from concurrent.futures import Future
 
 import torch
 
 from ..format.layout import ALIGNMENT, align_up
+import cuda_ext
 from cuda_ext import pinned_buffer
 
 log = logging.getLogger(__name__)
@@ -44,16 +49,48 @@ class HostCache:
         self.used = 0
         self.peak_used = 0
         self.waits = 0
+        self.allocations = 0
+        self._preparing: Future | None = None
 
     # -- memory -------------------------------------------------------------
+    def prepare(self) -> Future:
+        """Allocate (and pin) the buffer on a background thread; :meth:`buffer` waits for that
+        instead of allocating again.  Resolves when the buffer is ready."""
+        with self._cv:
+            if self._preparing is not None:
+                return self._preparing
+            fut = self._preparing = Future()
+            if self._buf is not None:
+                fut.set_result(None)
+                return fut
+        threading.Thread(target=self._prepare, args=(fut,), name="dcpds-cache-prepare").start()
+        return fut
+
+    def _prepare(self, fut: Future) -> None:
+        try:
+            buf = self._allocate()
+        except (RuntimeError, MemoryError, OSError) as e:  # the first save allocates instead
+            log.warning("host cache of %d MiB could not be prepared in the background: %s",
+                        self.capacity >> 20, e)
+            fut.set_result(None)
+            return
+        with self._cv:
+            if self._buf is None:
+                self._buf = buf
+        fut.set_result(None)
+
     def buffer(self) -> torch.Tensor:
         if self._buf is None:
+            fut = self._preparing
+            if fut is not None:
+                fut.result()  # being prepared: wait for it rather than allocate twice
             with self._cv:
                 if self._buf is None:
                     self._buf = self._allocate()
         return self._buf
 
     def _allocate(self) -> torch.Tensor:
+        self.allocations += 1
         if self.pinned:
             self._pinned_handle, buf = pinned_buffer(self.capacity)
             log.info("host cache: %d MiB pinned", self.capacity >> 20)
@@ -118,10 +155,21 @@ _shared_lock = threading.Lock()
 
 
 def shared_host_cache(capacity: int, pinned: bool) -> HostCache:
-    """The process-wide cache of this size: writers made per step reuse one buffer."""
+    """The process-wide cache of this size: writers made per step reuse one buffer.  A save of
+    host tensors uses a pinned cache of that size when one exists (pinned memory serves it as
+    well), rather than allocate a second buffer."""
     key = (align_up(capacity), pinned)
     with _shared_lock:
-        c = _shared.get(key)
+        c = _shared.get(key) or (_shared.get((key[0], True)) if not pinned else None)
         if c is None:
             c = _shared[key] = HostCache(capacity, pinned=pinned)
         return c
+
+
+def prepare_host_cache(capacity: int) -> HostCache:
+    """Start allocating the process's cache of ``capacity`` bytes in the background (pinned
+    when a GPU is usable): called when a writer, ``Checkpointer`` or torchtitan manager is
+    made, so the memory is committed then and the first snapshot finds it ready."""
+    c = shared_host_cache(capacity, cuda_ext.available())
+    c.prepare()
+    return c

@@ -42,7 +42,7 @@ from torchtitan.tools.logging import logger
 
 from ..format.names import MANIFEST_NAME
 from ..guard import async_save
-from ..engine.host_cache import default_host_cache_bytes
+from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..reader import DataStatesReader
 from ..writer import DataStatesWriter
 
@@ -70,6 +70,7 @@ class DataStatesCheckpointManager(CheckpointManager):
         self._ds_config = config
         if self.enable:
             cache = config.host_cache_bytes or default_host_cache_bytes()
+            prepare_host_cache(cache)  # in the background, so the first checkpoint finds it ready
             logger.info(f"dcp-datastates checkpointing: host cache {cache >> 20} MiB, "
                         f"{config.thread_count} flush threads per rank")
         self._ds_writer: DataStatesWriter | None = None
