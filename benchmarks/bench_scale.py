@@ -16,8 +16,10 @@ ranks (FSDP, HSDP, TP x FSDP).  For each layout, N and system, one fresh process
    (its storage metadata, the pickle, the rename);
 3. **ready to load** (timed, with the metadata bytes read): one rank's ``read_metadata`` through
    the public reader, then the load planning of that rank's boxes (DCP's resharding algorithm,
-   ``create_read_items_for_chunk_list``, which both ``DefaultLoadPlanner`` and ours run), at the
-   same world size and resharded to N/2.
+   ``create_read_items_for_chunk_list``), at the same world size and resharded to N/2.  For
+   dcp-datastates twice: as ``DataStatesLoadPlanner`` plans (each tensor's metadata narrowed
+   first to the chunks overlapping the rank's boxes, found over the manifest's columns), and
+   as DCP's ``DefaultLoadPlanner`` does (a sweep over every chunk).
 
 Runs whose chunk count exceeds ``--max-chunks`` are skipped (the simulation itself would not
 fit this machine's memory), and reported as such.
@@ -39,7 +41,6 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -51,6 +52,7 @@ from dcp_datastates.format import MANIFEST_NAME  # noqa: E402
 from dcp_datastates.format.checksum import BLOCK_SIZE, DIGEST_BYTES  # noqa: E402
 from dcp_datastates.format.dtypes import dtype_name  # noqa: E402
 from dcp_datastates.format.manifest import Extent, Seg, encode_manifest  # noqa: E402
+from dcp_datastates.format.model import ChunkMetadataView  # noqa: E402
 from dcp_datastates.format.names import data_file_name  # noqa: E402
 from dcp_datastates.format.records import ItemRecord, RankRecord  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
@@ -108,12 +110,19 @@ def _dcp_results(ts, per_rank) -> list[list[WriteResult]]:
     return out
 
 
-def _plan_one_rank(md: Metadata, ts, layout: str, n: int, rank: int) -> int:
-    """DCP's resharding planning for the boxes ``rank`` of ``n`` holds; returns read items."""
+def _plan_one_rank(md: Metadata, ts, layout: str, n: int, rank: int, narrow: bool) -> int:
+    """The resharding planning of the boxes ``rank`` of ``n`` holds; returns read items.
+    ``narrow``: as ``DataStatesLoadPlanner`` does, each tensor's metadata is first narrowed to
+    the chunks that overlap the rank's boxes (found over the manifest's columns); otherwise
+    DCP's ``DefaultLoadPlanner`` sweeps every chunk."""
     items = 0
     for ti, t in enumerate(ts):
-        local = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in sm.boxes(t, ti, layout, n, rank)]
+        boxes = sm.boxes(t, ti, layout, n, rank)
+        local = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
         tmd = md.state_dict_metadata[t.fqn]
+        if narrow and isinstance(tmd.chunks, ChunkMetadataView):
+            keep = tmd.chunks.entry.overlapping([(tuple(o), tuple(s)) for o, s in boxes])
+            tmd = TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
         items += len(create_read_items_for_chunk_list(t.fqn, tmd, local))
     return items
 
@@ -151,18 +160,20 @@ def one(system: str, layout: str, n: int, root: str) -> dict:
     out = {"system": system, "layout": layout, "ranks": n, "simulate_s": round(sim_s, 2),
            "commit_s": round(commit_s, 3), "commit_rss_growth": commit_rss, "metadata_bytes": meta_bytes}
     for label, world in (("same", n), ("half", max(1, n // 2))):
-        t0 = time.perf_counter()
-        reader = DataStatesReader(path) if system == "ours" else FileSystemReader(path)
-        meta = reader.read_metadata()
-        t1 = time.perf_counter()
-        items = _plan_one_rank(meta, ts, layout, world, world // 2)  # a rank from the middle
-        t2 = time.perf_counter()
-        out[f"ready_{label}_s"] = round(t2 - t0, 3)
-        out[f"read_metadata_{label}_s"] = round(t1 - t0, 3)
-        out[f"plan_{label}_s"] = round(t2 - t1, 3)
-        out[f"read_items_{label}"] = items
-        out[f"bytes_read_{label}"] = meta_bytes
-        del meta
+        for narrow in ((True, False) if system == "ours" else (False,)):
+            t0 = time.perf_counter()
+            reader = DataStatesReader(path) if system == "ours" else FileSystemReader(path)
+            meta = reader.read_metadata()
+            t1 = time.perf_counter()
+            items = _plan_one_rank(meta, ts, layout, world, world // 2, narrow)  # a rank from the middle
+            t2 = time.perf_counter()
+            tag = label if narrow or system == "dcp" else f"{label}_dcp_planner"
+            out[f"ready_{tag}_s"] = round(t2 - t0, 3)
+            out[f"read_metadata_{tag}_s"] = round(t1 - t0, 3)
+            out[f"plan_{tag}_s"] = round(t2 - t1, 3)
+            out[f"read_items_{tag}"] = items
+            out[f"bytes_read_{tag}"] = meta_bytes
+            del meta
     shutil.rmtree(path, ignore_errors=True)
     return out
 
@@ -209,7 +220,7 @@ def main() -> None:
 
 def _table(rows: list[dict]) -> None:
     print(f"\n{'layout':8} {'ranks':>6} {'chunks':>10} {'system':6} {'commit s':>9} {'commit RSS MB':>13} "
-          f"{'meta MB':>8} {'ready s':>8} {'ready/2 s':>9}")
+          f"{'meta MB':>8} {'ready s':>8} {'ready/2 s':>9} {'ready, DCP planner s':>20}")
     for r in rows:
         if "commit_s" not in r:
             print(f"{r['layout']:8} {r['ranks']:>6} {r['chunks']:>10,} {r['system']:6} "
@@ -217,7 +228,8 @@ def _table(rows: list[dict]) -> None:
             continue
         print(f"{r['layout']:8} {r['ranks']:>6} {r['chunks']:>10,} {r['system']:6} {r['commit_s']:>9.3f} "
               f"{r['commit_rss_growth'] / 1e6:>13.0f} {r['metadata_bytes'] / 1e6:>8.1f} "
-              f"{r['ready_same_s']:>8.3f} {r['ready_half_s']:>9.3f}")
+              f"{r['ready_same_s']:>8.3f} {r['ready_half_s']:>9.3f} "
+              f"{r.get('ready_same_dcp_planner_s', r['ready_same_s']):>20.3f}")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import xxhash
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from .engine import CopyItem
@@ -31,6 +34,7 @@ from .errors import ProviderError, UnsupportedValueError
 from .format import dtype_name
 from .format.layout import place_regions, stripe_count
 from .format.manifest import Extent, Seg, ValueEntry
+from .format.model import ChunkMetadataView
 from .format.names import data_file_name
 from .format.records import ItemRecord
 from .providers import ObjectProvider, provider_for, type_provider_for
@@ -49,6 +53,31 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 
 
 class DataStatesLoadPlanner(DefaultLoadPlanner):
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's plan, computed against only the saved chunks that overlap this rank's boxes.
+
+        DCP's planner sweeps every saved chunk of every tensor it loads: a tensor sharded over
+        N ranks costs each rank O(N), and every rank pays that for every tensor.  A version 3
+        manifest answers "which chunks overlap these boxes" over its columns, so each tensor's
+        metadata is narrowed to those first (for a same-size FSDP restart: one chunk)."""
+        full = self.metadata
+        narrowed = {}
+        for fqn, obj in self.state_dict.items():
+            tmd = full.state_dict_metadata.get(fqn) if full is not None else None
+            if not isinstance(obj, torch.Tensor) or not isinstance(tmd, TensorStorageMetadata) \
+                    or not isinstance(tmd.chunks, ChunkMetadataView):
+                continue
+            local = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)]
+            keep = tmd.chunks.entry.overlapping(local)
+            narrowed[fqn] = TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
+        if not narrowed:
+            return super().create_local_plan()
+        self.metadata = dataclasses.replace(full, state_dict_metadata={**full.state_dict_metadata, **narrowed})
+        try:
+            return super().create_local_plan()
+        finally:
+            self.metadata = full
+
     def load_value(self, read_item, value) -> None:
         """Set a decoded non-tensor value (the reader calls this instead of ``load_bytes``)."""
         _set_in_state_dict(self, read_item.dest_index.fqn, value)

@@ -37,6 +37,7 @@ from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestErr
                      NotACheckpointError, PickleNotAllowedError)
 from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name, verify_blocks
 from .format.manifest import Chunk, Extent, paused_gc
+from .format.model import ChunkMetadataView
 from .format.values import decode_value
 from .errors import ProviderError
 from .planner import deliver_object
@@ -64,8 +65,9 @@ def manifest_to_metadata(m: Manifest, checkpoint_id: str) -> Metadata:
         p = props.get(t.dtype)
         if p is None:
             p = props[t.dtype] = TensorProperties(dtype=dtype_from_name(t.dtype))
-        sdm[fqn] = TensorStorageMetadata(properties=p, size=size(t.size),
-                                         chunks=[csm(size(c.offsets), size(c.sizes)) for c in t.chunks])
+        # a version 3 tensor's chunks are listed for DCP only when its planner walks them
+        chunks = ChunkMetadataView(t) if t.lazy else [csm(size(c.offsets), size(c.sizes)) for c in t.chunks]
+        sdm[fqn] = TensorStorageMetadata(properties=p, size=size(t.size), chunks=chunks)
     for fqn in m.values:
         sdm[fqn] = BytesStorageMetadata()
     return Metadata(state_dict_metadata=sdm,
@@ -303,9 +305,12 @@ class DataStatesReader(StorageReader):
         key = tuple(ri.storage_index.offset) if ri.storage_index.offset is not None else ()
         entry = m.tensors.get(fqn)
         at = ri.storage_index.index  # DCP's planners give the chunk's place in our metadata
-        chunk = entry.chunks[at] if entry is not None and isinstance(at, int) and 0 <= at < len(entry.chunks) \
-            and entry.chunks[at].offsets == key else None
-        if chunk is None and entry is not None:  # another planner: look it up
+        chunk = None
+        if entry is not None and isinstance(at, int) and 0 <= at < entry.count() and entry.box(at)[0] == key:
+            chunk = entry.chunk_at(at)
+        elif entry is not None and entry.lazy:  # a narrowed plan (ours): found over the columns
+            chunk = entry.find(key)
+        elif entry is not None:  # another planner: look it up
             if self._chunk_index is None or self._chunk_index[0] is not m:  # one index per manifest
                 self._chunk_index = (m, {(f, c.offsets): c for f, t in m.tensors.items() for c in t.chunks})
             chunk = self._chunk_index[1].get((fqn, key))

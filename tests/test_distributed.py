@@ -53,6 +53,9 @@ def test_dtensor_placements_and_meshes(tmp_path):
     run_ranks(4, workers.dtensor_save, ours)  # "tiny" has 3 rows over 4 ranks: a zero-size shard
     run_ranks(4, workers.dtensor_load, ours, 4, (2, 2))  # 1-D mesh -> 2-D mesh
     run_ranks(2, workers.dtensor_load, ours, 4, (2,))  # Shard(0)/Replicate -> Shard(1) column blocks
+    # DataStatesLoadPlanner narrows each tensor to the chunks overlapping the rank's boxes first
+    run_ranks(4, workers.dtensor_load, ours, 4, (2, 2), True)
+    run_ranks(3, workers.dtensor_load, ours, 4, (3,), True)
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

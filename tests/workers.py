@@ -115,7 +115,7 @@ def dtensor_save(rank, world, ours_dir):
     dcp.save(sd, storage_writer=DataStatesWriter(ours_dir))
 
 
-def dtensor_load(rank, world, ours_dir, src_world, mesh_shape):
+def dtensor_load(rank, world, ours_dir, src_world, mesh_shape, planner=False):
     torch.manual_seed(3)
     full = {"row": torch.randn(10, 6), "col": torch.randn(5, 12), "rep": torch.randn(4, 6),
             "tiny": torch.randn(3, 2), "bf": torch.randn(9, 4).bfloat16()}
@@ -129,7 +129,7 @@ def dtensor_load(rank, world, ours_dir, src_world, mesh_shape):
                    "bf": [Shard(1), Replicate()]}
     sd = {k: distribute_tensor(torch.zeros_like(v), mesh, targets[k]) for k, v in full.items()}
     reader = DataStatesReader(ours_dir)
-    dcp.load(sd, storage_reader=reader)
+    dcp.load(sd, storage_reader=reader, **({"planner": DataStatesLoadPlanner()} if planner else {}))
     for k, v in sd.items():
         assert torch.equal(v.full_tensor(), full[k]), k
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from .checksum import DIGEST_BYTES, Digests, join_digests
 from .dtypes import dtype_from_name
+from ..errors import ManifestError
 from .model import Chunk, Extent, Seg, TensorEntry, _Bad, check_tiling
 
 MAX_NDIM = 64
@@ -115,10 +116,12 @@ def _starts(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-def decode_table(table, files: list[tuple[str, int]], block_size: int, special_chunk) -> dict[str, TensorEntry]:
-    """Validate the columns in bulk, then build the records.  ``files``: the manifest's
-    (name, size) list that ``seg_file`` indexes; ``special_chunk(fqn, offsets, sizes, wire)``:
-    the record of a provider chunk (validated by the caller)."""
+def decode_table(table, files: list[tuple[str, int]], block_size: int, special_chunk,
+                 source: str = "<memory>") -> dict[str, TensorEntry]:
+    """Validate the columns in bulk; the tensors' records are built when first asked for.
+    ``files``: the manifest's (name, size) list that ``seg_file`` indexes;
+    ``special_chunk(fqn, offsets, sizes, wire)``: the record of a provider chunk (validated by
+    the caller); ``source``: the file, named by errors found later (overlapping chunks)."""
     if not isinstance(table, dict):
         raise _Bad("the tensor table must be a map")
     names = table.get("names")
@@ -199,44 +202,149 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
     special = table.get("special") or {}
     if not isinstance(special, dict) or sorted(special) != sorted(str(i) for i in np.nonzero(~plain)[0].tolist()):
         raise _Bad("table field 'special' must hold exactly the chunks whose 'nsegs' is -1")
-    return _records(names, dnames, dcode, ndim, gsize, nchunks, cnd, offs, sizes, numel, nbytes, nsegs,
-                    sfile, soff, sn, nsums, sums, special, files, special_chunk)
+    table = Table(names, dnames, dcode, ndim, gsize, nchunks, cnd, offs, sizes, numel, nbytes, nsegs,
+                  sfile, soff, sn, nsums, sums, files, source)
+    for key, wire in special.items():  # provider chunks: few, validated now
+        c = int(key)
+        t = int(chunk_t[c])
+        nd, a = int(ndim[t]), int(table.chunk_dim[c])
+        table.special[c] = special_chunk(names[t], tuple(offs[a:a + nd].tolist()),
+                                         tuple(sizes[a:a + nd].tolist()), wire)
+    return {fqn: TensorEntry(dnames[int(dcode[t])], table.size(t), None, source=(table, t))
+            for t, fqn in enumerate(names)}
 
 
-def _records(names, dnames, dcode, ndim, gsize, nchunks, cnd, offs, sizes, numel, nbytes, nsegs,
-             sfile, soff, sn, nsums, sums, special, files, special_chunk) -> dict[str, TensorEntry]:
-    fnames = [f for f, _ in files]
-    offs_l, sizes_l, gsize_l = offs.tolist(), sizes.tolist(), gsize.tolist()
-    cnd_l, numel_l, nbytes_l, nsegs_l, nsums_l = cnd.tolist(), numel.tolist(), nbytes.tolist(), nsegs.tolist(), nsums.tolist()
-    sfile_l, soff_l, sn_l = sfile.tolist(), soff.tolist(), sn.tolist()
-    out: dict[str, TensorEntry] = {}
-    p = g = c = s = d = 0
-    for t, fqn in enumerate(names):
-        nd = int(ndim[t])
-        entry = TensorEntry(dnames[int(dcode[t])], tuple(gsize_l[g:g + nd]), [])
-        g += nd
-        has_empty = False
-        for _ in range(int(nchunks[t])):
-            k = cnd_l[c]
-            o, z = tuple(offs_l[p:p + k]), tuple(sizes_l[p:p + k])
-            p += k
-            n = nsegs_l[c]
-            if n < 0:
-                chunk = special_chunk(fqn, o, z, special[str(c)])
-            else:
-                segs = [Seg(fnames[sfile_l[i]], soff_l[i], sn_l[i]) for i in range(s, s + n)]
-                s += n
-                m = nsums_l[c]
-                chunk = Chunk(o, z, Extent(segs, nbytes_l[c], Digests(sums[d:d + DIGEST_BYTES * m])))
-                d += DIGEST_BYTES * m
-            c += 1
-            if not numel_l[c - 1]:
-                if has_empty:  # holds no byte and covers nothing: one represents them all
-                    continue
-                has_empty = True
-            entry.chunks.append(chunk)
-        if len(entry.chunks) > 1:
-            check_tiling(fqn, entry.chunks)
-        out[fqn] = entry
-    return out
+class Table:
+    """The validated columns of a version 3 manifest.  A tensor's chunk records are built when
+    first asked for (``TensorEntry.chunks``); ``find`` and ``overlapping`` work on the columns."""
 
+    def __init__(self, names, dnames, dcode, ndim, gsize, nchunks, cnd, offs, sizes, numel, nbytes,
+                 nsegs, sfile, soff, sn, nsums, sums, files, source: str) -> None:
+        self.names, self.ndim, self.gsize, self.nchunks = names, ndim, gsize, nchunks
+        self.offs, self.sizes, self.numel, self.nbytes, self.nsegs = offs, sizes, numel, nbytes, nsegs
+        self.sfile, self.soff, self.sn, self.sums, self.nsums = sfile, soff, sn, sums, nsums
+        self.special: dict[int, Chunk] = {}
+        self.fnames = [f for f, _ in files]
+        self.source = source
+        self._rows_cache: dict[int, np.ndarray] = {}
+        self.first_chunk = _starts(nchunks)
+        self.first_dim = _starts(ndim)
+        self.chunk_dim = _starts(cnd)
+        self.first_seg = _starts(np.where(nsegs >= 0, nsegs, 0))
+        self.first_sum = _starts(nsums) * DIGEST_BYTES
+        self._checked: set[int] = set()
+
+    def size(self, t: int) -> tuple[int, ...]:
+        a = int(self.first_dim[t])
+        return tuple(self.gsize[a:a + int(self.ndim[t])].tolist())
+
+    def _rows(self, t: int) -> tuple[int, int, int]:
+        c0 = int(self.first_chunk[t])
+        return c0, c0 + int(self.nchunks[t]), int(self.ndim[t])
+
+    def _boxes(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        c0, c1, nd = self._rows(t)
+        a = int(self.chunk_dim[c0]) if c1 > c0 else 0
+        return (self.offs[a:a + (c1 - c0) * nd].reshape(c1 - c0, nd),
+                self.sizes[a:a + (c1 - c0) * nd].reshape(c1 - c0, nd))
+
+    def chunk(self, c: int, t: int) -> Chunk:
+        """The record of chunk ``c`` (a row of the table) of tensor ``t``."""
+        nd = int(self.ndim[t])
+        a = int(self.chunk_dim[c])
+        o = tuple(self.offs[a:a + nd].tolist())
+        z = tuple(self.sizes[a:a + nd].tolist())
+        n = int(self.nsegs[c])
+        if n < 0:
+            return self.special[c]
+        s0 = int(self.first_seg[c])
+        segs = [Seg(self.fnames[int(f)], int(off), int(k)) for f, off, k in
+                zip(self.sfile[s0:s0 + n].tolist(), self.soff[s0:s0 + n].tolist(), self.sn[s0:s0 + n].tolist())]
+        d = int(self.first_sum[c])
+        return Chunk(o, z, Extent(segs, int(self.nbytes[c]),
+                                  Digests(self.sums[d:d + int(self.nsums[c]) * DIGEST_BYTES])))
+
+    def rows(self, t: int) -> np.ndarray:
+        """Table rows of tensor ``t``'s chunks in record order (empty chunks folded into the
+        first), cached."""
+        got = self._rows_cache.get(t)
+        if got is None:
+            c0, c1, _ = self._rows(t)
+            live = np.nonzero(self.numel[c0:c1])[0]
+            empty = np.nonzero(self.numel[c0:c1] == 0)[0][:1]
+            got = self._rows_cache[t] = c0 + np.sort(np.concatenate([live, empty]))
+        return got
+
+    def box_list(self, t: int) -> list[tuple[tuple, tuple]]:
+        """(offsets, sizes) of tensor ``t``'s records, in order."""
+        rows = self.rows(t) - int(self.first_chunk[t])
+        offs, sizes = self._boxes(t)
+        return [(tuple(o), tuple(z)) for o, z in zip(offs[rows].tolist(), sizes[rows].tolist())]
+
+    def box(self, c: int, t: int) -> tuple[tuple, tuple]:
+        nd, a = int(self.ndim[t]), int(self.chunk_dim[c])
+        return tuple(self.offs[a:a + nd].tolist()), tuple(self.sizes[a:a + nd].tolist())
+
+    def _invalid(self, e: Exception) -> ManifestError:
+        return ManifestError(f"invalid manifest: {e}", checkpoint=self.source)
+
+    def records(self, t: int) -> list[Chunk]:
+        """Every chunk record of tensor ``t``: empty chunks folded into one, boxes disjoint."""
+        try:
+            return self._records(t)
+        except _Bad as e:
+            raise self._invalid(e) from None
+
+    def _records(self, t: int) -> list[Chunk]:
+        out = [self.chunk(c, t) for c in self.rows(t).tolist()]
+        if len(out) > 1:
+            check_tiling(self.names[t], out)
+        self._checked.add(t)
+        return out
+
+    def check(self, t: int) -> None:
+        """Boxes of tensor ``t`` disjoint, checked over the columns (a sort along the dimension
+        with the most distinct offsets); records are built only when that is not conclusive."""
+        try:
+            self._check(t)
+        except _Bad as e:
+            raise self._invalid(e) from None
+
+    def _check(self, t: int) -> None:
+        if t in self._checked:
+            return
+        offs, sizes = self._boxes(t)
+        keep = np.all(sizes > 0, axis=1) if offs.shape[1] else np.zeros(len(offs), dtype=bool)
+        offs, sizes = offs[keep], sizes[keep]
+        if len(offs) > 1:
+            d = max(range(offs.shape[1]), key=lambda k: len(np.unique(offs[:, k])))
+            order = np.argsort(offs[:, d], kind="stable")
+            start, end = offs[order, d], offs[order, d] + sizes[order, d]
+            if not np.all(end[:-1] <= start[1:]):
+                self.records(t)  # not disjoint along one dimension: the full sweep decides (raises)
+        self._checked.add(t)
+
+    def find(self, t: int, offsets: tuple) -> Chunk | None:
+        self.check(t)
+        offs, _ = self._boxes(t)
+        if offs.shape[1] == 0:
+            hit = np.arange(len(offs)) if offsets == () else np.array([], dtype=np.int64)
+        else:
+            hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=_I8), axis=1))[0]
+        return self.chunk(int(self.first_chunk[t]) + int(hit[0]), t) if len(hit) else None
+
+    def overlapping(self, t: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
+        """Positions (in tensor ``t``'s record order) of the chunks that overlap any of
+        ``boxes`` ((offsets, sizes) pairs), empty chunks left out."""
+        self.check(t)
+        rows = self.rows(t)
+        offs, sizes = self._boxes(t)
+        offs, sizes = offs[rows - int(self.first_chunk[t])], sizes[rows - int(self.first_chunk[t])]
+        if offs.shape[1] == 0:
+            return list(range(min(1, len(offs))))
+        hit = np.zeros(len(offs), dtype=bool)
+        live = np.all(sizes > 0, axis=1)
+        for lo, n in boxes:
+            lo_a, hi_a = np.asarray(lo, dtype=_I8), np.asarray(lo, dtype=_I8) + np.asarray(n, dtype=_I8)
+            hit |= live & np.all(offs < hi_a, axis=1) & np.all(offs + sizes > lo_a, axis=1)
+        return np.nonzero(hit)[0].tolist()

@@ -214,7 +214,7 @@ def _decode_body(payload: bytes, source: str) -> Manifest:
     except Exception as e:  # msgpack raises many types on hostile input
         raise ManifestError(f"manifest body does not decode: {e}", checkpoint=source) from e
     try:
-        return _from_body(body)
+        return _from_body(body, source)
     except UnsupportedFormatVersion as e:
         raise UnsupportedFormatVersion(str(e.args[0]), checkpoint=source) from None
     except (_Bad, ValueError, TypeError, KeyError, AttributeError, OverflowError,
@@ -418,7 +418,7 @@ def _values(body, files: dict[str, int], block_size: int, version: int) -> dict[
     return values
 
 
-def _from_body(body) -> Manifest:
+def _from_body(body, source: str = "<memory>") -> Manifest:
     if not isinstance(body, dict):
         raise _Bad("body must be a map")
     if body.get("format") != FORMAT_NAME:
@@ -454,7 +454,8 @@ def _from_body(body) -> Manifest:
         homes[name] = check_file_name(home)
     if version >= 3:
         tensors = decode_table(_req(body, "table", dict), list(files.items()), block_size,
-                               lambda fqn, o, z, w: _special_chunk(fqn, o, z, w, files, block_size, version))
+                               lambda fqn, o, z, w: _special_chunk(fqn, o, z, w, files, block_size, version),
+                               source)
     else:
         tensors = _tensors_v2(body, files, block_size, version)
     values = _values(body, files, block_size, version)

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from ..errors import ManifestError
 from .checksum import BLOCK_SIZE, join_digests, split_digests
@@ -115,11 +119,86 @@ class Chunk:
     tree: dict | None = None
 
 
-@dataclass(slots=True)
 class TensorEntry:
-    dtype: str
-    size: tuple[int, ...]
-    chunks: list[Chunk]
+    """A tensor of the checkpoint: dtype, global size and its chunks.
+
+    A version 3 manifest builds a tensor's chunk records only when they are asked for
+    (``source``: the decoded table and the tensor's row in it); ``find`` and ``overlapping``
+    answer from the table's columns without building them, so a rank that loads one chunk of a
+    tensor sharded over thousands of ranks never builds the others."""
+
+    __slots__ = ("dtype", "size", "_chunks", "_source")
+
+    def __init__(self, dtype: str, size: tuple[int, ...], chunks: list[Chunk] | None = None,
+                 source: tuple | None = None) -> None:
+        self.dtype, self.size = dtype, size
+        self._chunks = chunks if chunks is not None or source is not None else []
+        self._source = source  # (table, row)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        if self._chunks is None:
+            table, row = self._source
+            self._chunks = table.records(row)
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: list[Chunk]) -> None:
+        self._chunks = value
+
+    def find(self, offsets: tuple) -> Chunk | None:
+        """The chunk stored at ``offsets`` (None: there is none)."""
+        if self._chunks is None:
+            table, row = self._source
+            return table.find(row, offsets)
+        return next((c for c in self._chunks if c.offsets == offsets), None)
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the records are still unbuilt (a version 3 table backs them)."""
+        return self._chunks is None
+
+    def count(self) -> int:
+        """How many chunk records the tensor has, without building them."""
+        if self._chunks is None:
+            table, row = self._source
+            return len(table.rows(row))
+        return len(self._chunks)
+
+    def box(self, i: int) -> tuple[tuple, tuple]:
+        """(offsets, sizes) of record ``i``, without building it."""
+        if self._chunks is None:
+            table, row = self._source
+            return table.box(int(table.rows(row)[i]), row)
+        return self._chunks[i].offsets, self._chunks[i].sizes
+
+    def chunk_at(self, i: int) -> Chunk:
+        """Record ``i`` alone (a lazy tensor builds only that one; its boxes are checked)."""
+        if self._chunks is None:
+            table, row = self._source
+            table.check(row)
+            return table.chunk(int(table.rows(row)[i]), row)
+        return self._chunks[i]
+
+    def boxes(self) -> list[tuple[tuple, tuple]]:
+        """(offsets, sizes) of every record, in order, without building the records."""
+        if self._chunks is None:
+            table, row = self._source
+            return table.box_list(row)
+        return [(c.offsets, c.sizes) for c in self._chunks]
+
+    def overlapping(self, boxes: list[tuple[tuple, tuple]]) -> list[int]:
+        """Positions of the records that overlap any of ``boxes`` ((offsets, sizes))."""
+        if self._chunks is None:
+            table, row = self._source
+            return table.overlapping(row, boxes)
+        return [i for i, c in enumerate(self._chunks) if c.sizes and all(c.sizes) and any(
+            all(o < lo + n and lo < o + s for o, s, lo, n in zip(c.offsets, c.sizes, blo, bn))
+            for blo, bn in boxes)] or ([0] if self._chunks and not self._chunks[0].sizes else [])
+
+    def __repr__(self) -> str:
+        n = "lazy" if self._chunks is None else len(self._chunks)
+        return f"TensorEntry({self.dtype}, {list(self.size)}, chunks={n})"
 
 
 @dataclass(slots=True)
@@ -219,3 +298,35 @@ def check_tiling(fqn: str, chunks: list[Chunk]) -> None:
                    for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
                 raise _Bad(f"{fqn}: chunks at {list(a.offsets)} (size {list(a.sizes)}) and "
                            f"{list(b.offsets)} (size {list(b.sizes)}) overlap")
+
+
+class ChunkMetadataView(Sequence):
+    """DCP's ``TensorStorageMetadata.chunks`` for one tensor of a manifest: made from its boxes
+    when DCP's planner walks it, one element at a time when ours asks for a few (``entry``)."""
+
+    __slots__ = ("entry", "_list")
+
+    def __init__(self, entry: TensorEntry) -> None:
+        self.entry = entry
+        self._list: list[ChunkStorageMetadata] | None = None
+
+    def _all(self) -> list[ChunkStorageMetadata]:
+        if self._list is None:
+            size = torch.Size
+            self._list = [ChunkStorageMetadata(size(o), size(z)) for o, z in self.entry.boxes()]
+        return self._list
+
+    def __len__(self) -> int:
+        return len(self._list) if self._list is not None else self.entry.count()
+
+    def __getitem__(self, i):
+        if self._list is not None or isinstance(i, slice):
+            return self._all()[i]
+        o, z = self.entry.box(i if i >= 0 else i + len(self))
+        return ChunkStorageMetadata(torch.Size(o), torch.Size(z))
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __reduce__(self):
+        return (list, (self._all(),))
