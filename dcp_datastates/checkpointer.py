@@ -34,6 +34,7 @@ from .errors import CheckpointError
 from .format import decode_manifest
 from .format.manifest import MANIFEST_NAME, is_manifest_name
 from .guard import async_save
+from .planner import DataStatesLoadPlanner
 from .reader import DataStatesReader
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
@@ -283,7 +284,7 @@ class Checkpointer:
                 fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
                 fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None)
             try:
-                dcp.load(state, storage_reader=reader, process_group=self.pg)
+                dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
             except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise

@@ -252,3 +252,27 @@ def test_table_with_a_million_empty_chunks_is_bounded(tmp_path):
     assert len(m.tensors["e"].chunks) == 1 and m.tensors["e"].size == (0, 1 << 20)
     out = _load(d, {"w": torch.zeros(16)})
     assert torch.equal(out["w"], torch.arange(16.0))
+
+
+def test_overlapping_chunks_in_a_table_are_refused_before_use(tmp_path):
+    """Version 3 checks a tensor's boxes when it is first used (over the columns, or by the
+    full sweep when they do not settle it): a crafted table whose chunks overlap fails the
+    load naming the tensor, through DCP's planner and through ours."""
+    from dcp_datastates import DataStatesLoadPlanner
+    d = str(tmp_path / "c")
+    _save(d, {"w": torch.arange(16.0)})
+
+    def mutate(b):
+        t = b["table"]
+        t["nchunks"] = struct.pack("<q", 2)
+        t["offsets"] = struct.pack("<q", 0) + struct.pack("<q", 4)   # [0, 16) and [4, 16)
+        t["sizes"] = struct.pack("<q", 16) + struct.pack("<q", 12)
+        t["nsegs"] += t["nsegs"]
+        t["seg_file"] += t["seg_file"]
+        t["seg_offset"] += t["seg_offset"]
+        t["seg_nbytes"] += struct.pack("<q", 48)
+        t["sums"] += t["sums"]
+    rewrite_manifest(d, mutate, version=3)
+    for kw in ({}, {"planner": DataStatesLoadPlanner()}):
+        msg = _err(lambda: dcp.load({"w": torch.zeros(16)}, storage_reader=DataStatesReader(d), no_dist=True, **kw))
+        assert "overlap" in msg and d in msg, msg

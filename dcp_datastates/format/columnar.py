@@ -214,6 +214,28 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
             for t, fqn in enumerate(names)}
 
 
+def _disjoint(offs: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether boxes ((n, ndim) offsets and sizes, none empty) are disjoint, shown over the
+    columns: dimension by dimension (most distinct offsets first), boxes of one group sorted by
+    start must either not overlap their neighbour or span the same interval, which then forms a
+    narrower group for the next dimension (the bands of a sharding grid).  False when that does
+    not settle it (the caller runs the exact sweep) or when two boxes coincide."""
+    n, nd = offs.shape
+    group = np.zeros(n, dtype=_I8)
+    for d in sorted(range(nd), key=lambda k: -len(np.unique(offs[:, k]))):
+        start, end = offs[:, d], offs[:, d] + sizes[:, d]
+        order = np.lexsort((start, group))
+        g, a, b = group[order], start[order], end[order]
+        same = g[:-1] == g[1:]
+        overlap = same & (b[:-1] > a[1:])
+        if not overlap.any():
+            return True
+        if np.any(overlap & ((a[:-1] != a[1:]) | (b[:-1] != b[1:]))):
+            return False
+        group = np.unique(np.stack([group, start, end], axis=1), axis=0, return_inverse=True)[1].reshape(-1)
+    return False
+
+
 class Table:
     """The validated columns of a version 3 manifest.  A tensor's chunk records are built when
     first asked for (``TensorEntry.chunks``); ``find`` and ``overlapping`` work on the columns."""
@@ -316,12 +338,8 @@ class Table:
         offs, sizes = self._boxes(t)
         keep = np.all(sizes > 0, axis=1) if offs.shape[1] else np.zeros(len(offs), dtype=bool)
         offs, sizes = offs[keep], sizes[keep]
-        if len(offs) > 1:
-            d = max(range(offs.shape[1]), key=lambda k: len(np.unique(offs[:, k])))
-            order = np.argsort(offs[:, d], kind="stable")
-            start, end = offs[order, d], offs[order, d] + sizes[order, d]
-            if not np.all(end[:-1] <= start[1:]):
-                self.records(t)  # not disjoint along one dimension: the full sweep decides (raises)
+        if len(offs) > 1 and not _disjoint(offs, sizes):
+            self.records(t)  # not shown disjoint over the columns: the full sweep decides (raises)
         self._checked.add(t)
 
     def find(self, t: int, offsets: tuple) -> Chunk | None:

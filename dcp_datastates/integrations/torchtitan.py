@@ -42,6 +42,7 @@ from torchtitan.tools.logging import logger
 
 from ..format.names import MANIFEST_NAME
 from ..guard import async_save
+from ..planner import DataStatesLoadPlanner
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..reader import DataStatesReader
 from ..writer import DataStatesWriter
@@ -125,7 +126,7 @@ class DataStatesCheckpointManager(CheckpointManager):
     def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if from_hf:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        dcp.load(state_dict, storage_reader=DataStatesReader(checkpoint_id))
+        dcp.load(state_dict, storage_reader=DataStatesReader(checkpoint_id), planner=DataStatesLoadPlanner())
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
 
