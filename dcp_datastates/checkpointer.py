@@ -111,6 +111,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ paths
     def step_path(self, tier: int, step: int) -> str:
+        """The directory (or URL) of ``step`` on tier ``tier``: ``<tier>/step-<step>``."""
         return _join(self.tiers[tier], f"step-{step}")
 
     def _tier(self, i: int, step: int | None = None) -> StorageTier:
@@ -119,6 +120,7 @@ class Checkpointer:
 
     @property
     def rank(self) -> int:
+        """This process's rank in the checkpointer's process group (0 without one)."""
         return dist.get_rank(self.pg) if dist.is_available() and dist.is_initialized() else 0
 
     # ------------------------------------------------------------------- save
@@ -239,6 +241,8 @@ class Checkpointer:
         return sorted(out)
 
     def is_committed(self, i: int, step: int) -> bool:
+        """Whether ``step`` has a committed manifest on tier ``i`` (a readable set of rank
+        manifests counts; a directory without one is an interrupted or purged save)."""
         t = self._tier(i, step)
         if t.exists(MANIFEST_NAME):
             return True
@@ -257,6 +261,7 @@ class Checkpointer:
         return [s for s in self._step_dirs(i) if s != inflight and self.is_committed(i, s)]
 
     def latest_step(self) -> int | None:
+        """The newest step committed on any tier, or None."""
         steps = set()
         for i in range(len(self.tiers)):
             steps.update(self.committed_steps(i))

@@ -25,6 +25,7 @@ class SnapshotGuard:
         return None
 
     def remove(self) -> None:
+        """Unhook the step pre-hook; later steps no longer wait."""
         self._handle.remove()
 
     def __enter__(self):

@@ -42,7 +42,11 @@ from .tiers.incremental import Base
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with each rank's items ordered largest first."""
+
     def create_local_plan(self) -> SavePlan:
+        """DCP's local plan, items sorted by size (largest first): the engine starts the long
+        copies early and the small items coalesce at the end of the data file."""
         plan = super().create_local_plan()
 
         def size(item) -> int:
@@ -53,6 +57,9 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 
 
 class DataStatesLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, for ``DataStatesReader``: plans against the saved chunks
+    that overlap the rank's boxes only, and takes values already decoded."""
+
     def create_local_plan(self) -> LoadPlan:
         """DCP's plan, computed against only the saved chunks that overlap this rank's boxes.
 

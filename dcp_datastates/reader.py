@@ -126,6 +126,7 @@ class DataStatesReader(StorageReader):
 
     # --------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id=None) -> None:
+        """DCP: start a load; ``checkpoint_id`` (when given) replaces the path."""
         if checkpoint_id is not None:
             self.path = str(checkpoint_id)
         self.manifest = None
@@ -156,26 +157,33 @@ class DataStatesReader(StorageReader):
         raise errors[0]
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        """DCP: the committed manifest (fastest tier holding a valid one) as DCP's ``Metadata``."""
         self.manifest = self._load_manifest()
         with paused_gc():
             return manifest_to_metadata(self.manifest, self.path)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        """DCP: make sure the manifest is loaded (another reader may have read the metadata)."""
         if self.manifest is None:
             self.manifest = self._load_manifest()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """DCP: the plan unchanged (ranges are grouped in ``read_data``)."""
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """DCP: the plans unchanged."""
         return plans
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        """DCP: never chosen automatically; pass the reader explicitly."""
         return False
 
     # ------------------------------------------------------------- read_data
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP: read every item of ``plan`` (coverage checked first, every block verified,
+        slower tiers used for what the first cannot serve) and hand it to ``planner``."""
         tiers = self._tiers()
         m = self.manifest or self._load_manifest()
         self.manifest = m

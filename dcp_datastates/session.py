@@ -32,6 +32,9 @@ STAGES = ("save_called", "snapshot_done", "data_written", "committed", "persiste
 
 
 class SaveSession:
+    """One save's completion state: snapshotted, failed, committed, persisted, with the time
+    each stage was reached; shared with DCP's checkpoint process in PROCESS mode."""
+
     def __init__(self, *, lazy: bool, cross_process: bool = False) -> None:
         self.id = uuid.uuid4().hex[:12]
         self.lazy = lazy
@@ -109,6 +112,8 @@ class SaveSession:
         self._persisted.set()
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
+        """Wait until this rank's part of the flush to the slower tiers is over; False on timeout,
+        raises if the save or a flush failed."""
         if not self._wait(self._persisted, lambda: bool(self.flags[_PERSISTED]) or self.failed, timeout):
             return False
         if self.failed and not self.flags[_PERSISTED]:
@@ -136,6 +141,7 @@ class SaveSession:
         return raw.decode(errors="replace")
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
+        """Wait until every byte left the live state; False on timeout, raises if the save failed."""
         fut = self._future
         if not self._wait(self._event, lambda: self.snapshotted or self.failed or (
                 fut is not None and fut.done()), timeout):

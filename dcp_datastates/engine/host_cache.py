@@ -37,6 +37,9 @@ def default_host_cache_bytes() -> int:
 
 
 class HostCache:
+    """The bounded staging buffer of one process: ``alloc`` hands out 4 KiB-aligned space and
+    blocks while the buffer is full (back-pressure), ``free`` gives it back."""
+
     def __init__(self, capacity: int, *, pinned: bool = False) -> None:
         if capacity < ALIGNMENT:
             raise ValueError(f"host_cache_bytes must be at least {ALIGNMENT}, got {capacity}")
@@ -80,6 +83,7 @@ class HostCache:
         fut.set_result(None)
 
     def buffer(self) -> torch.Tensor:
+        """The whole buffer (allocated now, unless a preparation is under way: then waited for)."""
         if self._buf is None:
             fut = self._preparing
             if fut is not None:
@@ -102,6 +106,7 @@ class HostCache:
         return raw[shift:shift + self.capacity]
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the buffer from ``offset``, as a uint8 tensor."""
         return self.buffer()[offset:offset + nbytes]
 
     # -- allocation ---------------------------------------------------------
@@ -135,6 +140,8 @@ class HostCache:
             self._cv.notify_all()
 
     def free(self, offset: int, nbytes: int) -> None:
+        """Give back space ``alloc`` returned (coalesced with its free neighbours) and wake
+        whoever waits for room."""
         size = align_up(max(nbytes, 1))
         with self._cv:
             i = bisect.bisect_left(self._free, (offset, 0))

@@ -58,6 +58,10 @@ class _NoStager:
 
 
 class DataStatesCheckpointManager(CheckpointManager):
+    """torchtitan's ``CheckpointManager`` saving through ``DataStatesWriter`` (lazy snapshots,
+    the bounded host cache) and loading through ``DataStatesReader``; everything else
+    (discovery, retention, the training loop's calls) is torchtitan's."""
+
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         host_cache_bytes: int = 0
@@ -83,6 +87,8 @@ class DataStatesCheckpointManager(CheckpointManager):
     # ------------------------------------------------------------------ save
     def dcp_save(self, state_dict, checkpoint_id: str, async_mode: AsyncMode,
                  enable_garbage_collection: bool = False, to_hf: bool = False):
+        """Save ``state_dict`` to ``checkpoint_id`` with a fresh ``DataStatesWriter`` (HF exports
+        stay torchtitan's)."""
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode,
                                     enable_garbage_collection, to_hf)
@@ -124,6 +130,8 @@ class DataStatesCheckpointManager(CheckpointManager):
 
     # ------------------------------------------------------------------ load
     def dcp_load(self, state_dict, checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        """Load ``checkpoint_id`` with ``DataStatesReader`` and ``DataStatesLoadPlanner`` (HF
+        imports stay torchtitan's)."""
         if from_hf:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         dcp.load(state_dict, storage_reader=DataStatesReader(checkpoint_id), planner=DataStatesLoadPlanner())

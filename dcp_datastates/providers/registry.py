@@ -33,6 +33,10 @@ from .objects import ObjectProvider
 
 
 class TypeProvider(ABC):
+    """How a user's type is saved: ``flatten`` into metadata and named tensors (the tensors may
+    themselves be of registered types: providers nest), ``unflatten`` back.  ``name`` is stored
+    in the checkpoint and finds the provider again at load, so it must stay stable."""
+
     name: str = ""
 
     @abstractmethod
@@ -61,16 +65,19 @@ def register_provider(cls: type, provider: TypeProvider, *, clobber: bool = Fals
 
 
 def unregister_provider(cls: type) -> None:
+    """Forget the provider registered for ``cls`` (nothing happens if there is none)."""
     p = _by_type.pop(cls, None)
     if p is not None:
         _by_name.pop(p.name, None)
 
 
 def type_provider_for(obj) -> TypeProvider | None:
+    """The provider registered for ``obj``'s exact type, or None."""
     return _by_type.get(type(obj))
 
 
 def type_provider_named(name: str) -> TypeProvider | None:
+    """The provider registered under ``name`` (as stored in a manifest), or None."""
     return _by_name.get(name)
 
 
