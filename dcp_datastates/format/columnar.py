@@ -214,6 +214,26 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
             for t, fqn in enumerate(names)}
 
 
+_SMALL = 32  # tensors with at most this many chunks are checked and searched in plain Python
+
+
+class _Box:
+    """A box for ``check_tiling`` without building the chunk record."""
+    __slots__ = ("offsets", "sizes")
+
+    def __init__(self, offsets: tuple, sizes: tuple) -> None:
+        self.offsets, self.sizes = offsets, sizes
+
+
+def _hits(o: tuple, z: tuple, boxes) -> bool:
+    """Whether the chunk at ``o`` of size ``z`` overlaps one of ``boxes`` (a 0-d chunk: always)."""
+    if not z:
+        return True
+    if not all(z):
+        return False
+    return any(all(a < lo + n and lo < a + b for a, b, lo, n in zip(o, z, blo, bn)) for blo, bn in boxes)
+
+
 def _disjoint(offs: np.ndarray, sizes: np.ndarray) -> bool:
     """Whether boxes ((n, ndim) offsets and sizes, none empty) are disjoint, shown over the
     columns: dimension by dimension (most distinct offsets first), boxes of one group sorted by
@@ -249,6 +269,7 @@ class Table:
         self.fnames = [f for f, _ in files]
         self.source = source
         self._rows_cache: dict[int, np.ndarray] = {}
+        self._small_boxes: dict[int, list] = {}
         self.first_chunk = _starts(nchunks)
         self.first_dim = _starts(ndim)
         self.chunk_dim = _starts(cnd)
@@ -298,10 +319,16 @@ class Table:
         return got
 
     def box_list(self, t: int) -> list[tuple[tuple, tuple]]:
-        """(offsets, sizes) of tensor ``t``'s records, in order."""
+        """(offsets, sizes) of tensor ``t``'s records, in order (kept for small tensors)."""
+        got = self._small_boxes.get(t)
+        if got is not None:
+            return got
         rows = self.rows(t) - int(self.first_chunk[t])
         offs, sizes = self._boxes(t)
-        return [(tuple(o), tuple(z)) for o, z in zip(offs[rows].tolist(), sizes[rows].tolist())]
+        got = [(tuple(o), tuple(z)) for o, z in zip(offs[rows].tolist(), sizes[rows].tolist())]
+        if len(got) <= _SMALL:
+            self._small_boxes[t] = got
+        return got
 
     def box(self, c: int, t: int) -> tuple[tuple, tuple]:
         nd, a = int(self.ndim[t]), int(self.chunk_dim[c])
@@ -335,6 +362,10 @@ class Table:
     def _check(self, t: int) -> None:
         if t in self._checked:
             return
+        if int(self.nchunks[t]) <= _SMALL:  # a few boxes: the sweep on plain tuples is cheaper
+            check_tiling(self.names[t], [_Box(o, z) for o, z in self.box_list(t)])
+            self._checked.add(t)
+            return
         offs, sizes = self._boxes(t)
         keep = np.all(sizes > 0, axis=1) if offs.shape[1] else np.zeros(len(offs), dtype=bool)
         offs, sizes = offs[keep], sizes[keep]
@@ -355,6 +386,8 @@ class Table:
         """Positions (in tensor ``t``'s record order) of the chunks that overlap any of
         ``boxes`` ((offsets, sizes) pairs), empty chunks left out."""
         self.check(t)
+        if int(self.nchunks[t]) <= _SMALL:
+            return [i for i, (o, z) in enumerate(self.box_list(t)) if _hits(o, z, boxes)]
         rows = self.rows(t)
         offs, sizes = self._boxes(t)
         offs, sizes = offs[rows - int(self.first_chunk[t])], sizes[rows - int(self.first_chunk[t])]
