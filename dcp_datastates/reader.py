@@ -35,7 +35,7 @@ from torch.futures import Future
 
 from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestError,
                      NotACheckpointError, PickleNotAllowedError)
-from .format import MANIFEST_NAME, Manifest, decode_manifest, dtype_from_name, verify_blocks
+from .format import MANIFEST_NAME, Manifest, dtype_from_name, verify_blocks
 from .format.manifest import Chunk, Extent, paused_gc
 from .format.model import ChunkMetadataView
 from .format.values import decode_value

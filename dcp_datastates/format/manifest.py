@@ -26,7 +26,7 @@ import msgpack
 import xxhash
 
 from ..errors import ForeignFormatError, ManifestError, UnsupportedFormatVersion
-from .checksum import BLOCK_SIZE, DIGEST_BYTES, Digests
+from .checksum import DIGEST_BYTES, Digests
 from .columnar import decode_table, encode_table
 from .model import (  # noqa: F401 (the model is re-exported: most layers import it from here)
     FORMAT_VERSION, Chunk, Extent, Manifest, Seg, TensorEntry, ValueEntry, _Bad, check_tiling, paused_gc)
