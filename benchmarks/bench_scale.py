@@ -53,6 +53,7 @@ from dcp_datastates.format.checksum import BLOCK_SIZE, DIGEST_BYTES  # noqa: E40
 from dcp_datastates.format.dtypes import dtype_name  # noqa: E402
 from dcp_datastates.format.manifest import Extent, Seg, encode_manifest  # noqa: E402
 from dcp_datastates.format.model import ChunkMetadataView  # noqa: E402
+from dcp_datastates.planner import narrow as narrowed_to  # noqa: E402
 from dcp_datastates.format.names import data_file_name  # noqa: E402
 from dcp_datastates.format.records import ItemRecord, RankRecord  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
@@ -121,8 +122,7 @@ def _plan_one_rank(md: Metadata, ts, layout: str, n: int, rank: int, narrow: boo
         local = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
         tmd = md.state_dict_metadata[t.fqn]
         if narrow and isinstance(tmd.chunks, ChunkMetadataView):
-            keep = tmd.chunks.entry.overlapping([(tuple(o), tuple(s)) for o, s in boxes])
-            tmd = TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
+            tmd = narrowed_to(tmd, [(tuple(o), tuple(s)) for o, s in boxes])
         items += len(create_read_items_for_chunk_list(t.fqn, tmd, local))
     return items
 

@@ -16,6 +16,7 @@ read, so memory holds one batch and the small non-tensor values, never the whole
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import json
 import logging
 import os
@@ -68,7 +69,6 @@ class _Batches:
 
     def __init__(self, reader, metadata: Metadata, order: list[str], opts: ConvertOptions, label: str):
         self.reader, self.md, self.opts, self.label = reader, metadata.state_dict_metadata, opts, label
-        self.md_all = metadata
         self.order = order
         self.next = 0
         self.ready: dict[str, torch.Tensor] = {}
@@ -87,8 +87,8 @@ class _Batches:
     def _read_from(self, fqn: str) -> None:
         if self.order[self.next:self.next + 1] != [fqn]:
             self.next = self.order.index(fqn)  # asked out of order: go on from there
-        keys = [k for k in self.order[self.next:] if k not in self.ready]
-        group = next(_groups(keys, self.md_all, self.opts.batch_bytes))
+        pending = (k for k in itertools.islice(self.order, self.next, None) if k not in self.ready)
+        group = next(_groups(pending, self.md, self.opts.batch_bytes))
         self.next = self.order.index(group[-1], self.next) + 1
         batch = {k: torch.empty(self.md[k].size, dtype=self.md[k].properties.dtype) for k in group}
         dcp.load(batch, storage_reader=self.reader, no_dist=True)
@@ -178,7 +178,7 @@ def from_dcp(src: str, dst: str, *, allow_pickle: bool = False, options: Convert
             m = md.state_dict_metadata[k]
             views[k] = arena[offsets[k]:offsets[k] + _nbytes(m)].view(m.properties.dtype).view(m.size)
         done = 0
-        for group in _groups(keys, md, opts.batch_bytes):
+        for group in _groups(keys, md.state_dict_metadata, opts.batch_bytes):
             dcp.load({k: views[k] for k in group}, storage_reader=reader, no_dist=True)
             done += sum(_nbytes(md.state_dict_metadata[k]) for k in group)
             if opts.progress:
@@ -191,11 +191,12 @@ def from_dcp(src: str, dst: str, *, allow_pickle: bool = False, options: Convert
             os.remove(scratch)
 
 
-def _groups(keys: list[str], md: Metadata, batch_bytes: int):
-    """``keys`` in order, in runs of at most ``batch_bytes`` of tensor (or one larger tensor)."""
+def _groups(keys, sdm: dict, batch_bytes: int):
+    """``keys`` in order, in runs of at most ``batch_bytes`` of tensor (or one larger tensor);
+    ``sdm``: the checkpoint's ``state_dict_metadata``."""
     group, size = [], 0
     for k in keys:
-        n = _nbytes(md.state_dict_metadata[k])
+        n = _nbytes(sdm[k])
         if group and size + n > batch_bytes:
             yield group
             group, size = [], 0

@@ -74,9 +74,7 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
             if not isinstance(obj, torch.Tensor) or not isinstance(tmd, TensorStorageMetadata) \
                     or not isinstance(tmd.chunks, ChunkMetadataView):
                 continue
-            local = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)]
-            keep = tmd.chunks.entry.overlapping(local)
-            narrowed[fqn] = TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
+            narrowed[fqn] = narrow(tmd, [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)])
         if not narrowed:
             return super().create_local_plan()
         self.metadata = dataclasses.replace(full, state_dict_metadata={**full.state_dict_metadata, **narrowed})
@@ -88,6 +86,13 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
     def load_value(self, read_item, value) -> None:
         """Set a decoded non-tensor value (the reader calls this instead of ``load_bytes``)."""
         _set_in_state_dict(self, read_item.dest_index.fqn, value)
+
+
+def narrow(tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]]) -> TensorStorageMetadata:
+    """``tmd`` (its chunks a ``ChunkMetadataView``) with only the saved chunks that overlap
+    ``boxes`` ((offsets, sizes) pairs), found over the manifest's columns."""
+    keep = tmd.chunks.entry.overlapping(boxes)
+    return TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
 
 
 def _set_in_state_dict(planner: DefaultLoadPlanner, fqn: str, value) -> None:

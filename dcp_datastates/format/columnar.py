@@ -33,7 +33,7 @@ import numpy as np
 from .checksum import DIGEST_BYTES, Digests, join_digests
 from .dtypes import dtype_from_name
 from ..errors import ManifestError
-from .model import Chunk, Extent, Seg, TensorEntry, _Bad, check_tiling
+from .model import Chunk, Extent, Seg, TensorEntry, _Bad, box_hits, check_tiling
 
 MAX_NDIM = 64
 MAX_DIM = 1 << 48
@@ -202,14 +202,12 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
     special = table.get("special") or {}
     if not isinstance(special, dict) or sorted(special) != sorted(str(i) for i in np.nonzero(~plain)[0].tolist()):
         raise _Bad("table field 'special' must hold exactly the chunks whose 'nsegs' is -1")
-    table = Table(names, dnames, dcode, ndim, gsize, nchunks, cnd, offs, sizes, numel, nbytes, nsegs,
+    table = Table(names, ndim, gsize, nchunks, cstart, offs, sizes, numel, nbytes, nsegs, sstart,
                   sfile, soff, sn, nsums, sums, files, source)
     for key, wire in special.items():  # provider chunks: few, validated now
         c = int(key)
         t = int(chunk_t[c])
-        nd, a = int(ndim[t]), int(table.chunk_dim[c])
-        table.special[c] = special_chunk(names[t], tuple(offs[a:a + nd].tolist()),
-                                         tuple(sizes[a:a + nd].tolist()), wire)
+        table.special[c] = special_chunk(names[t], *table.box(c, t), wire)
     return {fqn: TensorEntry(dnames[int(dcode[t])], table.size(t), None, source=(table, t))
             for t, fqn in enumerate(names)}
 
@@ -223,15 +221,6 @@ class _Box:
 
     def __init__(self, offsets: tuple, sizes: tuple) -> None:
         self.offsets, self.sizes = offsets, sizes
-
-
-def _hits(o: tuple, z: tuple, boxes) -> bool:
-    """Whether the chunk at ``o`` of size ``z`` overlaps one of ``boxes`` (a 0-d chunk: always)."""
-    if not z:
-        return True
-    if not all(z):
-        return False
-    return any(all(a < lo + n and lo < a + b for a, b, lo, n in zip(o, z, blo, bn)) for blo, bn in boxes)
 
 
 def _disjoint(offs: np.ndarray, sizes: np.ndarray) -> bool:
@@ -260,8 +249,8 @@ class Table:
     """The validated columns of a version 3 manifest.  A tensor's chunk records are built when
     first asked for (``TensorEntry.chunks``); ``find`` and ``overlapping`` work on the columns."""
 
-    def __init__(self, names, dnames, dcode, ndim, gsize, nchunks, cnd, offs, sizes, numel, nbytes,
-                 nsegs, sfile, soff, sn, nsums, sums, files, source: str) -> None:
+    def __init__(self, names, ndim, gsize, nchunks, chunk_dim, offs, sizes, numel, nbytes, nsegs,
+                 first_seg, sfile, soff, sn, nsums, sums, files, source: str) -> None:
         self.names, self.ndim, self.gsize, self.nchunks = names, ndim, gsize, nchunks
         self.offs, self.sizes, self.numel, self.nbytes, self.nsegs = offs, sizes, numel, nbytes, nsegs
         self.sfile, self.soff, self.sn, self.sums, self.nsums = sfile, soff, sn, sums, nsums
@@ -272,8 +261,7 @@ class Table:
         self._small_boxes: dict[int, list] = {}
         self.first_chunk = _starts(nchunks)
         self.first_dim = _starts(ndim)
-        self.chunk_dim = _starts(cnd)
-        self.first_seg = _starts(np.where(nsegs >= 0, nsegs, 0))
+        self.chunk_dim, self.first_seg = chunk_dim, first_seg  # where each chunk's dims, segments start
         self.first_sum = _starts(nsums) * DIGEST_BYTES
         self._checked: set[int] = set()
 
@@ -293,10 +281,7 @@ class Table:
 
     def chunk(self, c: int, t: int) -> Chunk:
         """The record of chunk ``c`` (a row of the table) of tensor ``t``."""
-        nd = int(self.ndim[t])
-        a = int(self.chunk_dim[c])
-        o = tuple(self.offs[a:a + nd].tolist())
-        z = tuple(self.sizes[a:a + nd].tolist())
+        o, z = self.box(c, t)
         n = int(self.nsegs[c])
         if n < 0:
             return self.special[c]
@@ -331,6 +316,7 @@ class Table:
         return got
 
     def box(self, c: int, t: int) -> tuple[tuple, tuple]:
+        """(offsets, sizes) of chunk ``c`` (a row of the table) of tensor ``t``."""
         nd, a = int(self.ndim[t]), int(self.chunk_dim[c])
         return tuple(self.offs[a:a + nd].tolist()), tuple(self.sizes[a:a + nd].tolist())
 
@@ -387,7 +373,7 @@ class Table:
         ``boxes`` ((offsets, sizes) pairs), empty chunks left out."""
         self.check(t)
         if int(self.nchunks[t]) <= _SMALL:
-            return [i for i, (o, z) in enumerate(self.box_list(t)) if _hits(o, z, boxes)]
+            return [i for i, (o, z) in enumerate(self.box_list(t)) if box_hits(o, z, boxes)]
         rows = self.rows(t)
         offs, sizes = self._boxes(t)
         offs, sizes = offs[rows - int(self.first_chunk[t])], sizes[rows - int(self.first_chunk[t])]

@@ -119,6 +119,17 @@ class Chunk:
     tree: dict | None = None
 
 
+def box_hits(offsets: tuple, sizes: tuple, boxes) -> bool:
+    """Whether the chunk at ``offsets`` of size ``sizes`` overlaps one of ``boxes`` ((offsets,
+    sizes) pairs); a 0-d chunk always does, an empty one never."""
+    if not sizes:
+        return True
+    if not all(sizes):
+        return False
+    return any(all(a < lo + n and lo < a + b for a, b, lo, n in zip(offsets, sizes, blo, bn))
+               for blo, bn in boxes)
+
+
 class TensorEntry:
     """A tensor of the checkpoint: dtype, global size and its chunks.
 
@@ -192,9 +203,7 @@ class TensorEntry:
         if self._chunks is None:
             table, row = self._source
             return table.overlapping(row, boxes)
-        return [i for i, c in enumerate(self._chunks) if c.sizes and all(c.sizes) and any(
-            all(o < lo + n and lo < o + s for o, s, lo, n in zip(c.offsets, c.sizes, blo, bn))
-            for blo, bn in boxes)] or ([0] if self._chunks and not self._chunks[0].sizes else [])
+        return [i for i, c in enumerate(self._chunks) if box_hits(c.offsets, c.sizes, boxes)]
 
     def __repr__(self) -> str:
         n = "lazy" if self._chunks is None else len(self._chunks)
