@@ -239,7 +239,8 @@ def copy_stream(device: int):
 
 
 class D2HCopier:
-    """Device-to-host copies for one snapshot on the device's side stream."""
+    """The copies of one snapshot on the device's side stream: device to host, and device to
+    device into the device cache (the engine's first level)."""
 
     def __init__(self, device: int, ready: Event | None) -> None:
         self.device = device
@@ -268,11 +269,20 @@ class D2HCopier:
             return
         if not dst.is_contiguous() or not src.is_contiguous():
             raise ValueError("D2HCopier needs contiguous source and destination")
-        check(self.rt.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), n,
-                                      self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream),
+        kind = self.rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice if dst.device.type == "cuda" \
+            else self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        check(self.rt.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), n, kind, self.stream),
               "cudaMemcpyAsync")
         self._keep.append(src)
         self.bytes += n
+
+    def zero(self, dst: torch.Tensor) -> None:
+        """Zero ``dst`` in stream order with the copies (a device region), or now (host)."""
+        if dst.device.type == "cuda":
+            with torch.cuda.stream(self.torch_stream):
+                dst.zero_()
+        else:
+            dst.zero_()
 
     def record(self) -> Event:
         ev = _new_event(self.device)

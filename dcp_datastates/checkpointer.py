@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from .engine.device_cache import prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from .errors import CheckpointError
 from .format import decode_manifest
@@ -95,6 +96,7 @@ class Checkpointer:
         self.writer_options = writer_options
         # the staging cache is allocated (pinned on a GPU machine) now, in the background
         prepare_host_cache(writer_options.get("host_cache_bytes") or default_host_cache_bytes())
+        prepare_device_cache(writer_options.get("device_cache_bytes") or 0)
         self.incremental = incremental
         self._last_committed: int | None = None  # newest step this process committed
         self._manifests: dict[int, object] = {}  # step -> Manifest, while it flushes to slower tiers

@@ -39,6 +39,7 @@ from torch.futures import Future
 
 from ._version import __version__
 from .engine import get_engine
+from .engine.device_cache import device_cache_for, prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache, shared_host_cache
 from .engine.live import any_gpu, iter_tensors, ready_point, versions, want_pinned
 from .errors import CheckpointError, CheckpointExistsError
@@ -69,6 +70,7 @@ class DataStatesWriter(StorageWriter):
             manifest commits).  Off: saving over one raises ``CheckpointExistsError``.
         thread_count: flush threads per rank.  host_cache_bytes: the bounded staging cache of
             this process (default 2 GiB or ``DCP_DATASTATES_HOST_CACHE_BYTES``).
+        device_cache_bytes: a first cache level on the GPU for async saves (0: off).
         allow_pickle: store values msgpack cannot express with pickle (the reader must opt in too).
         sync_files: fsync data files and the manifest.  storage_options: fsspec options.
         async_mode: ``"process"`` when the save runs in DCP's checkpoint process; set for you by
@@ -90,13 +92,15 @@ class DataStatesWriter(StorageWriter):
                  persist_to: list[str] | str | None = None, persist: bool = True,
                  persist_options: dict | None = None, o_direct: bool = True,
                  incremental_base: str | None = None, dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT,
-                 step_barrier_s: float = 600.0) -> None:
+                 step_barrier_s: float = 600.0, device_cache_bytes: int = 0) -> None:
         super().__init__()
-        _check_options(thread_count, host_cache_bytes, async_mode, dedup_unit_bytes)
+        _check_options(thread_count, host_cache_bytes, async_mode, dedup_unit_bytes, device_cache_bytes)
         self.path = None if path is None else str(path)
         self.overwrite, self.thread_count, self.allow_pickle = overwrite, thread_count, allow_pickle
         self.host_cache_bytes = host_cache_bytes or default_host_cache_bytes()
         prepare_host_cache(self.host_cache_bytes)  # in the background: ready for the first save
+        self.device_cache_bytes = device_cache_bytes
+        prepare_device_cache(device_cache_bytes)
         self.sync_files, self.storage_options, self.async_mode = sync_files, storage_options, async_mode
         self.persist_to = [str(p) for p in ([persist_to] if isinstance(persist_to, str) else persist_to or [])]
         self.persist, self.persist_options, self.o_direct = persist, persist_options, o_direct
@@ -258,13 +262,7 @@ class DataStatesWriter(StorageWriter):
             return fut
         persisting = bool(self.persist_to and self.persist)
         sinks = [self.tier.open_sink(n, o_direct=self.o_direct, drop_cache=not persisting) for n in names]
-        ready = getattr(session, "ready", None) if session.lazy else None
-        engine = get_engine(shared_host_cache(self.host_cache_bytes, want_pinned(copy_items)), self.thread_count)
-        direct = any(getattr(s, "o_direct", False) for s in sinks)
-        job = self._job = engine.submit(
-            copy_items, sinks, copy=session.lazy or direct or any_gpu(copy_items),
-            label=f"{self.path} rank {self.rank}", unit_bytes=self.dedup_unit_bytes,
-            ready_event=ready if ready is not None else ready_point([i.source for i in copy_items]))
+        job = self._job = _submit(self, copy_items, sinks, session)
         job.snapshotted.add_done_callback(lambda f: session.mark_snapshot() if f.exception() is None else None)
 
         def durable(f) -> None:
@@ -360,6 +358,20 @@ class DataStatesWriter(StorageWriter):
         return d
 
 
+def _submit(w: DataStatesWriter, copy_items: list, sinks: list, session: SaveSession):
+    """Queue this rank's copies on the process's engine: through the host cache, and for an
+    async save through the device cache first (``engine/device_cache.py``)."""
+    sources = [i.source for i in copy_items]
+    ready = getattr(session, "ready", None) if session.lazy else None
+    engine = get_engine(shared_host_cache(w.host_cache_bytes, want_pinned(copy_items)), w.thread_count)
+    direct = any(getattr(s, "o_direct", False) for s in sinks)
+    return engine.submit(
+        copy_items, sinks, copy=session.lazy or direct or any_gpu(copy_items),
+        label=f"{w.path} rank {w.rank}", unit_bytes=w.dedup_unit_bytes,
+        device_cache=device_cache_for(sources, w.device_cache_bytes if session.lazy else 0),
+        ready_event=ready if ready is not None else ready_point(sources))
+
+
 @contextlib.contextmanager
 def _failing(writer: DataStatesWriter):
     """``with _failing(writer):`` marks the save failed (its claims let go) if the block raises."""
@@ -403,7 +415,10 @@ def _manifest_for(metadata: Metadata, results: list[list[WriteResult]], save_id:
 
 
 def _check_options(thread_count: int, host_cache_bytes: int | None, async_mode: str | None,
-                   dedup_unit_bytes: int) -> None:
+                   dedup_unit_bytes: int, device_cache_bytes: int) -> None:
+    if device_cache_bytes and device_cache_bytes < BLOCK_SIZE:
+        raise ValueError(f"device_cache_bytes must be 0 (off) or at least {BLOCK_SIZE} (one checksum "
+                         f"block), got {device_cache_bytes}")
     if thread_count < 1:
         raise ValueError(f"thread_count must be >= 1, got {thread_count}")
     if host_cache_bytes is not None and host_cache_bytes < BLOCK_SIZE:

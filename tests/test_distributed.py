@@ -66,3 +66,10 @@ def test_async_save_snapshot_is_consistent(tmp_path, mode):
 @pytest.mark.parametrize("world,mode", [(1, "thread"), (1, "process"), (2, "process")])
 def test_snapshot_guard(tmp_path, world, mode):
     run_ranks(world, workers.guard_roundtrip, str(tmp_path), mode)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_fsdp2_async_save_through_the_device_cache_reshards(tmp_path, mode):
+    ours, ref = str(tmp_path / "ours"), str(tmp_path / "ref")
+    run_ranks(2, workers.save_fsdp_async_device_cache, ours, ref, mode)
+    run_ranks(3, workers.load_fsdp_and_compare, ours, ref)

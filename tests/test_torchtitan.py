@@ -41,7 +41,7 @@ def workdir(tmp_path_factory):
 
 OVERRIDE = "dcp_datastates.integrations.torchtitan.use_datastates"
 # the writer's options through torchtitan's override kwargs, as docs/torchtitan.md shows
-WITH_OPTIONS = OVERRIDE + '={"host_cache_bytes": 33554432, "thread_count": 2}'
+WITH_OPTIONS = OVERRIDE + '={"host_cache_bytes": 33554432, "thread_count": 2, "device_cache_bytes": 16777216}'
 
 
 def _train(workdir, mode, dump, port):
@@ -69,7 +69,7 @@ def test_resume_matches_uninterrupted(workdir, mode):
     first, log1 = _train(workdir, mode, dump, free_port())
     assert "DataStatesCheckpointManager.Config" in log1
     if mode == "async":
-        assert "host cache 32 MiB, 2 flush threads per rank" in log1, log1[-3000:]
+        assert "host cache 32 MiB, device cache 16 MiB, 2 flush threads per rank" in log1, log1[-3000:]
     ckpt = os.path.join(dump, "checkpoint")
     assert sorted(os.listdir(ckpt)) == ["step-2", "step-4", "step-6"]
     for step in ("step-2", "step-4", "step-6"):

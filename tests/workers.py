@@ -62,6 +62,22 @@ def save_fsdp(rank, world, ours_dir, ref_dir, use_collectives=True, planner=Fals
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(ref_dir))
 
 
+def save_fsdp_async_device_cache(rank, world, ours_dir, ref_dir, mode):
+    """An async save through the device cache level, the optimizer stepping right after it;
+    the reference is a synchronous DCP save of the same pre-step state."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from dcp_datastates import async_save
+    model, opt = make_fsdp(world)
+    dcp.save(app_state(model, opt), storage_writer=dcp.FileSystemWriter(ref_dir))
+    model(torch.randn(4, 6)).sum().backward()
+    writer = DataStatesWriter(ours_dir, host_cache_bytes=1 << 20, device_cache_bytes=2 << 20)
+    ctype = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    fut = async_save(app_state(model, opt), storage_writer=writer, async_checkpointer_type=ctype)
+    opt.step()  # waits for the snapshot (the step barrier), then changes every parameter
+    fut.result()
+
+
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 

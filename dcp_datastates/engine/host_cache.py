@@ -38,11 +38,14 @@ def default_host_cache_bytes() -> int:
 
 class HostCache:
     """The bounded staging buffer of one process: ``alloc`` hands out 4 KiB-aligned space and
-    blocks while the buffer is full (back-pressure), ``free`` gives it back."""
+    blocks while the buffer is full (back-pressure), ``try_alloc`` only takes what is free now,
+    ``free`` gives it back."""
+
+    level = "host"
 
     def __init__(self, capacity: int, *, pinned: bool = False) -> None:
         if capacity < ALIGNMENT:
-            raise ValueError(f"host_cache_bytes must be at least {ALIGNMENT}, got {capacity}")
+            raise ValueError(f"{self.level}_cache_bytes must be at least {ALIGNMENT}, got {capacity}")
         self.capacity = align_up(capacity)
         self.pinned = pinned
         self._buf: torch.Tensor | None = None
@@ -114,25 +117,39 @@ class HostCache:
         """Reserve ``nbytes``; blocks while the cache is full (back-pressure)."""
         need = align_up(max(nbytes, 1))
         if need > self.capacity:
-            raise ValueError(f"request of {nbytes} bytes exceeds the host cache ({self.capacity})")
+            raise ValueError(f"request of {nbytes} bytes exceeds the {self.level} cache ({self.capacity})")
         with self._cv:
             waited = False
             while True:
-                for i, (start, size) in enumerate(self._free):
-                    if size >= need:
-                        if size == need:
-                            self._free.pop(i)
-                        else:
-                            self._free[i] = (start + need, size - need)
-                        self.used += need
-                        self.peak_used = max(self.peak_used, self.used)
-                        return start
+                start = self._take(need)
+                if start is not None:
+                    return start
                 if abort is not None and abort.is_set():
                     raise RuntimeError("save aborted while waiting for host cache space")
                 if not waited:
                     self.waits += 1
                     waited = True
                 self._cv.wait()  # woken by free() or, for an aborted save, by wake()
+
+    def try_alloc(self, nbytes: int) -> int | None:
+        """Reserve ``nbytes`` if there is room now; None otherwise (never blocks)."""
+        need = align_up(max(nbytes, 1))
+        if need > self.capacity:
+            return None
+        with self._cv:
+            return self._take(need)
+
+    def _take(self, need: int) -> int | None:
+        for i, (start, size) in enumerate(self._free):  # first fit; caller holds the lock
+            if size >= need:
+                if size == need:
+                    self._free.pop(i)
+                else:
+                    self._free[i] = (start + need, size - need)
+                self.used += need
+                self.peak_used = max(self.peak_used, self.used)
+                return start
+        return None
 
     def wake(self) -> None:
         """Wake every waiting ``alloc`` (a save was aborted: its waiter must see it)."""

@@ -49,6 +49,7 @@ from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.layout import ALIGNMENT, align_up
 from ..tiers.activity import job_ended as _job_ended
 from ..tiers.activity import job_started as _job_started
+from .device_cache import DeviceCache
 from .host_cache import HostCache
 import cuda_ext
 
@@ -250,11 +251,13 @@ class SnapshotEngine:
 
     # -- public -------------------------------------------------------------
     def submit(self, items: list[CopyItem], sinks: list, *, copy: bool, label: str = "",
-               ready_event=None, unit_bytes: int = PIECE_BYTES) -> SaveJob:
+               ready_event=None, unit_bytes: int = PIECE_BYTES,
+               device_cache: DeviceCache | None = None) -> SaveJob:
         """Queue a save of ``items`` into ``sinks`` (item.file indexes them).
 
         ``ready_event`` (GPU) orders the copies after the producer kernels.  ``unit_bytes``
-        (a multiple of the block size) is the dedup granularity of items that have a base."""
+        (a multiple of the block size) is the dedup granularity of items that have a base.
+        ``device_cache``: the first cache level for items on its device (``device_cache.py``)."""
         if unit_bytes <= 0 or unit_bytes % BLOCK_SIZE:
             raise ValueError(f"unit_bytes must be a positive multiple of {BLOCK_SIZE}, got {unit_bytes}")
         for it in items:
@@ -263,6 +266,7 @@ class SnapshotEngine:
             it.placed = []
         job = SaveJob(items, sinks, label=label)
         job.unit_bytes = unit_bytes
+        job.device_cache = device_cache
         job.on_abort.append(self.cache.wake)
         _job_started()
         job.durable.add_done_callback(_job_ended)
@@ -300,15 +304,32 @@ class SnapshotEngine:
         batches.sort(key=_residency)  # device regions first, then pinned, then pageable host
         flat: dict[int, torch.Tensor] = {}
         copier = _copier_for(job.items, ready)
+        dc = job.device_cache
+        parked: list[tuple[_Batch, int]] = []  # batches copied into the device cache
         with job._lock:
             job._pending = len(batches)
         if not batches:
             self._snapshot_done(job, copier)
             self._finish(job)
             return
+        try:
+            if not self._copy_out(job, batches, copier, flat, dc, parked):
+                _release(dc, parked)
+                return
+            self._snapshot_done(job, copier)
+        except BaseException:
+            _release(dc, parked)
+            raise
+        flat.clear()
+        self._drain(job, copier, dc, parked)
+
+    def _copy_out(self, job: SaveJob, batches: list[_Batch], copier, flat: dict,
+                  dc: DeviceCache | None, parked: list) -> bool:
+        """Copy every batch out of the live tensors: into the device cache where it has room,
+        into the host cache (blocking while full) otherwise.  False when the job was aborted."""
         for b in batches:
             if job.abort.is_set():
-                return
+                return False
             for p in b.pieces:
                 if id(p.item) not in flat:
                     flat[id(p.item)] = _flat_bytes(copier.prepare(p.item.source))
@@ -322,18 +343,19 @@ class SnapshotEngine:
                 view = flat[id(p.item)][p.src_start:p.src_start + p.nbytes]
                 self._flush.submit(self._flush_batch, job, b, view, None, None)
                 continue
+            doff = dc.try_alloc(b.nbytes) if dc is not None and _on_device(dc, b) else None
+            if doff is not None:  # first level: a copy that stays on the device
+                try:
+                    _fill(copier, dc.view(doff, b.nbytes), b, flat)
+                except BaseException:
+                    dc.free(doff, b.nbytes)
+                    raise
+                parked.append((b, doff))
+                continue
             off = self.cache.alloc(b.nbytes, job.abort)
             view = self.cache.view(off, b.nbytes)
             try:
-                if len(b.pieces) > 1:  # coalesced: zero the padding between extents
-                    pos = 0
-                    for p in b.pieces:
-                        if p.dst_pos > pos:
-                            view[pos:p.dst_pos].zero_()
-                        pos = p.dst_pos + p.nbytes
-                for p in b.pieces:
-                    src = flat[id(p.item)][p.src_start:p.src_start + p.nbytes]
-                    copier.copy(view[p.dst_pos:p.dst_pos + p.nbytes], src)
+                _fill(copier, view, b, flat)
                 event = copier.record()
             except BaseException:
                 self.cache.free(off, b.nbytes)
@@ -341,8 +363,31 @@ class SnapshotEngine:
             self._flush.submit(self._flush_batch, job, b, view, off, event)
             # a source is no longer needed once its last piece is issued (kept until the
             # copy completes through `flat` of this frame for GPU; CPU copies are synchronous)
-        self._snapshot_done(job, copier)
-        flat.clear()
+        return True
+
+    def _drain(self, job: SaveJob, copier, dc: DeviceCache | None, parked: list) -> None:
+        """Second level: move the batches parked in the device cache through the host cache to
+        storage (the snapshot is done: training runs meanwhile).  Blocks on the host cache like
+        any batch; a device region is freed once its copy to the host has landed."""
+        for i, (b, doff) in enumerate(parked):
+            try:
+                if job.abort.is_set():
+                    raise RuntimeError("save aborted")
+                off = self.cache.alloc(b.nbytes, job.abort)
+            except BaseException:
+                _release(dc, parked[i:])
+                if job.error is None:
+                    raise
+                return
+            view = self.cache.view(off, b.nbytes)
+            try:
+                copier.copy(view, dc.view(doff, b.nbytes))
+                event = copier.record()
+            except BaseException:
+                self.cache.free(off, b.nbytes)
+                _release(dc, parked[i:])
+                raise
+            self._flush.submit(self._flush_batch, job, b, view, off, event, (dc, doff))
 
     def _snapshot_done(self, job: SaveJob, copier) -> None:
         copier.synchronize()  # every byte has left the live tensors
@@ -365,12 +410,16 @@ class SnapshotEngine:
                   job.timings["snapshot_done"] - job.timings["submitted"])
 
     # -- flush --------------------------------------------------------------
-    def _flush_batch(self, job: SaveJob, b: _Batch, view: torch.Tensor, cache_off, event) -> None:
+    def _flush_batch(self, job: SaveJob, b: _Batch, view: torch.Tensor, cache_off, event,
+                     parked: tuple | None = None) -> None:
         try:
+            if event is not None:  # first: no memory of this batch is reused before it lands
+                event.synchronize()
+            if parked is not None:  # the device region's bytes are in the host cache now
+                parked[0].free(parked[1], b.nbytes)
+                parked = None
             if job.abort.is_set():
                 return
-            if event is not None:
-                event.synchronize()
             mv = memoryview(view.numpy()) if view.numel() else memoryview(b"")
             # batch ranges to write, [start, end, units], each unit (item, item_start, nbytes)
             spans: list[list] = []
@@ -406,6 +455,8 @@ class SnapshotEngine:
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
         finally:
+            if parked is not None:
+                parked[0].free(parked[1], b.nbytes)
             if cache_off is not None:
                 self.cache.free(cache_off, b.nbytes)
             self._batch_done(job)
@@ -460,6 +511,29 @@ class SnapshotEngine:
             job.fail(e)
 
 
+def _fill(copier, view: torch.Tensor, b: _Batch, flat: dict) -> None:
+    """Copy batch ``b``'s pieces into ``view`` (host or device cache), zeroing the padding
+    between the extents of a coalesced batch."""
+    if len(b.pieces) > 1:
+        pos = 0
+        for p in b.pieces:
+            if p.dst_pos > pos:
+                copier.zero(view[pos:p.dst_pos])
+            pos = p.dst_pos + p.nbytes
+    for p in b.pieces:
+        src = flat[id(p.item)][p.src_start:p.src_start + p.nbytes]
+        copier.copy(view[p.dst_pos:p.dst_pos + p.nbytes], src)
+
+
+def _on_device(dc: DeviceCache, b: _Batch) -> bool:
+    return all(dc.holds(p.item.source) for p in b.pieces)
+
+
+def _release(dc: DeviceCache | None, parked: list) -> None:
+    for b, doff in parked:
+        dc.free(doff, b.nbytes)
+
+
 def _residency(b: _Batch) -> int:
     """Where a batch's bytes live: 0 device, 1 pinned host, 2 pageable host.  The stager takes
     device regions first (DataStates-LLM's order): they hold the scarcest memory and copy
@@ -489,6 +563,9 @@ class _CpuCopier:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+    def zero(self, dst: torch.Tensor) -> None:
+        dst.zero_()
 
     def record(self):
         return None

@@ -43,6 +43,7 @@ from torchtitan.tools.logging import logger
 from ..format.names import MANIFEST_NAME
 from ..guard import async_save
 from ..planner import DataStatesLoadPlanner
+from ..engine.device_cache import prepare_device_cache
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..reader import DataStatesReader
 from ..writer import DataStatesWriter
@@ -70,14 +71,19 @@ class DataStatesCheckpointManager(CheckpointManager):
         thread_count: int = 4
         """Flush threads per rank."""
 
+        device_cache_bytes: int = 0
+        """A first cache level on the GPU, per process, in bytes (0: off; see
+        ``docs/configuration.md``): the snapshot then ends after a device-to-device copy."""
+
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
         self._ds_config = config
         if self.enable:
             cache = config.host_cache_bytes or default_host_cache_bytes()
             prepare_host_cache(cache)  # in the background, so the first checkpoint finds it ready
-            logger.info(f"dcp-datastates checkpointing: host cache {cache >> 20} MiB, "
-                        f"{config.thread_count} flush threads per rank")
+            prepare_device_cache(config.device_cache_bytes)
+            logger.info(f"dcp-datastates checkpointing: host cache {cache >> 20} MiB, device cache "
+                        f"{config.device_cache_bytes >> 20} MiB, {config.thread_count} flush threads per rank")
         self._ds_writer: DataStatesWriter | None = None
         self._ds_inflight: str | None = None
         # torchtitan builds a pinned DefaultStager for async_with_pinned_mem when this is None;
@@ -94,7 +100,8 @@ class DataStatesCheckpointManager(CheckpointManager):
                                     enable_garbage_collection, to_hf)
         writer = DataStatesWriter(
             checkpoint_id, overwrite=True, thread_count=self._ds_config.thread_count,
-            host_cache_bytes=self._ds_config.host_cache_bytes or None)
+            host_cache_bytes=self._ds_config.host_cache_bytes or None,
+            device_cache_bytes=self._ds_config.device_cache_bytes)
         self._ds_writer = writer
         if async_mode == AsyncMode.DISABLED:
             dcp.save(state_dict, storage_writer=writer)
@@ -164,13 +171,14 @@ class DataStatesCheckpointManager(CheckpointManager):
 @override(target=CheckpointManager.Config, exact=True,
           description="use dcp-datastates as the DCP storage backend")
 def use_datastates(cfg: CheckpointManager.Config, *, host_cache_bytes: int = 0,
-                   thread_count: int = 4) -> DataStatesCheckpointManager.Config:
+                   thread_count: int = 4, device_cache_bytes: int = 0) -> DataStatesCheckpointManager.Config:
     """The checkpoint config, as dcp-datastates' manager.  The writer's options come as the
     override's kwargs: ``--override.imports
     'dcp_datastates.integrations.torchtitan.use_datastates={"host_cache_bytes": 4294967296}'``."""
     new = derive(cfg, DataStatesCheckpointManager.Config)
     new.host_cache_bytes = int(host_cache_bytes)
     new.thread_count = int(thread_count)
+    new.device_cache_bytes = int(device_cache_bytes)
     return new
 
 
