@@ -295,5 +295,49 @@ class D2HCopier:
         self._keep.clear()
 
 
-__all__ = ["CudaError", "D2HCopier", "Event", "available", "check", "copy_stream",
+class H2DUploader:
+    """Host-to-device copies of one load on a side stream of ``device``: each ``upload`` is
+    ordered after the destination's allocation and returns an event that marks when the pinned
+    source may be reused; ``finish`` makes the caller's stream wait for every upload."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # destinations exist
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor):
+        """Copy pinned ``src`` into device ``dst`` (same bytes, both contiguous), asynchronously."""
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        with self._lock:
+            self.bytes += src.numel() * src.element_size()
+        return ev
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """Device scratch of ``nbytes`` in this stream's order."""
+        with torch.cuda.stream(self.stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def copy_box(self, dst: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype, shape, strides,
+                 offset: int):
+        """Copy the box ``as_strided(shape, strides, offset)`` of device bytes ``raw`` (elements
+        of ``dtype``) into ``dst``, on the device, in this stream's order (casting if needed)."""
+        with torch.cuda.stream(self.stream):
+            usable = raw.numel() // dtype.itemsize * dtype.itemsize
+            typed = raw[:usable].view(dtype)
+            dst.copy_(typed.as_strided(shape, strides, offset) if shape else typed[offset:offset + 1].reshape(()))
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def finish(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.stream.synchronize()
+
+
+__all__ = ["CudaError", "D2HCopier", "H2DUploader", "Event", "available", "check", "copy_stream",
            "pinned_buffer", "record_ready", "unavailable_reason"]

@@ -44,6 +44,9 @@ from .planner import deliver_object
 from .providers import rebuild
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest  # noqa: F401 (re-exported: tests and tools use it)
+from .engine import upload
+from .engine.upload import DeviceUpload, pinned_slab
+from .tiers import read_path
 from .tiers.storage import open_regular
 from .tiers.direct_io import DIRECT_MIN, STAGE_BYTES, StagingBuffer, dio_alignment, read_range
 import itertools
@@ -96,14 +99,18 @@ class DataStatesReader(StorageReader):
             buffer of huge pages, then copy them into place (``tiers/direct_io.py`` says why
             this beats both buffered reads and O_DIRECT into the destination).  Ranges mostly
             in the page cache already, ranges under 256 KiB and file systems that refuse
-            O_DIRECT are read buffered.  On by default; ``False`` reads everything buffered.
+            O_DIRECT are read buffered.  ``"auto"`` (the default): the first load of 512 MiB or
+            more from a file system measures both paths on it and keeps the faster for the
+            process (``tiers/read_path.py``); ``True``: always O_DIRECT; ``False``: buffered.
     """
 
     def __init__(self, path: str | None = None, *, thread_count: int = 8, allow_pickle: bool = False,
                  verify: bool = True, storage_options: dict | None = None,
                  fallback: list[str] | str | None = None, fallback_options: dict | None = None,
-                 o_direct: bool = True) -> None:
+                 o_direct: bool | str = "auto") -> None:
         super().__init__()
+        if o_direct not in (True, False, "auto"):
+            raise ValueError(f"o_direct must be True, False or 'auto', got {o_direct!r}")
         self.o_direct = o_direct
         self.path = None if path is None else str(path)
         if isinstance(fallback, str):
@@ -191,8 +198,15 @@ class DataStatesReader(StorageReader):
             tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
             self._check_coverage(tensor_items, planner, m)
             tasks = self._tasks(plan, planner, m, tensor_items)
+        gpu = [t for t in tasks if t.dest is not None and t.dest.device.type == "cuda"]
+        up = DeviceUpload({t.dest.device for t in gpu}) if gpu and upload.wanted([t.dest for t in gpu]) else None
+        for t in gpu:
+            t.up = up
+            t.streamed = up is not None and t._whole_gpu
         files = _FileSet(tiers, m.homes)
         try:
+            if self.o_direct == "auto":
+                _probe_read_path(files, tasks, self.thread_count)
             pieces = [(t, i) for t in tasks for i in range(len(t.ranges))]
             # one pool task per batch of small pieces: a future and a lock per 64-byte tensor
             # cost more than its read
@@ -206,6 +220,8 @@ class DataStatesReader(StorageReader):
                 for _ in pool.map(lambda b: [t.finalize() for t in b],
                                   _batches(tasks, lambda t: t.buf_size)):
                     pass
+            if up is not None:
+                up.finish()  # every upload landed before the planner sees the tensors
         finally:
             files.close()
         with paused_gc():
@@ -333,13 +349,23 @@ class DataStatesReader(StorageReader):
 
     def _run_piece(self, files: "_FileSet", task: "_ReadTask", i: int) -> None:
         name, file_off, n, buf_off, first_block, ext = task.ranges[i]
+        if task.streamed:  # to the GPU: read into a pinned slab, upload it into place
+            with pinned_slab() as slab:
+                self._read_any_tier(files, task, name, file_off, n, memoryview(slab[:n].numpy()),
+                                    slab.data_ptr(), first_block, ext)
+                task.up.piece(task.dest_bytes()[buf_off:buf_off + n], slab)
+            return
         buf, addr = task.buffer()
-        mv = memoryview(buf)[buf_off:buf_off + n]
+        self._read_any_tier(files, task, name, file_off, n, memoryview(buf)[buf_off:buf_off + n],
+                            addr + buf_off, first_block, ext)
+
+    def _read_any_tier(self, files: "_FileSet", task: "_ReadTask", name, file_off, n, mv, addr,
+                       first_block, ext) -> None:
+        """Fill ``mv`` from the fastest tier whose copy of the range verifies."""
         first_error = None
         for ti, tier in enumerate(files.tiers):
             try:
-                self._read_verified(files, ti, tier, name, file_off, n, mv, addr + buf_off, first_block,
-                                    ext, task)
+                self._read_verified(files, ti, tier, name, file_off, n, mv, addr, first_block, ext, task)
             except (DataFileError, ChecksumMismatch, OSError) as e:
                 if first_error is None:
                     first_error = e
@@ -358,8 +384,10 @@ class DataStatesReader(StorageReader):
         try:
             fd = files.fd(ti, name)
             if fd is not None:
-                dfd, align = files.direct_fd(ti, name) if self.o_direct else (None, None)
-                stage = files.stage() if dfd is not None and n >= DIRECT_MIN else None
+                dfd, align = (None, None)
+                if self.o_direct and n >= DIRECT_MIN and files.wants_direct(fd):
+                    dfd, align = files.direct_fd(ti, name)
+                stage = files.stage() if dfd is not None else None
                 got, direct = read_range(fd, file_off, mv, addr, direct_fd=dfd, align=align, stage=stage)
                 if direct:
                     with self._lock:
@@ -396,6 +424,27 @@ def _batches(items: list, nbytes, target: int = 8 << 20, per_item: int = 64 << 1
     if batch:
         out.append(batch)
     return out
+
+
+def _probe_read_path(files: "_FileSet", tasks: list, threads: int) -> None:
+    """Before a large load, measure O_DIRECT against buffered reads on the file system of its
+    largest local data file (once per file system and process: ``tiers/read_path.py``)."""
+    sizes: dict[str, int] = {}
+    for t in tasks:
+        for name, _off, n, *_rest in t.ranges:
+            sizes[name] = sizes.get(name, 0) + n
+    if not sizes or sum(sizes.values()) < read_path.PROBE_MIN_LOAD:
+        return
+    name = max(sizes, key=sizes.get)
+    try:
+        fd = files.fd(0, name)
+    except OSError:
+        return  # the load itself reports it (or reads another tier)
+    if fd is None or read_path.known(fd) is not None:
+        return
+    dfd, align = files.direct_fd(0, name)
+    if dfd is not None:
+        read_path.choose(fd, dfd, align, threads)
 
 
 def _is_dtensor(obj) -> bool:
@@ -482,6 +531,11 @@ class _FileSet:
                     self._direct[key] = (fd, align)
             return self._direct[key]
 
+    def wants_direct(self, fd: int) -> bool:
+        """O_DIRECT, unless the probe found buffered reads faster on ``fd``'s file system."""
+        choice = read_path.known(fd)
+        return choice is None or choice.direct
+
     def stage(self) -> StagingBuffer:
         """This thread's staging buffer for O_DIRECT reads (made on first use)."""
         st = getattr(self._local, "stage", None)
@@ -512,6 +566,9 @@ class _ReadTask:
         self.ranges: list[tuple] = []
         self._buf = None
         self._direct = False
+        self.streamed = False  # whole chunk into a GPU tensor: piece by piece through pinned slabs
+        self._whole_gpu = False
+        self.up = None  # the load's DeviceUpload, for a GPU destination
         self._buf_lock = threading.Lock()
         if chunk.extent is None:  # provider chunk: read every part whole, rebuild, then narrow
             self.parts_layout = {}
@@ -539,10 +596,10 @@ class _ReadTask:
         r1 = min(-(-last // block_size) * block_size, ext.nbytes)
         self.base = r0  # chunk byte offset of buffer position 0
         self.buf_size = r1 - r0
-        full = n_needed == ext.nbytes
-        if full and dest.device.type == "cpu" and dest.dtype == self.dtype and dest.is_contiguous() \
-                and dest.numel() * item == ext.nbytes:
-            self._direct = True  # read straight into the destination tensor
+        whole = n_needed == ext.nbytes and dest.dtype == self.dtype and dest.is_contiguous() \
+            and dest.numel() * item == ext.nbytes
+        self._direct = whole and dest.device.type == "cpu"  # read straight into the destination
+        self._whole_gpu = whole and dest.device.type == "cuda"
         # Runs: the box as contiguous pieces; read only the blocks they touch.
         runs = _runs(offs, lens, sizes, item)
         if len(runs) > 1 and self.buf_size > 1.25 * n_needed:
@@ -582,11 +639,14 @@ class _ReadTask:
                 self._addr = flat.data_ptr()
             return self._buf, self._addr
 
+    def dest_bytes(self) -> torch.Tensor:
+        return self.dest.reshape(-1).view(torch.uint8)
+
     def finalize(self) -> None:
         if self.chunk.extent is None:
             self._finalize_provider()
             return
-        if self._direct or self.dest.numel() == 0 or self.buf_size == 0:
+        if self._direct or self.streamed or self.dest.numel() == 0 or self.buf_size == 0:
             return
         self.buffer()
         item = self.dtype.itemsize
@@ -594,6 +654,9 @@ class _ReadTask:
         strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
         offs, lens = tuple(self.ri.storage_offsets), tuple(self.ri.lengths)
         first = sum(o * s for o, s in zip(offs, strides)) * item
+        if self.up is not None:  # a box of the chunk into a GPU tensor: cut out on the device
+            self.up.box(self.dest, self._tensor, self.dtype, lens, strides, (first - self.base) // item)
+            return
         raw = self._tensor[first - self.base:]
         usable = raw.numel() // item * item
         typed = raw[:usable].view(self.dtype)

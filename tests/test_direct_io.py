@@ -100,7 +100,7 @@ def saved(direct_dir):
 def test_cold_load_reads_with_o_direct_whatever_the_destination(saved, phase):
     sd, path = saved
     out = _fresh(sd, phase)
-    r = DataStatesReader(path)
+    r = DataStatesReader(path, o_direct=True)
     dcp.load(out, storage_reader=r, no_dist=True)
     _equal(out, sd)
     big = sd["emb"].nbytes + sd["w"].nbytes + sd["odd"].nbytes
@@ -128,7 +128,7 @@ def test_buffered_when_disabled_or_cached(saved):
     finally:
         os.close(fd)
     out = _fresh(sd)
-    r = DataStatesReader(path)
+    r = DataStatesReader(path, o_direct=True)
     dcp.load(out, storage_reader=r, no_dist=True)
     _equal(out, sd)
     assert r.bytes_direct == 0  # served from memory, not the device
@@ -149,7 +149,7 @@ def test_resharded_box_reads_direct(direct_dir):
             return dest
     p = P()
     p.state_dict = {}
-    r = DataStatesReader(path)
+    r = DataStatesReader(path, o_direct=True)
     r.set_up_storage_reader(r.read_metadata(), True)
     ri = ReadItem(LoadItemType.TENSOR, MetadataIndex("t", (0, 0)), torch.Size((0, 0)),
                   MetadataIndex("t", (0, 0)), torch.Size((512, 1024)), torch.Size((1024, 1024)))
@@ -170,7 +170,7 @@ def test_damage_is_caught_on_the_direct_path(direct_dir):
         fh.seek(seg.offset + 5 * MiB + 123)
         fh.write(bytes([b[0] ^ 0x40]))
     _drop_cache(path)
-    r = DataStatesReader(path)
+    r = DataStatesReader(path, o_direct=True)
     with pytest.raises(CheckpointException) as e:  # DCP wraps our ChecksumMismatch
         dcp.load({"emb": torch.empty_like(sd["emb"])}, storage_reader=r, no_dist=True)
     msg = str(e.value)
@@ -180,7 +180,7 @@ def test_damage_is_caught_on_the_direct_path(direct_dir):
     os.truncate(f, seg.offset + 6 * MiB + 100)  # cut in the middle of a staged read
     _drop_cache(path)
     with pytest.raises(CheckpointException) as e:
-        dcp.load({"emb": torch.empty_like(sd["emb"])}, storage_reader=DataStatesReader(path), no_dist=True)
+        dcp.load({"emb": torch.empty_like(sd["emb"])}, storage_reader=DataStatesReader(path, o_direct=True), no_dist=True)
     msg = str(e.value)
     assert "truncated" in msg and seg.file in msg and "emb" in msg
 

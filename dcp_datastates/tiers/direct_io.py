@@ -113,7 +113,7 @@ def evict_from_page_cache(directory: str) -> None:
             os.close(fd)
 
 
-def _mostly_cached(fd: int, offset: int, nbytes: int) -> bool:
+def mostly_cached(fd: int, offset: int, nbytes: int) -> bool:
     cached = cached_bytes(fd, offset, nbytes)
     return cached is not None and cached * 2 >= nbytes
 
@@ -182,7 +182,17 @@ def pread_full(fd: int, mv: memoryview, offset: int) -> int:
     return got
 
 
-def _read_staged(direct_fd: int, offset: int, n: int, address: int, stage: StagingBuffer,
+def read_buffered(fd: int, mv: memoryview, offset: int) -> int:
+    """A buffered read of ``mv.nbytes`` from ``offset`` (the path O_DIRECT is measured against)."""
+    return pread_full(fd, mv, offset)
+
+
+def read_direct(direct_fd: int, mv: memoryview, offset: int) -> int:
+    """An O_DIRECT read into aligned memory (``offset`` and ``mv`` aligned as the file needs)."""
+    return pread_full(direct_fd, mv, offset)
+
+
+def read_staged(direct_fd: int, offset: int, n: int, address: int, stage: StagingBuffer,
                  off_align: int) -> int:
     """Whole aligned blocks around ``[offset, offset + n)`` into ``stage`` with O_DIRECT, then
     the range into ``address``; as many rounds as the stage needs.  Short only at end of file."""
@@ -194,7 +204,7 @@ def _read_staged(direct_fd: int, offset: int, n: int, address: int, stage: Stagi
         a0 = align_down(start, off_align)
         take = min(n - done, round_bytes - (start - a0))
         a1 = -(-(start + take) // off_align) * off_align
-        got = pread_full(direct_fd, stage.view[:a1 - a0], a0)
+        got = read_direct(direct_fd, stage.view[:a1 - a0], a0)
         valid = max(0, min(got - (start - a0), take))
         ctypes.memmove(address + done, stage.address + (start - a0), valid)  # releases the GIL
         done += valid
@@ -214,14 +224,14 @@ def read_range(fd: int, offset: int, mv: memoryview, address: int, *, direct_fd:
     only at end of file."""
     n = mv.nbytes
     if direct_fd is None or stage is None or n < DIRECT_MIN or \
-            (check_cache and _mostly_cached(fd, offset, n)):
-        return pread_full(fd, mv, offset), 0
+            (check_cache and mostly_cached(fd, offset, n)):
+        return read_buffered(fd, mv, offset), 0
     _mem, off_align = align or DEFAULT_ALIGN
     try:
-        got = _read_staged(direct_fd, offset, n, address, stage, off_align)
+        got = read_staged(direct_fd, offset, n, address, stage, off_align)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
         log.debug("O_DIRECT read refused (%s); reading buffered", e)
-        return pread_full(fd, mv, offset), 0
+        return read_buffered(fd, mv, offset), 0
     return got, got
