@@ -5,7 +5,8 @@
 Saves (``dcp.save``, synchronous, fsync on) and loads (``dcp.load`` into preallocated tensors)
 a flat state of ``--tensors`` tensors of ``--floats`` fp32 values each, with dcp-datastates and
 with DCP's FileSystemWriter/Reader, alternating, each save into a fresh directory; and times
-``read_metadata`` alone.  Medians of ``--reps`` rounds; ratios are medians of per-round ratios.
+``read_metadata`` alone; ours loads once more with ``DataStatesLoadPlanner`` (compared with
+DCP's load through its own planner).  Medians of ``--reps`` rounds; ratios are medians of per-round ratios.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesReader, DataStatesWriter
+from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter
 
 
 def _timed(fn) -> float:
@@ -41,7 +42,8 @@ def main() -> None:
         "ours": (lambda p: DataStatesWriter(p), lambda p: DataStatesReader(p)),
         "dcp": (lambda p: dcp.FileSystemWriter(p), lambda p: dcp.FileSystemReader(p)),
     }
-    times: dict[str, dict[str, list[float]]] = {s: {"save": [], "load": [], "read_metadata": []} for s in systems}
+    times: dict[str, dict[str, list[float]]] = {s: {"save": [], "load": [], "read_metadata": [],
+                                                     "load, our planner": []} for s in systems}
     for rep in range(args.reps):
         order = list(systems) if rep % 2 == 0 else list(reversed(systems))
         for name in order:
@@ -52,13 +54,20 @@ def main() -> None:
             out = {k: torch.empty_like(v) for k, v in state.items()}
             times[name]["load"].append(_timed(lambda: dcp.load(out, storage_reader=make_r(path), no_dist=True)))
             assert all(torch.equal(out[k], state[k]) for k in state)
+            if name == "ours":  # the same load with DataStatesLoadPlanner (public API too)
+                out = {k: torch.empty_like(v) for k, v in state.items()}
+                times[name]["load, our planner"].append(_timed(lambda: dcp.load(
+                    out, storage_reader=make_r(path), planner=DataStatesLoadPlanner(), no_dist=True)))
+                assert all(torch.equal(out[k], state[k]) for k in state)
+            else:
+                times[name]["load, our planner"].append(times[name]["load"][-1])  # DCP's own planner
             times[name]["read_metadata"].append(_timed(lambda: make_r(path).read_metadata()))
             shutil.rmtree(path, ignore_errors=True)
     print(f"{args.tensors} tensors of {args.floats} fp32, {args.reps} rounds, torch {torch.__version__}")
-    print(f"{'':14} {'DCP s':>8} {'ours s':>8} {'ours vs DCP':>12}")
-    for what in ("save", "load", "read_metadata"):
+    print(f"{'':18} {'DCP s':>8} {'ours s':>8} {'ours vs DCP':>12}")
+    for what in ("save", "load", "load, our planner", "read_metadata"):
         ratio = statistics.median(d / o for d, o in zip(times["dcp"][what], times["ours"][what]))
-        print(f"{what:14} {statistics.median(times['dcp'][what]):>8.3f} {statistics.median(times['ours'][what]):>8.3f} "
+        print(f"{what:18} {statistics.median(times['dcp'][what]):>8.3f} {statistics.median(times['ours'][what]):>8.3f} "
               f"{ratio:>11.2f}x")
 
 

@@ -23,8 +23,9 @@ import torch
 import xxhash
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan, SavePlanner,
+                                                  WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
@@ -68,24 +69,56 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         manifest answers "which chunks overlap these boxes" over its columns, so each tensor's
         metadata is narrowed to those first (for a same-size FSDP restart: one chunk)."""
         full = self.metadata
-        narrowed = {}
+        narrowed: dict = {}
+        whole: dict[str, ReadItem] = {}
         for fqn, obj in self.state_dict.items():
             tmd = full.state_dict_metadata.get(fqn) if full is not None else None
             if not isinstance(obj, torch.Tensor) or not isinstance(tmd, TensorStorageMetadata) \
                     or not isinstance(tmd.chunks, ChunkMetadataView):
                 continue
+            item = _whole_read(fqn, obj, tmd)
+            if item is not None:
+                whole[fqn] = item
+                continue
             narrowed[fqn] = narrow(tmd, [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)])
-        if not narrowed:
+        if not narrowed and not whole:
             return super().create_local_plan()
-        self.metadata = dataclasses.replace(full, state_dict_metadata={**full.state_dict_metadata, **narrowed})
+        sd = self.state_dict
+        rest = {k: v for k, v in sd.items() if k not in whole}
+        self.metadata = dataclasses.replace(full, state_dict_metadata={
+            **{k: v for k, v in full.state_dict_metadata.items() if k not in whole}, **narrowed})
+        self.state_dict = rest
         try:
-            return super().create_local_plan()
+            plan = super().create_local_plan()
         finally:
             self.metadata = full
+            if self.state_dict is rest:
+                self.state_dict = sd
+        return dataclasses.replace(plan, items=[*whole.values(), *plan.items])
 
     def load_value(self, read_item, value) -> None:
         """Set a decoded non-tensor value (the reader calls this instead of ``load_bytes``)."""
         _set_in_state_dict(self, read_item.dest_index.fqn, value)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _whole_read(fqn: str, obj: torch.Tensor, tmd: TensorStorageMetadata) -> ReadItem | None:
+    """The read of a plain tensor stored whole as one chunk of its shape (most small tensors),
+    as DCP's planner would make it, without its per-item sweep; None for anything else."""
+    if type(obj) not in _PLAIN or obj.numel() == 0:  # DCP plans no read for an empty tensor
+        return None
+    entry = tmd.chunks.entry
+    if entry.count() != 1:
+        return None
+    offsets, sizes = entry.box(0)
+    if any(offsets) or tuple(sizes) != tuple(tmd.size) or tuple(obj.shape) != tuple(sizes):
+        return None
+    zeros = torch.Size([0] * len(sizes))
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, zeros, 0), dest_offsets=zeros,
+                    storage_index=MetadataIndex(fqn, zeros, 0), storage_offsets=zeros,
+                    lengths=torch.Size(sizes))
 
 
 def narrow(tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]]) -> TensorStorageMetadata:

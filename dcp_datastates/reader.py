@@ -191,6 +191,13 @@ class DataStatesReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP: read every item of ``plan`` (coverage checked first, every block verified,
         slower tiers used for what the first cannot serve) and hand it to ``planner``."""
+        with paused_gc():  # a few records and buffers per item, none cyclic (format/model.py)
+            self._read_plan(plan, planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         tiers = self._tiers()
         m = self.manifest or self._load_manifest()
         self.manifest = m
@@ -230,9 +237,6 @@ class DataStatesReader(StorageReader):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             log.info("rank %d restored %s", rank, ", ".join(
                 f"{n / 2**20:.1f} MiB from {u}" for u, n in self.served.items()))
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
 
     def _deliver_all(self, tasks: list["_ReadTask"], planner) -> None:
         """Hand every finished task's tensor (or rebuilt object) to the planner."""
@@ -589,6 +593,14 @@ class _ReadTask:
         if n_needed == 0:
             self.buf_size = 0
             return
+        whole = n_needed == ext.nbytes and dest.dtype == self.dtype and dest.is_contiguous() \
+            and dest.numel() * item == ext.nbytes
+        self._direct = whole and dest.device.type == "cpu"  # read straight into the destination
+        self._whole_gpu = whole and dest.device.type == "cuda"
+        if n_needed == ext.nbytes:  # the whole chunk (a box of its size can only start at 0)
+            self.base, self.buf_size = 0, ext.nbytes
+            self._add_ranges(ext, 0, ext.nbytes, 0)
+            return
         strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
         first = sum(o * s for o, s in zip(offs, strides)) * item
         last = (sum((o + l - 1) * s for o, l, s in zip(offs, lens, strides)) + 1) * item
@@ -596,10 +608,6 @@ class _ReadTask:
         r1 = min(-(-last // block_size) * block_size, ext.nbytes)
         self.base = r0  # chunk byte offset of buffer position 0
         self.buf_size = r1 - r0
-        whole = n_needed == ext.nbytes and dest.dtype == self.dtype and dest.is_contiguous() \
-            and dest.numel() * item == ext.nbytes
-        self._direct = whole and dest.device.type == "cpu"  # read straight into the destination
-        self._whole_gpu = whole and dest.device.type == "cuda"
         # Runs: the box as contiguous pieces; read only the blocks they touch.
         runs = _runs(offs, lens, sizes, item)
         if len(runs) > 1 and self.buf_size > 1.25 * n_needed:

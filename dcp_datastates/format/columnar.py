@@ -298,6 +298,9 @@ class Table:
         got = self._rows_cache.get(t)
         if got is None:
             c0, c1, _ = self._rows(t)
+            if c1 - c0 == 1:  # one chunk (most small tensors): no array arithmetic
+                got = self._rows_cache[t] = np.array([c0])
+                return got
             live = np.nonzero(self.numel[c0:c1])[0]
             empty = np.nonzero(self.numel[c0:c1] == 0)[0][:1]
             got = self._rows_cache[t] = c0 + np.sort(np.concatenate([live, empty]))
@@ -347,6 +350,9 @@ class Table:
 
     def _check(self, t: int) -> None:
         if t in self._checked:
+            return
+        if int(self.nchunks[t]) == 1:  # one box, inside the tensor (checked in bulk): nothing to overlap
+            self._checked.add(t)
             return
         if int(self.nchunks[t]) <= _SMALL:  # a few boxes: the sweep on plain tuples is cheaper
             check_tiling(self.names[t], [_Box(o, z) for o, z in self.box_list(t)])
