@@ -96,7 +96,8 @@ class Checkpointer:
         self.writer_options = writer_options
         # the staging cache is allocated (pinned on a GPU machine) now, in the background
         prepare_host_cache(writer_options.get("host_cache_bytes") or default_host_cache_bytes())
-        prepare_device_cache(writer_options.get("device_cache_bytes") or 0)
+        if async_mode == "thread":  # used by async saves only; PROCESS mode's is in its daemon
+            prepare_device_cache(writer_options.get("device_cache_bytes") or 0)
         self.incremental = incremental
         self._last_committed: int | None = None  # newest step this process committed
         self._manifests: dict[int, object] = {}  # step -> Manifest, while it flushes to slower tiers

@@ -100,7 +100,8 @@ class DataStatesWriter(StorageWriter):
         self.host_cache_bytes = host_cache_bytes or default_host_cache_bytes()
         prepare_host_cache(self.host_cache_bytes)  # in the background: ready for the first save
         self.device_cache_bytes = device_cache_bytes
-        prepare_device_cache(device_cache_bytes)
+        if async_mode != "process":  # there, the level lives in DCP's checkpoint process
+            prepare_device_cache(device_cache_bytes)
         self.sync_files, self.storage_options, self.async_mode = sync_files, storage_options, async_mode
         self.persist_to = [str(p) for p in ([persist_to] if isinstance(persist_to, str) else persist_to or [])]
         self.persist, self.persist_options, self.o_direct = persist, persist_options, o_direct
