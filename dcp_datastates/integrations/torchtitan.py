@@ -81,7 +81,8 @@ class DataStatesCheckpointManager(CheckpointManager):
         if self.enable:
             cache = config.host_cache_bytes or default_host_cache_bytes()
             prepare_host_cache(cache)  # in the background, so the first checkpoint finds it ready
-            prepare_device_cache(config.device_cache_bytes)
+            if str(config.async_mode) == "async":  # THREAD saves; PROCESS mode's is in its daemon
+                prepare_device_cache(config.device_cache_bytes)
             logger.info(f"dcp-datastates checkpointing: host cache {cache >> 20} MiB, device cache "
                         f"{config.device_cache_bytes >> 20} MiB, {config.thread_count} flush threads per rank")
         self._ds_writer: DataStatesWriter | None = None
@@ -101,7 +102,8 @@ class DataStatesCheckpointManager(CheckpointManager):
         writer = DataStatesWriter(
             checkpoint_id, overwrite=True, thread_count=self._ds_config.thread_count,
             host_cache_bytes=self._ds_config.host_cache_bytes or None,
-            device_cache_bytes=self._ds_config.device_cache_bytes)
+            device_cache_bytes=self._ds_config.device_cache_bytes,
+            async_mode="process" if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM else None)
         self._ds_writer = writer
         if async_mode == AsyncMode.DISABLED:
             dcp.save(state_dict, storage_writer=writer)
