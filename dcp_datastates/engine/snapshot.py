@@ -439,6 +439,9 @@ class SnapshotEngine:
                     spans[-1][2].append((p.item, a, x, z - a))
             sink = job.sinks[b.file]
             direct = getattr(sink, "o_direct", False) and cache_off is not None
+            if direct:  # O_DIRECT writes start on a page of the cache: widen packed spans down
+                for sp in spans:
+                    sp[0] = sp[0] // ALIGNMENT * ALIGNMENT
             for x, y, units in spans:
                 n = y - x
                 off = sink.reserve(n)

@@ -1,7 +1,10 @@
 """Where bytes go inside a rank's data file.
 
-Every extent starts on an ``ALIGNMENT`` (4 KiB) boundary so that O_DIRECT and
-block-aligned ranged reads work; the gap up to the boundary is zero padding.
+An extent of ``ALIGNMENT`` (4 KiB) or more starts on a 4 KiB boundary, so that it can be
+written from the page-aligned host cache with O_DIRECT and read back in whole device blocks.
+A smaller one is packed on a ``PACK_ALIGNMENT`` (64-byte) boundary: it is written as part of
+a coalesced run and read buffered, so a 4 KiB slot would only waste space (20,000 tensors of
+64 bytes took 82 MB of file that way, for 1.3 MB of data).  Gaps are zero padding.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALIGNMENT = 4096
+PACK_ALIGNMENT = 64  # extents under ALIGNMENT bytes (any dtype's alignment, a cache line)
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -27,7 +31,7 @@ class FileLayout:
         self.end = start
 
     def place(self, nbytes: int) -> int:
-        offset = align_up(self.end)
+        offset = align_up(self.end, ALIGNMENT if nbytes >= ALIGNMENT else PACK_ALIGNMENT)
         self.end = offset + nbytes
         return offset
 
@@ -43,7 +47,8 @@ def stripe_count(total_bytes: int, thread_count: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where one region goes: its stripe (data file index) and its aligned offset there."""
+    """Where one region goes: its stripe (data file index) and its offset there (4 KiB-aligned,
+    or 64-byte for a region under 4 KiB)."""
     stripe: int
     offset: int
 
