@@ -49,10 +49,10 @@ import scale_model as sm  # noqa: E402
 
 from dcp_datastates import DataStatesReader  # noqa: E402
 from dcp_datastates.format import MANIFEST_NAME  # noqa: E402
-from dcp_datastates.format.checksum import BLOCK_SIZE, DIGEST_BYTES  # noqa: E402
+from dcp_datastates.format.checksum import BLOCK_SIZE, DIGEST_BYTES, Digests  # noqa: E402
 from dcp_datastates.format.dtypes import dtype_name  # noqa: E402
 from dcp_datastates.format.manifest import Extent, Seg, encode_manifest  # noqa: E402
-from dcp_datastates.format.model import ChunkMetadataView  # noqa: E402
+from dcp_datastates.format.model import ChunkMetadataView, paused_gc  # noqa: E402
 from dcp_datastates.planner import narrow as narrowed_to  # noqa: E402
 from dcp_datastates.format.names import data_file_name  # noqa: E402
 from dcp_datastates.format.records import ItemRecord, RankRecord  # noqa: E402
@@ -86,7 +86,7 @@ def _our_results(ts, per_rank) -> list[list[WriteResult]]:
         for ti, offs, sizes in rows:
             t = ts[ti]
             n = max(1, int(torch.Size(sizes).numel())) * t.dtype.itemsize
-            ext = Extent([Seg(name, pos, n)], n, [DIGEST] * max(1, -(-n // BLOCK_SIZE)))
+            ext = Extent([Seg(name, pos, n)], n, Digests(DIGEST * max(1, -(-n // BLOCK_SIZE))))  # as the writer makes it
             pos += n
             rec = ItemRecord("tensor", dtype_name(t.dtype), tuple(sizes), ext)
             res.append(WriteResult(index=MetadataIndex(t.fqn, torch.Size(offs)), size_in_bytes=n,
@@ -144,8 +144,9 @@ def one(system: str, layout: str, n: int, root: str) -> dict:
     os.makedirs(path)
     rss0 = _rss_peak()
     t0 = time.perf_counter()
-    if system == "ours":
-        manifest = _manifest_for(md, results, SAVE_ID)
+    if system == "ours":  # as DataStatesWriter.finish does it
+        with paused_gc():
+            manifest = _manifest_for(md, results, SAVE_ID)
         manifest.world_size = n
         StorageTier(path).commit_bytes(MANIFEST_NAME, encode_manifest(manifest))
         del manifest

@@ -33,6 +33,7 @@ from .engine import CopyItem
 from .engine.live import version_at_start
 from .errors import ProviderError, UnsupportedValueError
 from .format import dtype_name
+from .format.checksum import Digests
 from .format.layout import place_regions, stripe_count
 from .format.manifest import Extent, Seg, ValueEntry
 from .format.model import ChunkMetadataView
@@ -248,7 +249,9 @@ def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: 
             else:
                 f = names[f]
             segs.append(Seg(f, off, n))
-        return Extent(segs, ci.nbytes, list(ci.sums))
+        # one string per chunk, not an object per 1 MiB block: DCP pickles the records to
+        # the coordinator, which joins them into the manifest
+        return Extent(segs, ci.nbytes, Digests(b"".join(ci.sums)))
     records = []
     for p in placed:
         if p.kind == "value":
