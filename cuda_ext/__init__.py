@@ -304,8 +304,6 @@ class H2DUploader:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # destinations exist
-        self.bytes = 0
-        self._lock = threading.Lock()
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor):
         """Copy pinned ``src`` into device ``dst`` (same bytes, both contiguous), asynchronously."""
@@ -313,8 +311,6 @@ class H2DUploader:
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.stream)
-        with self._lock:
-            self.bytes += src.numel() * src.element_size()
         return ev
 
     def empty(self, nbytes: int) -> torch.Tensor:
@@ -323,16 +319,13 @@ class H2DUploader:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def copy_box(self, dst: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype, shape, strides,
-                 offset: int):
+                 offset: int) -> None:
         """Copy the box ``as_strided(shape, strides, offset)`` of device bytes ``raw`` (elements
         of ``dtype``) into ``dst``, on the device, in this stream's order (casting if needed)."""
         with torch.cuda.stream(self.stream):
             usable = raw.numel() // dtype.itemsize * dtype.itemsize
             typed = raw[:usable].view(dtype)
             dst.copy_(typed.as_strided(shape, strides, offset) if shape else typed[offset:offset + 1].reshape(()))
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        return ev
 
     def finish(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)

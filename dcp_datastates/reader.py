@@ -206,19 +206,19 @@ class DataStatesReader(StorageReader):
             self._check_coverage(tensor_items, planner, m)
             tasks = self._tasks(plan, planner, m, tensor_items)
         gpu = [t for t in tasks if t.dest is not None and t.dest.device.type == "cuda"]
-        up = DeviceUpload({t.dest.device for t in gpu}) if gpu and upload.wanted([t.dest for t in gpu]) else None
+        up = DeviceUpload({t.dest.device for t in gpu}) if gpu and upload.usable() else None
         for t in gpu:
             t.up = up
             t.streamed = up is not None and t._whole_gpu
         files = _FileSet(tiers, m.homes)
         try:
-            if self.o_direct == "auto":
+            total = sum(t.buf_size for t in tasks)
+            if self.o_direct == "auto" and total >= read_path.PROBE_MIN_LOAD:
                 _probe_read_path(files, tasks, self.thread_count)
             pieces = [(t, i) for t in tasks for i in range(len(t.ranges))]
             # one pool task per batch of small pieces: a future and a lock per 64-byte tensor
             # cost more than its read
             # threads pay off for large reads; for small ones they only contend for the GIL
-            total = sum(t.buf_size for t in tasks)
             threads = max(1, min(self.thread_count, total // (4 << 20)))
             with ThreadPoolExecutor(threads, thread_name_prefix="dcpds-read") as pool:
                 for _ in pool.map(lambda b: [self._run_piece(files, *ti) for ti in b],
@@ -437,7 +437,7 @@ def _probe_read_path(files: "_FileSet", tasks: list, threads: int) -> None:
     for t in tasks:
         for name, _off, n, *_rest in t.ranges:
             sizes[name] = sizes.get(name, 0) + n
-    if not sizes or sum(sizes.values()) < read_path.PROBE_MIN_LOAD:
+    if not sizes:
         return
     name = max(sizes, key=sizes.get)
     try:

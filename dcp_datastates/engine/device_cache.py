@@ -62,9 +62,7 @@ def default_device() -> torch.device:
 
 def shared_device_cache(capacity: int, device: torch.device) -> DeviceCache:
     """The process-wide device cache of this size on ``device`` (made once, then reused)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)  # callers pass an indexed device (a tensor's, default_device())
     key = (capacity, str(device))
     with _lock:
         c = _shared.get(key)

@@ -133,11 +133,8 @@ class HostCache:
 
     def try_alloc(self, nbytes: int) -> int | None:
         """Reserve ``nbytes`` if there is room now; None otherwise (never blocks)."""
-        need = align_up(max(nbytes, 1))
-        if need > self.capacity:
-            return None
         with self._cv:
-            return self._take(need)
+            return self._take(align_up(max(nbytes, 1)))
 
     def _take(self, need: int) -> int | None:
         for i, (start, size) in enumerate(self._free):  # first fit; caller holds the lock

@@ -370,9 +370,10 @@ class SnapshotEngine:
         storage (the snapshot is done: training runs meanwhile).  Blocks on the host cache like
         any batch; a device region is freed once its copy to the host has landed."""
         for i, (b, doff) in enumerate(parked):
+            if job.abort.is_set():
+                _release(dc, parked[i:])
+                return
             try:
-                if job.abort.is_set():
-                    raise RuntimeError("save aborted")
                 off = self.cache.alloc(b.nbytes, job.abort)
             except BaseException:
                 _release(dc, parked[i:])

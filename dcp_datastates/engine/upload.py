@@ -41,9 +41,9 @@ def pinned_slab():
             _slabs.append(slab)
 
 
-def wanted(dests: list[torch.Tensor]) -> bool:
-    """Whether a load into ``dests`` should stage through pinned slabs."""
-    return cuda_ext.available() and any(d is not None and d.device.type == "cuda" for d in dests)
+def usable() -> bool:
+    """Whether GPU destinations can stage through pinned slabs (cuda-python and a GPU)."""
+    return cuda_ext.available()
 
 
 class DeviceUpload:
@@ -70,10 +70,6 @@ class DeviceUpload:
                 slab[:n].copy_(raw[a:a + n])
                 up.upload(tmp[a:a + n], slab[:n]).synchronize()
         up.copy_box(dest, tmp, dtype, shape, strides, offset)
-
-    @property
-    def bytes(self) -> int:
-        return sum(u.bytes for u in self._up.values())
 
     def finish(self) -> None:
         """The caller's streams wait for every upload (the state is usable after this)."""

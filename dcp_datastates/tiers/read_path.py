@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import direct_io
-from .direct_io import StagingBuffer, cached_bytes
+from .direct_io import StagingBuffer, mostly_cached
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def choose(fd: int, direct_fd: int, align: tuple[int, int], threads: int) -> Rea
             return None
         span = st.st_size // (2 * threads) // align[1] * align[1]
         starts = [i * span for i in range(2 * threads)]
-        if any(_cached(fd, s) for s in starts):
+        if any(mostly_cached(fd, s, PROBE_BYTES) for s in starts):
             return None
         bufs = [StagingBuffer(PROBE_BYTES) for _ in range(threads)]
         try:
@@ -108,11 +108,6 @@ def choose(fd: int, direct_fd: int, align: tuple[int, int], threads: int) -> Rea
         _choices[st.st_dev] = choice
     log.info("cold reads on device %d:%d: %s", os.major(st.st_dev), os.minor(st.st_dev), choice.describe())
     return choice
-
-
-def _cached(fd: int, start: int) -> bool:
-    c = cached_bytes(fd, start, PROBE_BYTES)
-    return c is not None and c * 4 >= PROBE_BYTES
 
 
 def _round(read, starts: list[int], bufs: list[StagingBuffer]) -> float:
