@@ -216,11 +216,17 @@ class DataStatesReader(StorageReader):
             if self.o_direct == "auto" and total >= read_path.PROBE_MIN_LOAD:
                 _probe_read_path(files, tasks, self.thread_count)
             pieces = [(t, i) for t in tasks for i in range(len(t.ranges))]
+            # Small pieces that lie close together in a file are read as one range, then
+            # verified and copied out piece by piece: one request per run of the file rather
+            # than one per tensor (which, for an object store, is one GET per tensor).
+            runs, pieces = _coalesce(pieces)
             # one pool task per batch of small pieces: a future and a lock per 64-byte tensor
             # cost more than its read
             # threads pay off for large reads; for small ones they only contend for the GIL
             threads = max(1, min(self.thread_count, total // (4 << 20)))
             with ThreadPoolExecutor(threads, thread_name_prefix="dcpds-read") as pool:
+                for _ in pool.map(lambda r: _read_run(self, files, r), runs):
+                    pass
                 for _ in pool.map(lambda b: [self._run_piece(files, *ti) for ti in b],
                                   _batches(pieces, lambda ti: ti[0].ranges[ti[1]][2])):
                     pass
@@ -428,6 +434,74 @@ def _batches(items: list, nbytes, target: int = 8 << 20, per_item: int = 64 << 1
     if batch:
         out.append(batch)
     return out
+
+
+# A piece of at most COALESCE_PIECE bytes joins the run of its file when the gap from the
+# run's end is at most COALESCE_GAP; a run stops growing at COALESCE_RUN bytes.
+COALESCE_PIECE = 64 << 10
+COALESCE_GAP = 16 << 10
+COALESCE_RUN = 4 << 20
+
+
+def _coalesce(pieces: list) -> tuple[list[list], list]:
+    """Split ``pieces`` ((task, range index) pairs) into runs of small pieces that lie close
+    together in one file (each run sorted by file offset, at least two pieces), and the
+    pieces left to read one by one."""
+    small: dict[str, list] = defaultdict(list)
+    rest = []
+    for ti in pieces:
+        t, i = ti
+        if t.ranges[i][2] <= COALESCE_PIECE and not t.streamed:
+            small[t.ranges[i][0]].append(ti)
+        else:
+            rest.append(ti)
+    runs = []
+    for group in small.values():
+        group.sort(key=lambda ti: ti[0].ranges[ti[1]][1])
+        run, start, end = [], 0, 0
+        for ti in group:
+            _name, off, n = ti[0].ranges[ti[1]][:3]
+            if run and (off - end > COALESCE_GAP or off + n - start > COALESCE_RUN or off < end):
+                (runs if len(run) > 1 else rest).extend([run] if len(run) > 1 else run)
+                run = []
+            if not run:
+                start = off
+            run.append(ti)
+            end = off + n
+        if run:
+            (runs if len(run) > 1 else rest).extend([run] if len(run) > 1 else run)
+    return runs, rest
+
+
+def _read_run(reader: DataStatesReader, files: "_FileSet", run: list) -> None:
+    """Read a run of small pieces of one file from the first tier with one request, then
+    verify and copy each piece out.  A piece the request did not bring back whole, or whose
+    blocks do not verify, is read again alone (``_run_piece``: the slower tiers, and the
+    error that names the file and tensor)."""
+    first, last = run[0][0].ranges[run[0][1]], run[-1][0].ranges[run[-1][1]]
+    name, start = first[0], first[1]
+    buf = bytearray(last[1] + last[2] - start)
+    tier = files.tier_for(0, name)
+    try:
+        got = tier.read_into(name, start, buf, fd=files.fd(0, name))
+    except OSError:
+        got = 0  # missing or unreadable here: each piece reports or falls back on its own
+    mv = memoryview(buf)
+    served = 0
+    for t, i in run:
+        _name, off, n, buf_off, first_block, ext = t.ranges[i]
+        lo = off - start
+        piece = mv[lo:lo + n]
+        if lo + n > got or (reader.verify and verify_blocks(piece, ext.sums, first_block, t.block_size)
+                            is not None):
+            reader._run_piece(files, t, i)
+            continue
+        dst, _addr = t.buffer()
+        dst[buf_off:buf_off + n] = piece
+        served += n
+    with reader._lock:
+        reader.bytes_read += served
+        reader.served[files.tiers[0].url] = reader.served.get(files.tiers[0].url, 0) + served
 
 
 def _probe_read_path(files: "_FileSet", tasks: list, threads: int) -> None:
