@@ -44,7 +44,16 @@ from .tiers.incremental import Base
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, with each rank's items ordered largest first."""
+    """DCP's default save planner, with each rank's items ordered largest first, and plan
+    caching (``enable_plan_caching=True``) that keeps each save's storage data."""
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """DCP's final plan; when its plan cache replays an earlier save's plan, with the
+        storage data the writer gave this save (its id) instead of the earlier save's."""
+        plan = super().finish_plan(new_plan)
+        if not new_plan.usable and new_plan.storage_data is not None:
+            plan = self.plan = dataclasses.replace(plan, storage_data=new_plan.storage_data)
+        return plan
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, items sorted by size (largest first): the engine starts the long

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import uuid
 
@@ -243,7 +244,7 @@ class DataStatesWriter(StorageWriter):
         with _failing(self):
             sd = plan.storage_data if isinstance(plan.storage_data, dict) else {}
             self.rank = int(sd.get("rank", self.rank))
-            self.save_id = sd.get("save_id", self.save_id)
+            self.save_id = _fresh_save_id(self, sd.get("save_id", self.save_id))
             return self._write(plan, planner, self._session or SaveSession(lazy=False))
 
     def _write(self, plan: SavePlan, planner: SavePlanner, session: SaveSession) -> Future:
@@ -430,6 +431,29 @@ def _check_options(thread_count: int, host_cache_bytes: int | None, async_mode: 
     if dedup_unit_bytes <= 0 or dedup_unit_bytes % BLOCK_SIZE:
         raise ValueError(f"dedup_unit_bytes must be a positive multiple of {BLOCK_SIZE}, "
                          f"got {dedup_unit_bytes}")
+
+
+_written_ids: set[str] = set()
+_written_lock = threading.Lock()
+
+
+def _fresh_save_id(w: DataStatesWriter, planned: str) -> str:
+    """The save id the coordinator planned, unless DCP's plan cache replayed an earlier save's
+    plan (an id this process already wrote with): a single process then keeps its own; ranks
+    of a job cannot agree on a new one without the plan, so the save fails before writing."""
+    with _written_lock:
+        if planned not in _written_ids:
+            _written_ids.add(planned)
+            return planned
+    alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+    if alone and w.is_coordinator:
+        with _written_lock:
+            _written_ids.add(w.save_id)
+        return w.save_id
+    raise CheckpointError(
+        f"DCP's plan cache replayed the plan of an earlier save (id {planned}) without this save's "
+        "id; pass planner=DataStatesSavePlanner(enable_plan_caching=True), which carries it",
+        checkpoint=w.path)
 
 
 def _agree_save_id(mine: str) -> str:

@@ -367,3 +367,47 @@ def incremental_process_mode(rank, world, base):
     for k, v in saved[3].items():
         assert torch.equal(out["model"][k].full_tensor(), v), k
     assert torch.equal(out["table"].full_tensor(), table.full_tensor())
+
+
+# ----------------------------------------------------------------- DCP's plan cache
+
+def plan_cache_saves(rank, world, base, kind):
+    """Three saves of one layout with DCP's plan cache on, each incremental on the one before
+    (a frozen tensor is referenced, not rewritten); DCP's own save of each is the reference.
+    ``kind`` "ours": ``DataStatesSavePlanner``, whose plans carry each save's own id;
+    "dcp": ``DefaultSavePlanner``, whose cache replays the first save's plan and its id, so
+    the second save must fail before it writes, leaving the first intact."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+    model, opt = make_fsdp(world)
+    frozen = torch.arange(600_000, dtype=torch.float32)
+    for step in range(3):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sd = {**app_state(model, opt), "frozen": frozen}
+        path = os.path.join(base, f"step-{step}")
+        w = DataStatesWriter(path, incremental_base=os.path.join(base, f"step-{step - 1}") if step else None)
+        planner = (DataStatesSavePlanner if kind == "ours" else DefaultSavePlanner)(enable_plan_caching=True)
+        if kind == "dcp" and step == 1:
+            try:
+                dcp.save(sd, storage_writer=w, planner=planner)
+            except CheckpointException as e:
+                assert "plan cache" in str(e) and "DataStatesSavePlanner" in str(e), str(e)
+            else:
+                raise AssertionError("a replayed plan was written")
+            assert not os.path.exists(os.path.join(path, ".metadata"))
+            return
+        dcp.save(sd, storage_writer=w, planner=planner)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(base, "ref", f"step-{step}")))
+
+
+def plan_cache_load(rank, world, base, steps):
+    for step in steps:
+        m1, o1 = make_fsdp(world, seed=1, train=True)
+        m2, o2 = make_fsdp(world, seed=2, train=True)
+        s1 = {**app_state(m1, o1), "frozen": torch.zeros(600_000)}
+        s2 = {**app_state(m2, o2), "frozen": torch.ones(600_000)}
+        dcp.load(s1, storage_reader=DataStatesReader(os.path.join(base, f"step-{step}")))
+        dcp.load(s2, storage_reader=dcp.FileSystemReader(os.path.join(base, "ref", f"step-{step}")))
+        _compare(s1, s2)

@@ -264,6 +264,24 @@ class Table:
         self.chunk_dim, self.first_seg = chunk_dim, first_seg  # where each chunk's dims, segments start
         self.first_sum = _starts(nsums) * DIGEST_BYTES
         self._checked: set[int] = set()
+        self._stacked: frozenset[int] | None = None
+
+    def _stacked_tensors(self) -> frozenset[int]:
+        """Tensors whose non-empty boxes are shown disjoint in one pass over every chunk of the
+        table: sorted by their start along the first dimension, each ends before the next
+        starts (FSDP's shards, and any split of dimension 0).  The others are checked alone."""
+        if self._stacked is None:
+            t_of = np.repeat(np.arange(len(self.nchunks), dtype=_I8), self.nchunks)
+            live = np.nonzero((self.ndim[t_of] > 0) & (self.numel > 0))[0]
+            tid = t_of[live]
+            start = self.offs[self.chunk_dim[live]]
+            end = start + self.sizes[self.chunk_dim[live]]
+            order = np.lexsort((start, tid))
+            tid, start, end = tid[order], start[order], end[order]
+            bad = np.unique(tid[:-1][(tid[:-1] == tid[1:]) & (end[:-1] > start[1:])])
+            many = np.nonzero(self.nchunks > 1)[0]
+            self._stacked = frozenset(np.setdiff1d(many, bad).tolist())
+        return self._stacked
 
     def size(self, t: int) -> tuple[int, ...]:
         a = int(self.first_dim[t])
@@ -352,6 +370,9 @@ class Table:
         if t in self._checked:
             return
         if int(self.nchunks[t]) == 1:  # one box, inside the tensor (checked in bulk): nothing to overlap
+            self._checked.add(t)
+            return
+        if t in self._stacked_tensors():
             self._checked.add(t)
             return
         if int(self.nchunks[t]) <= _SMALL:  # a few boxes: the sweep on plain tuples is cheaper
