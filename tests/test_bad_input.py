@@ -276,3 +276,46 @@ def test_overlapping_chunks_in_a_table_are_refused_before_use(tmp_path):
     for kw in ({}, {"planner": DataStatesLoadPlanner()}):
         msg = _err(lambda: dcp.load({"w": torch.zeros(16)}, storage_reader=DataStatesReader(d), no_dist=True, **kw))
         assert "overlap" in msg and d in msg, msg
+
+
+def test_two_chunks_of_a_scalar_are_refused(tmp_path):
+    """A 0-d tensor has one place: a crafted table giving it two chunks fails the load, naming
+    it (the bulk check over the table's columns leaves 0-d tensors to the exact one)."""
+    from dcp_datastates import DataStatesLoadPlanner
+    d = str(tmp_path / "c")
+    _save(d, {"s": torch.tensor(3.0)})
+
+    def mutate(b):
+        t = b["table"]
+        t["nchunks"] = struct.pack("<q", 2)
+        for k in ("nsegs", "seg_file", "seg_offset", "seg_nbytes", "sums"):
+            t[k] += t[k]
+    rewrite_manifest(d, mutate, version=3)
+    for kw in ({}, {"planner": DataStatesLoadPlanner()}):
+        msg = _err(lambda: dcp.load({"s": torch.zeros(())}, storage_reader=DataStatesReader(d), no_dist=True, **kw))
+        assert "two chunks" in msg and d in msg, msg
+
+
+def test_overlap_among_many_chunks_is_refused(tmp_path):
+    """40 one-element chunks, one of them widened over its neighbour: the bulk check over the
+    columns does not pass the tensor, and the exact check names the overlap."""
+    from dcp_datastates import DataStatesLoadPlanner
+    d = str(tmp_path / "c")
+    _save(d, {"w": torch.arange(40.0)})
+
+    def mutate(b):
+        t = b["table"]
+        n = 40
+        base = struct.unpack("<q", t["seg_offset"][:8])[0]
+        t["nchunks"] = struct.pack("<q", n)
+        t["offsets"] = b"".join(struct.pack("<q", i if i != 20 else 19) for i in range(n))
+        t["sizes"] = b"".join(struct.pack("<q", 1 if i != 20 else 2) for i in range(n))
+        t["nsegs"] = t["nsegs"] * n
+        t["seg_file"] = t["seg_file"] * n
+        t["seg_offset"] = b"".join(struct.pack("<q", base + 4 * i) for i in range(n))
+        t["seg_nbytes"] = b"".join(struct.pack("<q", 4 if i != 20 else 8) for i in range(n))
+        t["sums"] = t["sums"] * n
+    rewrite_manifest(d, mutate, version=3)
+    for kw in ({}, {"planner": DataStatesLoadPlanner()}):
+        msg = _err(lambda: dcp.load({"w": torch.zeros(40)}, storage_reader=DataStatesReader(d), no_dist=True, **kw))
+        assert "overlap" in msg and d in msg, msg

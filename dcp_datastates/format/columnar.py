@@ -279,7 +279,7 @@ class Table:
             order = np.lexsort((start, tid))
             tid, start, end = tid[order], start[order], end[order]
             bad = np.unique(tid[:-1][(tid[:-1] == tid[1:]) & (end[:-1] > start[1:])])
-            many = np.nonzero(self.nchunks > 1)[0]
+            many = np.nonzero((self.nchunks > 1) & (self.ndim > 0))[0]  # 0-d: the exact check
             self._stacked = frozenset(np.setdiff1d(many, bad).tolist())
         return self._stacked
 
