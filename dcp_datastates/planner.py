@@ -239,7 +239,11 @@ def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, th
         if started is not None:
             ci.version = version_at_start(started, r.source)
         copy_items.append(ci)
-        placed[i].parts.append((r.name, dtype_name(r.source.dtype), tuple(r.source.shape), ci))
+        try:
+            dt = dtype_name(r.source.dtype)
+        except ValueError as e:  # nothing is written yet: the save fails here, naming the tensor
+            raise UnsupportedValueError(str(e), checkpoint=checkpoint, key=item.index.fqn) from None
+        placed[i].parts.append((r.name, dt, tuple(r.source.shape), ci))
     return placed, copy_items, names
 
 

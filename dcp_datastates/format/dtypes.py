@@ -23,8 +23,10 @@ _NAMES: dict[torch.dtype, str] = {
     torch.uint8: "uint8",
     torch.bool: "bool",
 }
+# newer dtypes where this torch has them (float8_e8m0fnu: MX scales; float4_e2m1fn_x2: two
+# fp4 values per byte)
 for _attr in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-              "uint16", "uint32", "uint64"):
+              "float8_e8m0fnu", "float4_e2m1fn_x2", "uint16", "uint32", "uint64"):
     if hasattr(torch, _attr):
         _NAMES[getattr(torch, _attr)] = _attr
 
