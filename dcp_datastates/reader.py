@@ -266,7 +266,8 @@ class DataStatesReader(StorageReader):
                 tasks.append(_ReadTask(self, ri, None, "uint8", v.node, m.block_size))
             else:
                 self._load_value(ri, planner, m)
-        return tasks + [self._make_task(ri, planner, m) for ri in tensor_items]
+        return tasks + [_small_task(self, ri, planner, m) or self._make_task(ri, planner, m)
+                        for ri in tensor_items]
 
     def _check_coverage(self, items, planner, m: Manifest) -> None:
         sd = getattr(planner, "state_dict", None)
@@ -630,6 +631,52 @@ class _FileSet:
         for fd in [*self._fds.values(), *(d for d, _a in self._direct.values())]:
             if fd is not None:
                 os.close(fd)
+
+
+def _small_task(reader: DataStatesReader, ri, planner, m: Manifest) -> "_SmallTask | None":
+    """The task of a small chunk read whole, from one segment, straight into a contiguous CPU
+    tensor of its dtype (most of a state's many small tensors); None for anything else, which
+    ``_make_task`` takes."""
+    entry = m.tensors.get(ri.storage_index.fqn)
+    at = ri.storage_index.index
+    if entry is None or not isinstance(at, int) or not 0 <= at < entry.count():
+        return None
+    chunk = entry.chunk_at(at)
+    ext = chunk.extent
+    if ext is None or len(ext.segs) != 1 or not 0 < ext.nbytes <= COALESCE_PIECE \
+            or chunk.offsets != tuple(ri.storage_index.offset or ()) or any(ri.storage_offsets) \
+            or tuple(ri.lengths) != tuple(chunk.sizes):
+        return None
+    dest = planner.resolve_tensor(ri).detach()
+    if dest.device.type != "cpu" or dest.dtype != dtype_from_name(entry.dtype) or not dest.is_contiguous() \
+            or dest.numel() * dest.element_size() != ext.nbytes:
+        return None
+    reader.bytes_needed += ext.nbytes
+    return _SmallTask(ri, dest, ext, m.block_size)
+
+
+class _SmallTask:
+    """A ``_ReadTask`` for the case ``_small_task`` takes: one range, read into the tensor."""
+
+    __slots__ = ("ri", "dest", "block_size", "ranges", "buf_size", "_buf")
+    streamed = False
+    up = None
+    rebuilt = None
+
+    def __init__(self, ri, dest: torch.Tensor, ext: Extent, block_size: int) -> None:
+        seg = ext.segs[0]
+        self.ri, self.dest, self.block_size, self.buf_size = ri, dest, block_size, ext.nbytes
+        self.ranges = [(seg.file, seg.offset, ext.nbytes, 0, 0, ext)]
+        self._buf = None
+
+    def buffer(self) -> tuple:
+        if self._buf is None:  # one range: one thread asks
+            flat = self.dest.reshape(-1).view(torch.uint8)
+            self._buf = (flat.numpy(), flat.data_ptr())
+        return self._buf
+
+    def finalize(self) -> None:
+        """Nothing: the bytes were read in place."""
 
 
 class _ReadTask:

@@ -91,6 +91,9 @@ def verify_blocks(buf, sums: list, first_block: int, block_size: int = BLOCK_SIZ
     """
     mv = memoryview(buf).cast("B")
     n = mv.nbytes
+    if 0 < n <= block_size and isinstance(sums, Digests):  # one block (most small pieces)
+        want = sums.joined[first_block * DIGEST_BYTES:(first_block + 1) * DIGEST_BYTES]
+        return None if len(want) == DIGEST_BYTES and xxhash.xxh3_128_digest(mv) == want else first_block
     if not sums or first_block >= len(sums):
         return first_block
     if n == 0:

@@ -304,8 +304,11 @@ class Table:
         if n < 0:
             return self.special[c]
         s0 = int(self.first_seg[c])
-        segs = [Seg(self.fnames[int(f)], int(off), int(k)) for f, off, k in
-                zip(self.sfile[s0:s0 + n].tolist(), self.soff[s0:s0 + n].tolist(), self.sn[s0:s0 + n].tolist())]
+        if n == 1:  # most chunks: no slices
+            segs = [Seg(self.fnames[int(self.sfile[s0])], int(self.soff[s0]), int(self.sn[s0]))]
+        else:
+            segs = [Seg(self.fnames[int(f)], int(off), int(k)) for f, off, k in
+                    zip(self.sfile[s0:s0 + n].tolist(), self.soff[s0:s0 + n].tolist(), self.sn[s0:s0 + n].tolist())]
         d = int(self.first_sum[c])
         return Chunk(o, z, Extent(segs, int(self.nbytes[c]),
                                   Digests(self.sums[d:d + int(self.nsums[c]) * DIGEST_BYTES])))
