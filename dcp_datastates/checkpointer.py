@@ -38,7 +38,7 @@ from .guard import async_save
 from .planner import DataStatesLoadPlanner
 from .reader import DataStatesReader
 from .tiers import StorageTier
-from .tiers.manifests import load_manifest
+from .tiers.manifests import load_manifest, manifest_is_ours
 from .tiers.retention import STEP_DIR, purge_steps
 from .writer import DataStatesWriter
 
@@ -247,8 +247,12 @@ class Checkpointer:
         """Whether ``step`` has a committed manifest on tier ``i`` (a readable set of rank
         manifests counts; a directory without one is an interrupted or purged save)."""
         t = self._tier(i, step)
-        if t.exists(MANIFEST_NAME):
-            return True
+        try:
+            ours = manifest_is_ours(t)
+        except (OSError, CheckpointError):
+            ours = True  # a manifest there, unreadable now: loading it says why
+        if ours is not None:
+            return ours  # a .metadata of another format (DCP's own) is no step of ours
         names = [n for n in t.listdir() if is_manifest_name(n)]
         if not names:
             return False
@@ -256,6 +260,13 @@ class Checkpointer:
             load_manifest(t)
             return True
         except CheckpointError:
+            return False
+
+    def _foreign(self, i: int, step: int) -> bool:
+        """Whether step directory ``step`` of tier ``i`` holds another format's checkpoint."""
+        try:
+            return manifest_is_ours(self._tier(i, step)) is False
+        except (OSError, CheckpointError):
             return False
 
     def committed_steps(self, i: int) -> list[int]:
@@ -348,7 +359,8 @@ class Checkpointer:
                 keep_set = set(committed[-k:]) | protect
                 newest = committed[-1] if committed else None
                 drop = [s for s in self._step_dirs(i) if s not in keep_set
-                        and (s in committed or (newest is not None and s < newest))]
+                        and (s in committed or (newest is not None and s < newest
+                                                and not self._foreign(i, s)))]
                 if drop:
                     log.info("retention: purging steps %s on %s", drop, self.tiers[i])
                     # bytes of retained steps, and of steps still flushing to this tier, stay

@@ -196,6 +196,48 @@ def test_resave_of_base_on_slow_tier_keeps_child(tmp_path):
     assert torch.equal(out["w"], a2["w"]) and torch.equal(out["b"], a2["b"])
 
 
+def test_dcp_checkpoint_beside_ours_is_no_warning_and_keeps_tidy_working(tmp_path, caplog):
+    """A checkpoint in DCP's own format next to ours (a run being migrated) references none of
+    our files: overwriting ours still removes the superseded data files, without a warning."""
+    import logging
+    run = tmp_path / "run"
+    dcp.save({"w": torch.randn(64)}, storage_writer=dcp.FileSystemWriter(str(run / "dcp-step-1")), no_dist=True)
+    _save(str(run / "step-1"), {"w": torch.randn(64)})
+    first = {n for n in os.listdir(run / "step-1") if n.endswith(".dsd")}
+    caplog.set_level(logging.INFO)
+    _save(str(run / "step-1"), {"w": torch.randn(64)}, overwrite=True)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert first.isdisjoint(os.listdir(run / "step-1"))  # the superseded save's files are gone
+    assert os.listdir(run / "dcp-step-1")  # DCP's checkpoint untouched
+
+
+def test_retention_never_purges_a_dcp_checkpoint_in_a_step_directory(tmp_path, caplog):
+    """A checkpoint DCP's FileSystemWriter saved as ``step-1`` of our run is not one of our
+    steps: not committed, not latest, and retention never removes its ``.metadata``."""
+    import logging
+    run = tmp_path / "run"
+    theirs = {"w": torch.randn(64)}
+    dcp.save(theirs, storage_writer=dcp.FileSystemWriter(str(run / "step-1")), no_dist=True)
+    before = sorted(os.listdir(run / "step-1"))
+    c = Checkpointer([str(run)], keep=1, async_mode=None)
+    assert c.committed_steps(0) == [] and c.latest_step() is None
+    caplog.set_level(logging.INFO)
+    for step in (2, 3, 4):
+        c.save(step, {"w": torch.randn(64)})
+    c.close()
+    assert c.committed_steps(0) == [4] and c.latest_step() == 4
+    assert sorted(os.listdir(run / "step-1")) == before
+    out = {"w": torch.zeros(64)}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(run / "step-1")), no_dist=True)
+    assert torch.equal(out["w"], theirs["w"])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    # asked directly, the purge leaves it alone too
+    from dcp_datastates.tiers import StorageTier
+    from dcp_datastates.tiers.retention import purge_steps
+    assert purge_steps(StorageTier(str(run)), ["step-1"]) == []
+    assert sorted(os.listdir(run / "step-1")) == before
+
+
 # ------------------------------------------------------------------ 5. overlapping chunks
 def test_overlapping_chunks_refused(tmp_path):
     path = str(tmp_path / "c")

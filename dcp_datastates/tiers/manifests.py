@@ -13,11 +13,23 @@ import dataclasses
 import logging
 
 from ..errors import DataFileError, ManifestError, NotACheckpointError
-from ..format.manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
+from ..format.manifest import MAGIC, MAX_MANIFEST_BYTES, Manifest, decode_manifest
 from ..format.names import MANIFEST_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, parse_rank_manifest
 from .storage import StorageTier
 
 log = logging.getLogger(__name__)
+
+
+def manifest_is_ours(tier: StorageTier) -> bool | None:
+    """Whether ``tier``'s ``.metadata`` is a dcp-datastates manifest (it starts with the
+    format's magic): False for another format's (DCP's pickle), None when there is none.
+    Reads 16 bytes; raises ``OSError`` or ``CheckpointError`` when the file cannot be read."""
+    head = bytearray(len(MAGIC))
+    try:
+        n = tier.read_into(MANIFEST_NAME, 0, head)
+    except FileNotFoundError:
+        return None
+    return n == len(MAGIC) and bytes(head) == MAGIC
 
 
 def read_manifest(tier: StorageTier, name: str) -> Manifest:

@@ -30,6 +30,7 @@ from ..errors import CheckpointError
 from ..format.manifest import Manifest
 from ..format.names import CLAIM_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, is_ours
 from .claim import holds_live_claim
+from .manifests import manifest_is_ours
 from .storage import StorageTier
 from .tidy import run_references
 
@@ -68,6 +69,7 @@ def purge_steps(run: StorageTier, drop: list[str], *,
     """Purge step directories ``drop`` of ``run`` without breaking any retained step.
     Returns the directories removed completely (husks that stay are not listed)."""
     kinds = dict(run.entries())
+    foreign: set[str] = set()  # dropped names left alone: not uncommitted, so not swept
     for name in drop:
         if kinds.get(name) != "dir":
             if name in kinds:
@@ -82,6 +84,11 @@ def purge_steps(run: StorageTier, drop: list[str], *,
             log.warning("retention: %s is being saved right now; not purging it", t.url)
             continue
         try:
+            if manifest_is_ours(t) is False:
+                log.warning("retention: %s holds a checkpoint in another format (DCP's own?); "
+                            "left alone", t.url)
+                foreign.add(name)
+                continue
             have = t.listdir()
             if not have:
                 continue
@@ -89,15 +96,16 @@ def purge_steps(run: StorageTier, drop: list[str], *,
                 t.commit_bytes(PURGED_MARK, b"")
             for n in _manifests(t):
                 t.remove(n)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:
             log.warning("retention: could not uncommit %s (%s); skipping it", t.url, e)
+            foreign.add(name)
     live = live_files(run, also)
     gone = []
     marked = []
     for n, kind in run.entries():
         if kind == "dir" and STEP_DIR.match(n) and run.child(n).exists(PURGED_MARK):
             marked.append(n)
-    for name in sorted(set(drop) & {n for n, k in kinds.items() if k == "dir"} | set(marked)):
+    for name in sorted((set(drop) - foreign) & {n for n, k in kinds.items() if k == "dir"} | set(marked)):
         t = _inside(run, name)
         if t is None:
             continue

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ForeignFormatError
 from ..format.manifest import Manifest
 from ..format.names import (MANIFEST_NAME, TEMP_INFIX, data_file_save_id, is_manifest_name,
                             is_temp_manifest, marker_save_id, parse_rank_manifest)
@@ -64,6 +64,9 @@ def run_references(run: StorageTier, *, skip: str | None = None,
             continue
         try:
             _add(live, name, load_manifest(t))
+        except ForeignFormatError:
+            # DCP's own format (a run being migrated): its files are its own, none of ours
+            log.debug("%s holds a checkpoint in DCP's own format; it references none of ours", t.url)
         except (CheckpointError, OSError) as e:
             log.warning("cannot read the manifest of %s (%s); keeping every file it might use",
                         t.url, e)
