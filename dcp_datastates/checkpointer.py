@@ -38,7 +38,7 @@ from .guard import async_save
 from .planner import DataStatesLoadPlanner
 from .reader import DataStatesReader
 from .tiers import StorageTier
-from .tiers.manifests import load_manifest, manifest_is_ours
+from .tiers.manifests import load_manifest, manifest_head, manifest_is_ours
 from .tiers.retention import STEP_DIR, purge_steps
 from .writer import DataStatesWriter
 
@@ -262,6 +262,22 @@ class Checkpointer:
         except CheckpointError:
             return False
 
+    def _agreed_save(self, step: int) -> str | None:
+        """The save of ``step`` every rank restores when tiers hold different ones (a node kept
+        a copy from an attempt the job rolled back): the newest on a tier all ranks share, else
+        the newest on a node-local tier; None when no copy says (the reader decides alone)."""
+        heads = [manifest_head(self._tier(i, step)) for i in range(len(self.tiers))]
+        views = [heads]
+        if dist.is_available() and dist.is_initialized():
+            views = [None] * dist.get_world_size(self.pg)
+            dist.all_gather_object(views, heads, group=self.pg)
+        shared = range(1 if self.node_local else 0, len(self.tiers))
+        for tiers in (shared, range(0, 1 if self.node_local else 0)):
+            found = [v[i] for v in views for i in tiers if v[i] is not None]
+            if found:
+                return max(found, key=lambda h: (h.created_unix, h.save_id)).save_id
+        return None
+
     def _foreign(self, i: int, step: int) -> bool:
         """Whether step directory ``step`` of tier ``i`` holds another format's checkpoint."""
         try:
@@ -301,7 +317,8 @@ class Checkpointer:
             reader = DataStatesReader(
                 self.step_path(0, s), storage_options=self.storage_options[0],
                 fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
-                fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None)
+                fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None,
+                save_id=self._agreed_save(s))
             try:
                 dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
             except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException

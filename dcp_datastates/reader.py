@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import math
@@ -102,13 +103,18 @@ class DataStatesReader(StorageReader):
             O_DIRECT are read buffered.  ``"auto"`` (the default): the first load of 512 MiB or
             more from a file system measures both paths on it and keeps the faster for the
             process (``tiers/read_path.py``); ``True``: always O_DIRECT; ``False``: buffered.
+        save_id: load only this save: a tier whose manifest is another save of the path (a
+            node-local copy an earlier attempt left) is not read.  Whatever it is, ranks that
+            read manifests of different saves fail the load before reading any byte.
     """
 
     def __init__(self, path: str | None = None, *, thread_count: int = 8, allow_pickle: bool = False,
                  verify: bool = True, storage_options: dict | None = None,
                  fallback: list[str] | str | None = None, fallback_options: dict | None = None,
-                 o_direct: bool | str = "auto") -> None:
+                 o_direct: bool | str = "auto", save_id: str | None = None) -> None:
         super().__init__()
+        self.save_id = save_id
+        self._skip: set[str] = set()  # tiers holding another save (``save_id``)
         if o_direct not in (True, False, "auto"):
             raise ValueError(f"o_direct must be True, False or 'auto', got {o_direct!r}")
         self.o_direct = o_direct
@@ -144,14 +150,19 @@ class DataStatesReader(StorageReader):
                                       "or give dcp.load a checkpoint_id")
         return StorageTier(self.path, self.storage_options)
 
-    def _tiers(self) -> list[StorageTier]:
-        return [self._tier()] + [StorageTier(u, self.fallback_options) for u in self.fallback]
+    def _tiers(self, every: bool = False) -> list[StorageTier]:
+        tiers = [self._tier()] + [StorageTier(u, self.fallback_options) for u in self.fallback]
+        return tiers if every else [t for t in tiers if t.url not in self._skip]
 
     def _load_manifest(self) -> Manifest:
         errors = []
-        for tier in self._tiers():
+        for tier in self._tiers(every=True):
             try:
                 m = load_manifest(tier)
+                if self.save_id is not None and m.save_id != self.save_id:
+                    self._skip.add(tier.url)
+                    raise ManifestError(f"holds save {m.save_id} of this step, not save {self.save_id} "
+                                        "(a copy left by another attempt?)", checkpoint=tier.url)
             except (NotACheckpointError, ManifestError, OSError) as e:
                 errors.append(e)
                 if self.fallback:
@@ -175,11 +186,14 @@ class DataStatesReader(StorageReader):
             self.manifest = self._load_manifest()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """DCP: the plan unchanged (ranges are grouped in ``read_data``)."""
-        return plan
+        """DCP: the plan, telling the coordinator which save this rank's manifest is."""
+        if plan.storage_data is not None or self.manifest is None:
+            return plan
+        return dataclasses.replace(plan, storage_data=ManifestServed(self.manifest.save_id, self.manifest_tier))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """DCP: the plans unchanged."""
+        """DCP: the plans unchanged, once every rank is shown to load the same save."""
+        _one_save(plans, self.path)
         return plans
 
     @classmethod
@@ -251,7 +265,7 @@ class DataStatesReader(StorageReader):
             if t.rebuilt is not None and not (isinstance(sd, dict) and _is_dtensor(sd.get(t.ri.dest_index.fqn))):
                 # what the provider rebuilt replaces the placeholder (a DTensor entry keeps its
                 # place in the mesh and only receives the bytes)
-                self._deliver(t.ri, planner, t.rebuilt, tensor=t.dest is not None)
+                _deliver(t.ri, planner, t.rebuilt, tensor=t.dest is not None)
             if t.dest is not None:
                 planner.commit_tensor(t.ri, t.dest)
 
@@ -311,18 +325,7 @@ class DataStatesReader(StorageReader):
             value = pickle.loads(v.data)  # explicit opt-in only (allow_pickle=True), checked above
         else:
             value = torch.load(io.BytesIO(v.data), weights_only=False)  # same opt-in
-        self._deliver(ri, planner, value)
-
-    @staticmethod
-    def _deliver(ri, planner, value, *, tensor: bool = False) -> None:
-        if deliver_object(planner, ri, value) or tensor:
-            return
-        # Hand another planner the bytes it expects.  They are made here from the value already
-        # decoded, so its torch.load never meets bytes read from storage.
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        buf.seek(0)
-        planner.load_bytes(ri, buf)
+        _deliver(ri, planner, value)
 
     def _value_from_fallback(self, fqn: str):
         for tier in self._tiers()[1:]:
@@ -420,6 +423,39 @@ class DataStatesReader(StorageReader):
                 raise ChecksumMismatch(f"checksum mismatch in block {bad} (chunk bytes "
                                        f"{bad * task.block_size}+, file offset {file_off + (bad - first_block) * task.block_size}+)",
                                        checkpoint=tier.url, file=name, key=key)
+
+
+def _deliver(ri, planner, value, *, tensor: bool = False) -> None:
+    if deliver_object(planner, ri, value) or tensor:
+        return
+    # Hand another planner the bytes it expects.  They are made here from the value already
+    # decoded, so its torch.load never meets bytes read from storage.
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    planner.load_bytes(ri, buf)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestServed:
+    """A rank's load plan's storage data: the save its manifest is, and the tier it came from."""
+    save_id: str
+    tier: str | None
+
+
+def _one_save(plans: list[LoadPlan], path: str | None) -> None:
+    """Raise unless every rank's manifest is the same save: ranks restoring different saves of
+    one step (a node-local copy an earlier attempt left) would mix two states."""
+    saves: dict[str, list[tuple[int, str | None]]] = {}
+    for rank, p in enumerate(plans):
+        if isinstance(p.storage_data, ManifestServed):
+            saves.setdefault(p.storage_data.save_id, []).append((rank, p.storage_data.tier))
+    if len(saves) > 1:
+        seen = "; ".join(f"save {sid}: ranks {', '.join(str(r) for r, _ in who[:4])}"
+                         f"{'...' if len(who) > 4 else ''} (from {who[0][1]})" for sid, who in saves.items())
+        raise ManifestError(f"ranks would restore different saves of this checkpoint ({seen}); a copy "
+                            "on some tier is from another attempt: load with Checkpointer, or pass "
+                            "DataStatesReader(save_id=...)", checkpoint=path)
 
 
 def _batches(items: list, nbytes, target: int = 8 << 20, per_item: int = 64 << 10) -> list[list]:

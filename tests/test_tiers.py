@@ -129,3 +129,15 @@ def test_retention_keeps_last_durable_and_ignores_inflight(tmp_path):
     assert ca.latest_step() == 9 - 2  # step 7 now committed; the crashed step-9 still ignored
     step, out, _ = _load(ca)
     assert step == 7 and _equal(out, _state(7))
+
+
+def test_stale_node_local_copy_of_another_save_is_never_mixed_in(tmp_path):
+    """A requeued job rolled back and saved step 5 again; a node it ran on before still holds
+    its old step 5 (another save). Ranks on that node must not restore it beside the others."""
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    run_ranks(2, workers.save_attempt, old, 1)
+    run_ranks(2, workers.save_attempt, new, 2)
+    shutil.rmtree(os.path.join(new, "node1", "step-5"))
+    shutil.copytree(os.path.join(old, "node1", "step-5"), os.path.join(new, "node1", "step-5"))
+    run_ranks(2, workers.load_never_mixed, new, 2)
+    run_ranks(2, workers.load_plain_reader_refuses_mix, new)

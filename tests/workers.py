@@ -411,3 +411,52 @@ def plan_cache_load(rank, world, base, steps):
         dcp.load(s1, storage_reader=DataStatesReader(os.path.join(base, f"step-{step}")))
         dcp.load(s2, storage_reader=dcp.FileSystemReader(os.path.join(base, "ref", f"step-{step}")))
         _compare(s1, s2)
+
+
+# ----------------------------------------------------------------- a stale node-local copy
+
+def _attempt_state(world, seed):
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    full = torch.randn(64, 1024)
+    return full, {"w": distribute_tensor(full, mesh, [Shard(0)]), "meta": {"seed": seed}}
+
+
+def save_attempt(rank, world, base, seed):
+    """One attempt of a job saving step 5 (node-local tier per rank, a shared persistent one)."""
+    from dcp_datastates import Checkpointer
+    _full, sd = _attempt_state(world, seed)
+    c = Checkpointer([os.path.join(base, f"node{rank}"), os.path.join(base, "pfs")],
+                     node_local=True, async_mode=None)
+    c.save(5, sd)
+    c.close()
+    dist.barrier()
+
+
+def load_never_mixed(rank, world, base, want_seed):
+    """Every rank restores step 5 of the save the persistent tier holds, whatever a node-local
+    directory still holds from another attempt."""
+    from dcp_datastates import Checkpointer
+    full, _ = _attempt_state(world, want_seed)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)]), "meta": {"seed": -1}}
+    c = Checkpointer([os.path.join(base, f"node{rank}"), os.path.join(base, "pfs")], node_local=True)
+    assert c.load(sd) == 5
+    assert sd["meta"] == {"seed": want_seed}, sd["meta"]
+    assert torch.equal(sd["w"].full_tensor(), full), "a mix of two saves"
+
+
+def load_plain_reader_refuses_mix(rank, world, base):
+    """Through DataStatesReader alone (node-local path first, the persistent one as fallback),
+    a rank whose node-local copy is another save makes the load fail before any byte is read."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)]), "meta": {"seed": -1}}
+    r = DataStatesReader(os.path.join(base, f"node{rank}", "step-5"), fallback=os.path.join(base, "pfs", "step-5"))
+    try:
+        dcp.load(sd, storage_reader=r)
+    except CheckpointException as e:
+        assert "different saves" in str(e), str(e)
+    else:
+        raise AssertionError("a mix of two saves was loaded")
+    assert r.bytes_read == 0 and sd["meta"] == {"seed": -1}

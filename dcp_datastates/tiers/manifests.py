@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ..errors import DataFileError, ManifestError, NotACheckpointError
+import msgpack
+
+from ..errors import CheckpointError, DataFileError, ManifestError, NotACheckpointError
 from ..format.manifest import MAGIC, MAX_MANIFEST_BYTES, Manifest, decode_manifest
 from ..format.names import MANIFEST_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, parse_rank_manifest
 from .storage import StorageTier
@@ -30,6 +32,46 @@ def manifest_is_ours(tier: StorageTier) -> bool | None:
     except FileNotFoundError:
         return None
     return n == len(MAGIC) and bytes(head) == MAGIC
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestHead:
+    """Which save a directory's ``.metadata`` is, from its first bytes (a hint for choosing
+    among copies; the load itself decodes and checks the whole manifest)."""
+    save_id: str
+    created_unix: float
+
+
+HEAD_BYTES = 4096
+
+
+def manifest_head(tier: StorageTier) -> ManifestHead | None:
+    """The save id and creation time at the start of ``tier``'s ``.metadata`` (the encoder
+    writes them before anything large); None when there is none, it is not ours, or its first
+    ``HEAD_BYTES`` do not hold them."""
+    head = bytearray(HEAD_BYTES)
+    try:
+        n = tier.read_into(MANIFEST_NAME, 0, head)
+    except (OSError, CheckpointError):
+        return None
+    if n < len(MAGIC) or bytes(head[:len(MAGIC)]) != MAGIC:
+        return None
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=HEAD_BYTES, max_str_len=256, max_bin_len=0,
+                                max_array_len=0, max_map_len=64)
+    unpacker.feed(bytes(head[len(MAGIC):n]))
+    found: dict = {}
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key not in ("format", "version", "save_id", "created_unix"):
+                break  # the encoder writes these four first
+            found[key] = unpacker.unpack()
+    except (msgpack.OutOfData, ValueError, TypeError, msgpack.UnpackException):
+        return None
+    sid, created = found.get("save_id"), found.get("created_unix")
+    if not isinstance(sid, str) or isinstance(created, bool) or not isinstance(created, (int, float)):
+        return None
+    return ManifestHead(sid, float(created))
 
 
 def read_manifest(tier: StorageTier, name: str) -> Manifest:
