@@ -44,14 +44,15 @@ OVERRIDE = "dcp_datastates.integrations.torchtitan.use_datastates"
 WITH_OPTIONS = OVERRIDE + '={"host_cache_bytes": 33554432, "thread_count": 2, "device_cache_bytes": 16777216}'
 
 
-def _train(workdir, mode, dump, port):
+def _train(workdir, mode, dump, port, ours=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            os.path.join(HERE, "torchtitan", "cpu_train.py"),
            "--module", "llama3", "--config", "llama3_debugmodel", "--training.seq_len", "256",
            "--training.local_batch_size", "2", "--parallelism.spmd_backend", "partial_dtensor",
            "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "6",
-           "--checkpoint.async_mode", mode, "--dump_folder", dump,
-           "--override.imports", WITH_OPTIONS if mode == "async" else OVERRIDE]
+           "--checkpoint.async_mode", mode, "--dump_folder", dump]
+    if ours:
+        cmd += ["--override.imports", WITH_OPTIONS if mode == "async" else OVERRIDE]
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     out = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
@@ -79,4 +80,22 @@ def test_resume_matches_uninterrupted(workdir, mode):
     resumed, log2 = _train(workdir, mode, dump, free_port())
     assert "Loading the checkpoint" in log2 and "step-4" in log2
     assert resumed.get(5) and resumed.get(6)
+    assert (resumed[5], resumed[6]) == (first[5], first[6]), (first, resumed)
+
+
+def test_a_run_switched_to_datastates_resumes_from_dcp_steps(workdir):
+    """A run checkpointed by torchtitan's own DCP backend (steps 2, 4, 6; step 6 then lost)
+    switches to dcp-datastates and resumes from step 4 (DCP's format, read with DCP's reader),
+    saving step 6 with ours; its losses equal the uninterrupted run's."""
+    from tests.dist import free_port
+    dump = os.path.join(workdir, "runs", "switched")
+    first, _ = _train(workdir, "disabled", dump, free_port(), ours=False)
+    ckpt = os.path.join(dump, "checkpoint")
+    with open(os.path.join(ckpt, "step-4", ".metadata"), "rb") as f:
+        assert f.read(16) != b"\xffDCP-DATASTATES\n"  # DCP's own format
+    shutil.rmtree(os.path.join(ckpt, "step-6"))
+    resumed, log1 = _train(workdir, "disabled", dump, free_port())
+    assert "in DCP's own format" in log1 and "step-4" in log1, log1[-3000:]
+    with open(os.path.join(ckpt, "step-6", ".metadata"), "rb") as f:
+        assert f.read(16) == b"\xffDCP-DATASTATES\n"
     assert (resumed[5], resumed[6]) == (first[5], first[6]), (first, resumed)

@@ -46,6 +46,8 @@ from ..planner import DataStatesLoadPlanner
 from ..engine.device_cache import prepare_device_cache
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..reader import DataStatesReader
+from ..tiers import StorageTier
+from ..tiers.manifests import manifest_is_ours
 from ..writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,11 @@ class DataStatesCheckpointManager(CheckpointManager):
         """Load ``checkpoint_id`` with ``DataStatesReader`` and ``DataStatesLoadPlanner`` (HF
         imports stay torchtitan's)."""
         if from_hf:
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        if manifest_is_ours(StorageTier(checkpoint_id)) is False:
+            # a step saved before the run switched to dcp-datastates: DCP's own format
+            logger.info("%s is in DCP's own format (saved before this run used dcp-datastates); "
+                        "loading it with DCP's reader", checkpoint_id)
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         dcp.load(state_dict, storage_reader=DataStatesReader(checkpoint_id), planner=DataStatesLoadPlanner())
         if MODEL in self.states:
