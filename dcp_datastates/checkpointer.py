@@ -312,6 +312,12 @@ class Checkpointer:
             dist.all_gather_object(everyone, sorted(candidates), group=self.pg)
             candidates = set().union(*map(set, everyone))
         order = [step] if step is not None else sorted(candidates, reverse=True)
+        foreign = sorted({s for i in range(len(self.tiers)) for s in self._step_dirs(i)
+                          if s not in candidates and self._foreign(i, s)})
+        if foreign and (step in foreign or (step is None and foreign[-1] > max(candidates, default=-1))):
+            log.warning("%s holds step(s) %s in DCP's own format, which Checkpointer does not restore "
+                        "(load one with dcp.load and FileSystemReader, or `dcp-datastates convert` it)",
+                        self.tiers[0], foreign)
         last_error = None
         for s in order:
             reader = DataStatesReader(

@@ -231,6 +231,11 @@ def test_retention_never_purges_a_dcp_checkpoint_in_a_step_directory(tmp_path, c
     dcp.load(out, storage_reader=dcp.FileSystemReader(str(run / "step-1")), no_dist=True)
     assert torch.equal(out["w"], theirs["w"])
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    # a run whose newest step is DCP's: the load says why it does not restore it
+    c2 = Checkpointer([str(tmp_path / "run2")], async_mode=None)
+    dcp.save(theirs, storage_writer=dcp.FileSystemWriter(str(tmp_path / "run2" / "step-9")), no_dist=True)
+    assert c2.load({"w": torch.zeros(64)}) is None
+    assert "step(s) [9] in DCP's own format" in caplog.text
     # asked directly, the purge leaves it alone too
     from dcp_datastates.tiers import StorageTier
     from dcp_datastates.tiers.retention import purge_steps
