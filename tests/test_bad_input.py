@@ -1,6 +1,7 @@
 """Bad input fails with a clear error naming checkpoint, file and tensor; nothing committed is damaged."""
 
 import os
+import warnings
 import pickle
 import struct
 
@@ -325,21 +326,27 @@ def test_a_dtype_the_format_cannot_name_is_refused_naming_tensor(tmp_path):
     """A quantized tensor has no stable dtype name: the save fails before any byte is written,
     naming the tensor and the checkpoint, and nothing is committed."""
     d = str(tmp_path / "c")
-    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated (torch 2.13)
+        try:
+            q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+        except (AttributeError, RuntimeError):
+            pytest.skip("this torch has no quantized tensors")
     msg = _err(lambda: _save(d, {"w": W, "q": q}))
     line = next(x for x in msg.splitlines() if x.startswith("dcp_datastates.errors."))
     assert "qint8" in line and "tensor=q" in line and d in line, msg
     assert not os.path.exists(os.path.join(d, ".metadata"))
 
 
-@pytest.mark.parametrize("name", ["float8_e8m0fnu", "float4_e2m1fn_x2"])
-def test_newer_one_byte_dtypes_round_trip(tmp_path, name):
+@pytest.mark.parametrize("name", ["float8_e8m0fnu", "float4_e2m1fn_x2", "complex32"])
+def test_newer_dtypes_round_trip(tmp_path, name):
     if not hasattr(torch, name):
         pytest.skip(f"torch {torch.__version__} has no {name}")
     dt = getattr(torch, name)
-    raw = torch.randint(0, 255, (64,), dtype=torch.uint8)
+    k = torch.empty(0, dtype=dt).element_size()
+    raw = torch.randint(0, 255, (64 * k,), dtype=torch.uint8)
     d = str(tmp_path / "c")
-    _save(d, {"t": raw.view(dt), "v": raw[3:40:2].view(dt)})
-    out = {"t": torch.zeros(64, dtype=torch.uint8).view(dt), "v": torch.zeros(19, dtype=torch.uint8).view(dt)}
+    _save(d, {"t": raw.view(dt), "v": raw.view(dt)[3:40:2]})
+    out = {"t": torch.zeros(64 * k, dtype=torch.uint8).view(dt), "v": torch.zeros(19 * k, dtype=torch.uint8).view(dt)}
     dcp.load(out, storage_reader=DataStatesReader(d), no_dist=True)
-    assert out["t"].view(torch.uint8).equal(raw) and out["v"].view(torch.uint8).equal(raw[3:40:2])
+    assert out["t"].view(torch.uint8).equal(raw) and out["v"].view(torch.uint8).equal(raw.view(dt)[3:40:2].contiguous().view(torch.uint8))

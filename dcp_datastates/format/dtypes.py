@@ -16,6 +16,7 @@ _NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
     torch.complex64: "complex64",
     torch.complex128: "complex128",
+    torch.complex32: "complex32",
     torch.int64: "int64",
     torch.int32: "int32",
     torch.int16: "int16",
