@@ -1,6 +1,7 @@
 """DCP's plan cache (``enable_plan_caching=True``, what large jobs turn on to skip the global
 planning step) replays a rank's first final plan, with the writer's data of that save in it."""
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
@@ -37,3 +38,12 @@ def test_single_process_with_dcp_planner_cache_keeps_its_own_ids(tmp_path):
         out = {"a": torch.zeros(300_000), "frozen": torch.zeros(600_000)}
         dcp.load(out, storage_reader=DataStatesReader(str(tmp_path / f"step-{step}")), no_dist=True)
         assert torch.equal(out["a"], torch.full((300_000,), float(step))) and torch.equal(out["frozen"], frozen)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_cached_plans_through_async_save(tmp_path, mode):
+    base = str(tmp_path)
+    run_ranks(2, workers.plan_cache_async, base, mode)
+    ids = {load_manifest(StorageTier(str(tmp_path / f"step-{s}"))).save_id for s in range(3)}
+    assert len(ids) == 3
+    run_ranks(2, workers.plan_cache_load, base, [0, 1, 2])

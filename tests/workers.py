@@ -460,3 +460,25 @@ def load_plain_reader_refuses_mix(rank, world, base):
     else:
         raise AssertionError("a mix of two saves was loaded")
     assert r.bytes_read == 0 and sd["meta"] == {"seed": -1}
+
+
+def plan_cache_async(rank, world, base, mode):
+    """``plan_cache_saves`` through ``async_save`` (DCP's THREAD or PROCESS checkpointer: the
+    plan cache lives in the process that plans, the background one for PROCESS)."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from dcp_datastates import async_save
+    ctype = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    pg = dist.new_group(backend="gloo")
+    model, opt = make_fsdp(world)
+    frozen = torch.arange(600_000, dtype=torch.float32)
+    for step in range(3):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sd = {**app_state(model, opt), "frozen": frozen}
+        w = DataStatesWriter(os.path.join(base, f"step-{step}"),
+                             incremental_base=os.path.join(base, f"step-{step - 1}") if step else None)
+        async_save(sd, storage_writer=w, planner=DataStatesSavePlanner(enable_plan_caching=True),
+                   async_checkpointer_type=ctype, process_group=pg).result()
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(base, "ref", f"step-{step}")))
