@@ -15,7 +15,7 @@ import argparse
 import os
 import shutil
 import statistics
-import time
+import sys
 import warnings
 
 import torch
@@ -23,7 +23,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_items import _timed  # noqa: E402
+
+from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
@@ -86,12 +89,6 @@ class NullReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return True
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:

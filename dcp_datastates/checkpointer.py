@@ -246,13 +246,10 @@ class Checkpointer:
     def is_committed(self, i: int, step: int) -> bool:
         """Whether ``step`` has a committed manifest on tier ``i`` (a readable set of rank
         manifests counts; a directory without one is an interrupted or purged save)."""
-        t = self._tier(i, step)
-        try:
-            ours = manifest_is_ours(t)
-        except (OSError, CheckpointError):
-            ours = True  # a manifest there, unreadable now: loading it says why
+        ours = self._ours(i, step)
         if ours is not None:
             return ours  # a .metadata of another format (DCP's own) is no step of ours
+        t = self._tier(i, step)
         names = [n for n in t.listdir() if is_manifest_name(n)]
         if not names:
             return False
@@ -278,12 +275,17 @@ class Checkpointer:
                 return max(found, key=lambda h: (h.created_unix, h.save_id)).save_id
         return None
 
+    def _ours(self, i: int, step: int) -> bool | None:
+        """``manifest_is_ours`` of step ``step`` on tier ``i``; a ``.metadata`` that cannot be
+        read now counts as ours (loading it says why)."""
+        try:
+            return manifest_is_ours(self._tier(i, step))
+        except (OSError, CheckpointError):
+            return True
+
     def _foreign(self, i: int, step: int) -> bool:
         """Whether step directory ``step`` of tier ``i`` holds another format's checkpoint."""
-        try:
-            return manifest_is_ours(self._tier(i, step)) is False
-        except (OSError, CheckpointError):
-            return False
+        return self._ours(i, step) is False
 
     def committed_steps(self, i: int) -> list[int]:
         """Steps whose copy on tier ``i`` is committed (in-flight saves excluded)."""

@@ -280,8 +280,7 @@ class DataStatesReader(StorageReader):
                 tasks.append(_ReadTask(self, ri, None, "uint8", v.node, m.block_size))
             else:
                 self._load_value(ri, planner, m)
-        return tasks + [_small_task(self, ri, planner, m) or self._make_task(ri, planner, m)
-                        for ri in tensor_items]
+        return tasks + [self._make_task(ri, planner, m) for ri in tensor_items]
 
     def _check_coverage(self, items, planner, m: Manifest) -> None:
         sd = getattr(planner, "state_dict", None)
@@ -338,17 +337,19 @@ class DataStatesReader(StorageReader):
                 return other
         return None
 
-    def _make_task(self, ri, planner, m: Manifest) -> "_ReadTask":
+    def _make_task(self, ri, planner, m: Manifest) -> "_ReadTask | _SmallTask":
         fqn = ri.storage_index.fqn
         key = tuple(ri.storage_index.offset) if ri.storage_index.offset is not None else ()
         entry = m.tensors.get(fqn)
         at = ri.storage_index.index  # DCP's planners give the chunk's place in our metadata
         chunk = None
-        if entry is not None and isinstance(at, int) and 0 <= at < entry.count() and entry.box(at)[0] == key:
+        if entry is not None and isinstance(at, int) and 0 <= at < entry.count():
             chunk = entry.chunk_at(at)
-        elif entry is not None and entry.lazy:  # a narrowed plan (ours): found over the columns
+            if chunk.offsets != key:
+                chunk = None
+        if chunk is None and entry is not None and entry.lazy:  # a narrowed plan (ours): over the columns
             chunk = entry.find(key)
-        elif entry is not None:  # another planner: look it up
+        elif chunk is None and entry is not None:  # another planner: look it up
             if self._chunk_index is None or self._chunk_index[0] is not m:  # one index per manifest
                 self._chunk_index = (m, {(f, c.offsets): c for f, t in m.tensors.items() for c in t.chunks})
             chunk = self._chunk_index[1].get((fqn, key))
@@ -359,6 +360,9 @@ class DataStatesReader(StorageReader):
             self._cast_warned.add(fqn)
             log.warning("%s: tensor %s was saved as %s and is loaded into a %s tensor: its values are "
                         "cast", self.path, fqn, entry.dtype, str(dest.dtype).replace("torch.", ""))
+        if _small_whole(ri, dest, entry.dtype, chunk):
+            self.bytes_needed += chunk.extent.nbytes
+            return _SmallTask(ri, dest, chunk.extent, m.block_size)
         return _ReadTask(self, ri, dest, entry.dtype, chunk, m.block_size)
 
     def _run_piece(self, files: "_FileSet", task: "_ReadTask", i: int) -> None:
@@ -493,20 +497,26 @@ def _coalesce(pieces: list) -> tuple[list[list], list]:
         else:
             rest.append(ti)
     runs = []
+
+    def close(run: list) -> None:
+        if len(run) > 1:
+            runs.append(run)
+        else:
+            rest.extend(run)
+
     for group in small.values():
         group.sort(key=lambda ti: ti[0].ranges[ti[1]][1])
         run, start, end = [], 0, 0
         for ti in group:
             _name, off, n = ti[0].ranges[ti[1]][:3]
             if run and (off - end > COALESCE_GAP or off + n - start > COALESCE_RUN or off < end):
-                (runs if len(run) > 1 else rest).extend([run] if len(run) > 1 else run)
+                close(run)
                 run = []
             if not run:
                 start = off
             run.append(ti)
             end = off + n
-        if run:
-            (runs if len(run) > 1 else rest).extend([run] if len(run) > 1 else run)
+        close(run)
     return runs, rest
 
 
@@ -669,30 +679,19 @@ class _FileSet:
                 os.close(fd)
 
 
-def _small_task(reader: DataStatesReader, ri, planner, m: Manifest) -> "_SmallTask | None":
-    """The task of a small chunk read whole, from one segment, straight into a contiguous CPU
-    tensor of its dtype (most of a state's many small tensors); None for anything else, which
-    ``_make_task`` takes."""
-    entry = m.tensors.get(ri.storage_index.fqn)
-    at = ri.storage_index.index
-    if entry is None or not isinstance(at, int) or not 0 <= at < entry.count():
-        return None
-    chunk = entry.chunk_at(at)
+def _small_whole(ri, dest: torch.Tensor, dtype: str, chunk: Chunk) -> bool:
+    """Whether ``ri`` reads small ``chunk`` whole, from one segment, straight into ``dest``: a
+    contiguous CPU tensor of its dtype (most of a state's many small tensors, which then take
+    a ``_SmallTask``)."""
     ext = chunk.extent
-    if ext is None or len(ext.segs) != 1 or not 0 < ext.nbytes <= COALESCE_PIECE \
-            or chunk.offsets != tuple(ri.storage_index.offset or ()) or any(ri.storage_offsets) \
-            or tuple(ri.lengths) != tuple(chunk.sizes):
-        return None
-    dest = planner.resolve_tensor(ri).detach()
-    if dest.device.type != "cpu" or dest.dtype != dtype_from_name(entry.dtype) or not dest.is_contiguous() \
-            or dest.numel() * dest.element_size() != ext.nbytes:
-        return None
-    reader.bytes_needed += ext.nbytes
-    return _SmallTask(ri, dest, ext, m.block_size)
+    return ext is not None and len(ext.segs) == 1 and 0 < ext.nbytes <= COALESCE_PIECE \
+        and not any(ri.storage_offsets) and tuple(ri.lengths) == tuple(chunk.sizes) \
+        and dest.device.type == "cpu" and dest.dtype == dtype_from_name(dtype) and dest.is_contiguous() \
+        and dest.numel() * dest.element_size() == ext.nbytes
 
 
 class _SmallTask:
-    """A ``_ReadTask`` for the case ``_small_task`` takes: one range, read into the tensor."""
+    """A ``_ReadTask`` for the case ``_small_whole`` accepts: one range, read into the tensor."""
 
     __slots__ = ("ri", "dest", "block_size", "ranges", "buf_size", "_buf")
     streamed = False

@@ -379,15 +379,8 @@ def plan_cache_saves(rank, world, base, kind):
     the second save must fail before it writes, leaving the first intact."""
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.api import CheckpointException
-    model, opt = make_fsdp(world)
-    frozen = torch.arange(600_000, dtype=torch.float32)
-    for step in range(3):
-        model(torch.randn(4, 6)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        sd = {**app_state(model, opt), "frozen": frozen}
-        path = os.path.join(base, f"step-{step}")
-        w = DataStatesWriter(path, incremental_base=os.path.join(base, f"step-{step - 1}") if step else None)
+    for step, sd, w in _plan_cache_steps(world, base):
+        path = w.path
         planner = (DataStatesSavePlanner if kind == "ours" else DefaultSavePlanner)(enable_plan_caching=True)
         if kind == "dcp" and step == 1:
             try:
@@ -400,6 +393,20 @@ def plan_cache_saves(rank, world, base, kind):
             return
         dcp.save(sd, storage_writer=w, planner=planner)
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(base, "ref", f"step-{step}")))
+
+
+def _plan_cache_steps(world, base):
+    """Three training steps of one layout; for each, its state and a writer incremental on the
+    step before (a frozen tensor is referenced, not rewritten)."""
+    model, opt = make_fsdp(world)
+    frozen = torch.arange(600_000, dtype=torch.float32)
+    for step in range(3):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        yield step, {**app_state(model, opt), "frozen": frozen}, DataStatesWriter(
+            os.path.join(base, f"step-{step}"),
+            incremental_base=os.path.join(base, f"step-{step - 1}") if step else None)
 
 
 def plan_cache_load(rank, world, base, steps):
@@ -470,15 +477,7 @@ def plan_cache_async(rank, world, base, mode):
     from dcp_datastates import async_save
     ctype = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
     pg = dist.new_group(backend="gloo")
-    model, opt = make_fsdp(world)
-    frozen = torch.arange(600_000, dtype=torch.float32)
-    for step in range(3):
-        model(torch.randn(4, 6)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        sd = {**app_state(model, opt), "frozen": frozen}
-        w = DataStatesWriter(os.path.join(base, f"step-{step}"),
-                             incremental_base=os.path.join(base, f"step-{step - 1}") if step else None)
+    for step, sd, w in _plan_cache_steps(world, base):
         async_save(sd, storage_writer=w, planner=DataStatesSavePlanner(enable_plan_caching=True),
                    async_checkpointer_type=ctype, process_group=pg).result()
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(base, "ref", f"step-{step}")))

@@ -22,16 +22,22 @@ from .storage import StorageTier
 log = logging.getLogger(__name__)
 
 
+def _head(tier: StorageTier, nbytes: int) -> bytes | None:
+    """The first ``nbytes`` (or fewer) of ``tier``'s ``.metadata``; None when there is none."""
+    buf = bytearray(nbytes)
+    try:
+        n = tier.read_into(MANIFEST_NAME, 0, buf)
+    except FileNotFoundError:
+        return None
+    return bytes(buf[:n])
+
+
 def manifest_is_ours(tier: StorageTier) -> bool | None:
     """Whether ``tier``'s ``.metadata`` is a dcp-datastates manifest (it starts with the
     format's magic): False for another format's (DCP's pickle), None when there is none.
     Reads 16 bytes; raises ``OSError`` or ``CheckpointError`` when the file cannot be read."""
-    head = bytearray(len(MAGIC))
-    try:
-        n = tier.read_into(MANIFEST_NAME, 0, head)
-    except FileNotFoundError:
-        return None
-    return n == len(MAGIC) and bytes(head) == MAGIC
+    head = _head(tier, len(MAGIC))
+    return None if head is None else head == MAGIC
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +55,15 @@ def manifest_head(tier: StorageTier) -> ManifestHead | None:
     """The save id and creation time at the start of ``tier``'s ``.metadata`` (the encoder
     writes them before anything large); None when there is none, it is not ours, or its first
     ``HEAD_BYTES`` do not hold them."""
-    head = bytearray(HEAD_BYTES)
     try:
-        n = tier.read_into(MANIFEST_NAME, 0, head)
+        head = _head(tier, HEAD_BYTES)
     except (OSError, CheckpointError):
         return None
-    if n < len(MAGIC) or bytes(head[:len(MAGIC)]) != MAGIC:
+    if head is None or not head.startswith(MAGIC):
         return None
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=HEAD_BYTES, max_str_len=256, max_bin_len=0,
                                 max_array_len=0, max_map_len=64)
-    unpacker.feed(bytes(head[len(MAGIC):n]))
+    unpacker.feed(head[len(MAGIC):])
     found: dict = {}
     try:
         for _ in range(unpacker.read_map_header()):
