@@ -1,34 +1,35 @@
 """Checkpoint metadata at scale, by simulation: N ranks without N processes.
 
     python benchmarks/bench_scale.py [--ranks 8,64,512,2048,16384] [--layouts fsdp,hsdp,tp_fsdp]
-                                     [--max-chunks 6000000] [--dir /tmp/dcpds-scale] [--out DIR]
+                                     [--max-chunks 2500000] [--dir /tmp/dcpds-scale] [--json FILE]
 
 A Llama-3-70B-shaped state with Adam (``scale_model.py``: 2,892 tensors) is laid out over N
 ranks (FSDP, HSDP, TP x FSDP).  For each layout, N and system, one fresh process:
 
 1. builds what every rank would hand the coordinator after writing its data (the simulation's
-   own work, not timed): for dcp-datastates the typed records of ``format/records.py`` as its
-   writer returns them, for DCP the ``WriteResult``s of ``FileSystemWriter`` and the global
-   ``Metadata`` its planner builds;
+   own work, not timed).  dcp-datastates (format 4): the rule table ``DataStatesSavePlanner``
+   merges into the global metadata, and one ``PartRecord`` per rank; the metadata parts of the
+   ranks the measured loads need are written for real (the others are never read).  DCP: the
+   ``WriteResult``s of ``FileSystemWriter`` and the global ``Metadata`` its planner builds;
 2. **commit** (timed, with the peak RSS of the process): the coordinator's real code.  Ours:
-   the manifest built from the records, encoded and committed (``writer._manifest_for``,
-   ``encode_manifest``, ``StorageTier.commit_bytes``).  DCP: ``FileSystemWriter.finish``
-   (its storage metadata, the pickle, the rename);
+   the index built and committed (``writer._index_for``, ``StorageTier.commit_bytes``).  DCP:
+   ``FileSystemWriter.finish`` (its storage metadata, the pickle, the rename);
 3. **ready to load** (timed, with the metadata bytes read): one rank's ``read_metadata`` through
-   the public reader, then the load planning of that rank's boxes (DCP's resharding algorithm,
-   ``create_read_items_for_chunk_list``), at the same world size and resharded to N/2.  For
-   dcp-datastates twice: as ``DataStatesLoadPlanner`` plans (each tensor's metadata narrowed
-   first to the chunks overlapping the rank's boxes, found over the manifest's columns), and
-   as DCP's ``DefaultLoadPlanner`` does (a sweep over every chunk).
+   the public reader, the load planning of that rank's boxes (DCP's resharding algorithm,
+   ``create_read_items_for_chunk_list``), and finding where each planned item's bytes are
+   (ours: its chunk record, from the parts it needs; DCP: its storage data), at the same world
+   size and resharded to N/2.  For dcp-datastates also as DCP's ``DefaultLoadPlanner`` plans
+   (a sweep over every chunk), up to 2,048 ranks.
 
-Runs whose chunk count exceeds ``--max-chunks`` are skipped (the simulation itself would not
-fit this machine's memory), and reported as such.
+DCP runs, and ours for TP x FSDP (whose strided boxes are listed, not ruled), whose chunk count
+exceeds ``--max-chunks`` are skipped (the simulation would not fit this machine), and reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -57,15 +58,40 @@ from dcp_datastates.planner import narrow as narrowed_to  # noqa: E402
 from dcp_datastates.format.names import data_file_name  # noqa: E402
 from dcp_datastates.format.records import ItemRecord, RankRecord  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
-from dcp_datastates.writer import _manifest_for  # noqa: E402
+from dcp_datastates.format.build import build_manifest  # noqa: E402
+from dcp_datastates.format.index import PartRef, part_digest  # noqa: E402
+from dcp_datastates.format.names import part_file_name  # noqa: E402
+from dcp_datastates.format.records import PartRecord  # noqa: E402
+from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt  # noqa: E402
+from dcp_datastates.planner import RULES_KEY  # noqa: E402
+from dcp_datastates.writer import PART_INDEX, _index_for  # noqa: E402
 
 SAVE_ID = "0123456789ab"
 DIGEST = b"\x5a" * DIGEST_BYTES
 
 
+def _pieces(size: int, parts: int) -> int:
+    """Non-empty pieces of a dimension of ``size`` split in ``parts`` as torch.chunk does."""
+    return -(-size // -(-size // parts)) if size else 0
+
+
 def chunk_count(layout: str, n: int, ts) -> int:
-    return sum(len(sm.boxes(t, ti, layout, n, r)) if sm.writes(t, ti, layout, n, r) else 0
-               for r in range(n) for ti, t in enumerate(ts))
+    """Chunks written for a layout (non-empty boxes, each once), counted without listing them."""
+    total = 0
+    for t in ts:
+        if not t.shape:
+            total += 1
+        elif layout == "fsdp":
+            total += _pieces(t.shape[0], n)
+        elif layout == "hsdp":
+            total += _pieces(t.shape[0], min(8, n))
+        elif t.kind == sm.COL:
+            total += sum(_pieces(sm._split(0, t.shape[0], 8, k)[1], max(1, n // 8)) for k in range(8))
+        elif t.kind == sm.ROW:
+            total += _pieces(t.shape[0], max(1, n // 8)) * _pieces(t.shape[1], 8)
+        else:
+            total += _pieces(t.shape[0], max(1, n // 8))
+    return total
 
 
 def _global_metadata(ts, per_rank) -> Metadata:
@@ -111,20 +137,140 @@ def _dcp_results(ts, per_rank) -> list[list[WriteResult]]:
     return out
 
 
-def _plan_one_rank(md: Metadata, ts, layout: str, n: int, rank: int, narrow: bool) -> int:
+# ------------------------------------------------------------------ format 4 (ours)
+
+def _rules(ts, layout: str, n: int) -> tuple[RuleTable, list]:
+    """The rule table ``DataStatesSavePlanner`` merges for this layout, and per tensor its
+    geometry (None: no rule; the chunks are listed, as for TP's strided splits of dim 0)."""
+    mesh = Mesh.of((n,), range(n)) if layout == "fsdp" else Mesh.of((max(1, n // 8), min(8, n)), range(n))
+    rules, geoms = {}, []
+    for t in ts:
+        dims = None
+        if t.shape and layout == "fsdp":
+            dims = (0,)
+        elif t.shape and layout == "hsdp":
+            dims = (-1, 0)
+        elif t.shape and t.kind == sm.ROW:
+            dims = (0, 1)
+        elif t.shape and t.kind == sm.NORM:
+            dims = (0, -1)
+        if dims is not None:
+            rules[t.fqn] = ShardRule(0, dims)
+        geoms.append(None if dims is None else Geometry(tuple(t.shape), mesh, rules[t.fqn], salt(t.fqn)))
+    return RuleTable.of([mesh], rules), geoms
+
+
+def _explicit_writes(ts, geoms, layout: str, n: int, rank: int) -> list[tuple[int, tuple, tuple]]:
+    """Chunks without a rule that ``rank`` writes: small plain tensors (the Adam steps) go to
+    the lowest rank holding them (``DataStatesSavePlanner``'s dedup), TP's strided boxes to their holder."""
+    out = [(ti, (), ()) for ti, t in enumerate(ts) if not t.shape and rank == 0]
+    return out + [(ti, o, z) for ti, t in enumerate(ts) if t.shape and geoms[ti] is None
+                  for o, z in sm.boxes(t, ti, layout, n, rank)]
+
+
+def _ours_writes(ts, geoms, layout: str, n: int, rank: int) -> list[tuple[int, tuple, tuple]]:
+    """Every chunk ``rank`` writes under the rules (replicated boxes: the replica the rule names)."""
+    out = _explicit_writes(ts, geoms, layout, n, rank)
+    for ti, g in enumerate(geoms):
+        if g is None:
+            continue
+        coord = tuple(divmod(rank, g.mesh.shape[1])) if len(g.mesh.shape) == 2 else (rank,)
+        i = g.chunk_of(coord)
+        if g.writer(i) == coord:
+            out.append((ti, *g.box(i)))
+    return out
+
+
+def _needed(ts, geoms, explicit: dict, layout: str, world: int, rank: int) -> set[int]:
+    """Ranks whose parts hold a chunk overlapping what ``rank`` of ``world`` loads."""
+    need = set()
+    for ti, t in enumerate(ts):
+        boxes = sm.boxes(t, ti, layout, world, rank)
+        g = geoms[ti]
+        if g is not None:
+            need.update(g.owner(i) for i in g.overlapping(boxes))
+        else:
+            need.update(r for o, z, r in explicit.get(ti, ()) if not z or any(
+                all(a < bo + bz and bo < a + b for a, b, bo, bz in zip(o, z, *bx)) for bx in boxes))
+    return need
+
+
+def _part(ts, rows, rank: int, n: int) -> tuple[bytes, dict]:
+    """Rank ``rank``'s metadata part, as ``DataStatesWriter`` commits it."""
+    name = data_file_name(rank, SAVE_ID, 0)
+    pos, recs, shapes = 0, [], {}
+    for ti, offs, sizes in rows:
+        t = ts[ti]
+        nb = (int(torch.Size(sizes).numel()) if sizes else 1) * t.dtype.itemsize
+        ext = Extent([Seg(name, pos, nb)] if nb else [], nb, Digests(DIGEST * max(1, -(-nb // BLOCK_SIZE))))
+        pos += nb
+        shapes[t.fqn] = (dtype_name(t.dtype), tuple(t.shape))
+        recs.append((t.fqn, tuple(offs), ItemRecord("tensor", dtype_name(t.dtype), tuple(sizes), ext)))
+    m = build_manifest(shapes=shapes, results=[recs], planner_data={}, save_id=SAVE_ID, world_size=n,
+                       torch_version="", writer="bench")
+    m.ranks, m.files = [rank], ({name: pos} if pos else {})
+    return encode_manifest(m), m.files
+
+
+def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int]]):
+    """Global metadata (dtypes and sizes: all the index takes from it) and one part record per
+    rank; the parts of the ranks that the measured loads need are written for real."""
+    table, geoms = _rules(ts, layout, n)
+    explicit: dict[int, list] = {}
+    per_rank_explicit = {}
+    for r in range(n):
+        rows = _explicit_writes(ts, geoms, layout, n, r) if (r == 0 or layout == "tp_fsdp") else []
+        per_rank_explicit[r] = [(ts[ti].fqn, tuple(o), tuple(z)) for ti, o, z in rows]
+        for ti, o, z in rows:
+            explicit.setdefault(ti, []).append((o, z, r))
+    need = {0}
+    for world, rank in measured:
+        need |= _needed(ts, geoms, explicit, layout, world, rank)
+    results, per = [], max(1, sum(math.prod(t.shape) * t.dtype.itemsize for t in ts) // n)
+    for r in range(n):
+        pname = part_file_name(r, SAVE_ID)
+        if r in need:
+            body, files = _part(ts, _ours_writes(ts, geoms, layout, n, r), r, n)
+            with open(os.path.join(path, pname), "wb") as f:
+                f.write(body)
+            ref = PartRef(r, pname, len(body), part_digest(body))
+        else:  # never read by the measured loads
+            files, ref = {data_file_name(r, SAVE_ID, 0): per}, PartRef(r, pname, 4096, b"\0" * 16)
+        results.append([WriteResult(index=PART_INDEX, size_in_bytes=ref.size,
+                                    storage_data=PartRecord(r, ref, files, {}, per_rank_explicit[r], {}))])
+    sdm = {t.fqn: TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), []) for t in ts}
+    md = Metadata(state_dict_metadata=sdm, planner_data={RULES_KEY: table, **{t.fqn: t.fqn.split(".") for t in ts}})
+    return md, results
+
+
+def _plan_one_rank(md: Metadata, ts, layout: str, n: int, rank: int, narrow: bool) -> list:
     """The resharding planning of the boxes ``rank`` of ``n`` holds; returns read items.
     ``narrow``: as ``DataStatesLoadPlanner`` does, each tensor's metadata is first narrowed to
     the chunks that overlap the rank's boxes (found over the manifest's columns); otherwise
     DCP's ``DefaultLoadPlanner`` sweeps every chunk."""
-    items = 0
+    items = []
     for ti, t in enumerate(ts):
         boxes = sm.boxes(t, ti, layout, n, rank)
         local = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
         tmd = md.state_dict_metadata[t.fqn]
         if narrow and isinstance(tmd.chunks, ChunkMetadataView):
             tmd = narrowed_to(tmd, [(tuple(o), tuple(s)) for o, s in boxes])
-        items += len(create_read_items_for_chunk_list(t.fqn, tmd, local))
+        items += create_read_items_for_chunk_list(t.fqn, tmd, local)
     return items
+
+
+def _resolve(reader, meta: Metadata, items: list) -> None:
+    """Find where each read item's bytes are, as ``read_data`` does first (ours: the chunk's
+    record, from a part; DCP: its storage data)."""
+    if isinstance(reader, DataStatesReader):
+        tensors = reader.manifest.tensors
+        for it in items:
+            if tensors[it.storage_index.fqn].find(tuple(it.storage_index.offset)) is None:
+                raise RuntimeError(f"no record for {it.storage_index}")
+    else:
+        sd = meta.storage_data
+        for it in items:
+            sd[it.storage_index]
 
 
 def _rss_peak() -> int:
@@ -133,23 +279,26 @@ def _rss_peak() -> int:
 
 def one(system: str, layout: str, n: int, root: str) -> dict:
     ts = sm.tensors()
-    t0 = time.perf_counter()
-    per_rank = [sm.written_by(layout, n, r, ts) for r in range(n)]
-    md = _global_metadata(ts, per_rank)
-    results = _our_results(ts, per_rank) if system == "ours" else _dcp_results(ts, per_rank)
-    del per_rank
-    sim_s = time.perf_counter() - t0
     path = os.path.join(root, f"{system}-{layout}-{n}")
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
+    measured = [(n, n // 2), (max(1, n // 2), max(1, n // 2) // 2)]  # a rank from the middle
+    t0 = time.perf_counter()
+    if system == "ours":
+        md, results = _v4_inputs(ts, layout, n, path, measured)
+    else:
+        per_rank = [sm.written_by(layout, n, r, ts) for r in range(n)]
+        md = _global_metadata(ts, per_rank)
+        results = _dcp_results(ts, per_rank)
+        del per_rank
+    sim_s = time.perf_counter() - t0
     rss0 = _rss_peak()
     t0 = time.perf_counter()
     if system == "ours":  # as DataStatesWriter.finish does it
         with paused_gc():
-            manifest = _manifest_for(md, results, SAVE_ID)
-        manifest.world_size = n
-        StorageTier(path).commit_bytes(MANIFEST_NAME, encode_manifest(manifest))
-        del manifest
+            manifest, body = _index_for(md, results, SAVE_ID, md.planner_data[RULES_KEY], path)
+        StorageTier(path).commit_bytes(MANIFEST_NAME, body)
+        del manifest, body
     else:
         w = FileSystemWriter(path)
         w.set_up_storage_writer(True)
@@ -160,21 +309,27 @@ def one(system: str, layout: str, n: int, root: str) -> dict:
     del md, results
     out = {"system": system, "layout": layout, "ranks": n, "simulate_s": round(sim_s, 2),
            "commit_s": round(commit_s, 3), "commit_rss_growth": commit_rss, "metadata_bytes": meta_bytes}
-    for label, world in (("same", n), ("half", max(1, n // 2))):
-        for narrow in ((True, False) if system == "ours" else (False,)):
+    for label, (world, rank) in zip(("same", "half"), measured):
+        # DCP's own planner over our metadata sweeps every chunk: run where it fits the time
+        for narrow in ((True, False) if system == "ours" and n <= 2048 else (system == "ours",)):
             t0 = time.perf_counter()
             reader = DataStatesReader(path) if system == "ours" else FileSystemReader(path)
             meta = reader.read_metadata()
             t1 = time.perf_counter()
-            items = _plan_one_rank(meta, ts, layout, world, world // 2, narrow)  # a rank from the middle
+            items = _plan_one_rank(meta, ts, layout, world, rank, narrow)
             t2 = time.perf_counter()
+            _resolve(reader, meta, items)
+            t3 = time.perf_counter()
             tag = label if narrow or system == "dcp" else f"{label}_dcp_planner"
-            out[f"ready_{tag}_s"] = round(t2 - t0, 3)
+            out[f"ready_{tag}_s"] = round(t3 - t0, 3)
             out[f"read_metadata_{tag}_s"] = round(t1 - t0, 3)
             out[f"plan_{tag}_s"] = round(t2 - t1, 3)
-            out[f"read_items_{tag}"] = items
-            out[f"bytes_read_{tag}"] = meta_bytes
-            del meta
+            out[f"resolve_{tag}_s"] = round(t3 - t2, 3)
+            out[f"read_items_{tag}"] = len(items)
+            parts = getattr(reader.manifest, "index", None) if system == "ours" else None
+            out[f"bytes_read_{tag}"] = meta_bytes + (sum(parts.parts[r].size for r in parts._loaded) if parts else 0)
+            out[f"parts_read_{tag}"] = len(parts._loaded) if parts else 0
+            del meta, items
     shutil.rmtree(path, ignore_errors=True)
     return out
 
@@ -184,7 +339,7 @@ def main() -> None:
     ap.add_argument("--ranks", default="8,64,512,2048,16384")
     ap.add_argument("--layouts", default="fsdp,hsdp,tp_fsdp")
     ap.add_argument("--systems", default="ours,dcp")
-    ap.add_argument("--max-chunks", type=float, default=6e6)
+    ap.add_argument("--max-chunks", type=float, default=2.5e6)
     ap.add_argument("--dir", default="/tmp/dcpds-scale")
     ap.add_argument("--json", default=None, help="write every row to this file")
     ap.add_argument("--one", nargs=3, metavar=("SYSTEM", "LAYOUT", "N"), help=argparse.SUPPRESS)
@@ -199,7 +354,8 @@ def main() -> None:
         for n in [int(x) for x in args.ranks.split(",")]:
             chunks = chunk_count(layout, n, ts)
             for system in args.systems.split(","):
-                if chunks > args.max_chunks:
+                # ours: the index grows in tensors + ranks, but TP's strided boxes are listed
+                if chunks > args.max_chunks and (system == "dcp" or layout == "tp_fsdp"):
                     row = {"system": system, "layout": layout, "ranks": n, "chunks": chunks, "skipped":
                            f"{chunks:,} chunks > --max-chunks"}
                 else:
@@ -221,7 +377,7 @@ def main() -> None:
 
 def _table(rows: list[dict]) -> None:
     print(f"\n{'layout':8} {'ranks':>6} {'chunks':>10} {'system':6} {'commit s':>9} {'commit RSS MB':>13} "
-          f"{'meta MB':>8} {'ready s':>8} {'ready/2 s':>9} {'ready, DCP planner s':>20}")
+          f"{'meta MB':>8} {'read MB':>8} {'parts':>5} {'ready s':>8} {'ready/2 s':>9} {'ready, DCP planner s':>20}")
     for r in rows:
         if "commit_s" not in r:
             print(f"{r['layout']:8} {r['ranks']:>6} {r['chunks']:>10,} {r['system']:6} "
@@ -229,8 +385,9 @@ def _table(rows: list[dict]) -> None:
             continue
         print(f"{r['layout']:8} {r['ranks']:>6} {r['chunks']:>10,} {r['system']:6} {r['commit_s']:>9.3f} "
               f"{r['commit_rss_growth'] / 1e6:>13.0f} {r['metadata_bytes'] / 1e6:>8.1f} "
+              f"{r['bytes_read_same'] / 1e6:>8.2f} {r.get('parts_read_same', 0):>5} "
               f"{r['ready_same_s']:>8.3f} {r['ready_half_s']:>9.3f} "
-              f"{r.get('ready_same_dcp_planner_s', r['ready_same_s']):>20.3f}")
+              f"{r.get('ready_same_dcp_planner_s', float('nan')):>20.3f}")
 
 
 if __name__ == "__main__":

@@ -20,18 +20,21 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan, SavePlanner,
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.utils import find_state_dict_object
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .engine import CopyItem
 from .engine.live import version_at_start
-from .errors import ProviderError, UnsupportedValueError
+from .errors import CheckpointError, ProviderError, UnsupportedValueError
 from .format import dtype_name
 from .format.checksum import Digests
 from .format.layout import place_regions, stripe_count
@@ -39,13 +42,30 @@ from .format.manifest import Extent, Seg, ValueEntry
 from .format.model import ChunkMetadataView
 from .format.names import data_file_name
 from .format.records import ItemRecord
+from .format.model import _Bad
+from .format.rules import Geometry, Mesh, RuleTable, ShardRule, merge_tables, salt
 from .providers import ObjectProvider, provider_for, type_provider_for
 from .tiers.incremental import Base
 
 
+RULES_KEY = "\x00dcp_datastates.rules"  # in a plan's and the global metadata's planner_data
+
+
 class DataStatesSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, with each rank's items ordered largest first, and plan
-    caching (``enable_plan_caching=True``) that keeps each save's storage data."""
+    """DCP's default save planner, with each rank's items ordered largest first, plan caching
+    (``enable_plan_caching=True``) that keeps each save's storage data, and sharding rules.
+
+    ``sharding_rules`` (on by default; used when several ranks save together): each DTensor
+    placed with plain ``Shard``/``Replicate`` placements is described by its mesh and
+    placements instead of one entry per rank (format version 4, ``docs/format.md``), and of a
+    replicated box only the replica the rule names writes it, decided on each rank alone."""
+
+    _rank_tables: dict = {}  # plan cache key -> each rank's rule table, for replayed plans
+
+    def __init__(self, *args, sharding_rules: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sharding_rules = sharding_rules
+        self.rules: RuleTable | None = None
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """DCP's final plan; when its plan cache replays an earlier save's plan, with the
@@ -57,14 +77,116 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, items sorted by size (largest first): the engine starts the long
-        copies early and the small items coalesce at the end of the data file."""
+        copies early and the small items coalesce at the end of the data file.  With rules: the
+        rank's table rides in ``planner_data`` and replicated boxes it does not write are gone."""
         plan = super().create_local_plan()
+        self.rules = None
+        items = plan.items
+        if self.sharding_rules and _world() > 1 and isinstance(self.state_dict, dict):
+            self.rules, items = _rules(self.state_dict, plan.items if plan.usable else self.plan.items)
+            if plan.usable:
+                plan = dataclasses.replace(plan, planner_data={**(plan.planner_data or {}), RULES_KEY: self.rules})
+            else:
+                items = []
 
         def size(item) -> int:
             s = item.tensor_storage_size()
             return -(s or 0)
 
-        return dataclasses.replace(plan, items=sorted(plan.items, key=size))
+        return dataclasses.replace(plan, items=sorted(items, key=size))
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """DCP's dedup of items several ranks hold (plain tensors every rank has), except that
+        small ones go to the lowest rank holding them: with metadata parts, a rank then finds
+        all of them in one part instead of one part per item."""
+        if not self.sharding_rules or len(all_plans) < 2:
+            return super()._dedup_save_plans(all_plans)
+        small = [dataclasses.replace(p, items=[i for i in p.items if _small(i)]) for p in all_plans]
+        large = [dataclasses.replace(p, items=[i for i in p.items if not _small(i)]) for p in all_plans]
+        small = dedup_save_plans(small, True)
+        large = dedup_save_plans(large, self.dedup_save_to_lowest_rank)
+        return [dataclasses.replace(p, items=a.items + b.items) for p, a, b in zip(all_plans, large, small)]
+
+    def create_global_plan(self, all_plans: list[SavePlan]):
+        """DCP's global plan; the ranks' rule tables merged into the global metadata's
+        ``planner_data`` (where the writer's ``finish`` finds them)."""
+        key = getattr(self, "_cached_plans_key", None)
+        known = self._rank_tables.get(key, [])
+        tables = [(p.planner_data or {}).get(RULES_KEY) if isinstance(p.planner_data, dict) else None
+                  for p in all_plans]
+        tables = [t if t is not None or i >= len(known) else known[i] for i, t in enumerate(tables)]
+        plans = [dataclasses.replace(p, planner_data={k: v for k, v in p.planner_data.items() if k != RULES_KEY})
+                 if isinstance(p.planner_data, dict) and RULES_KEY in p.planner_data else p for p in all_plans]
+        out, md = super().create_global_plan(plans)
+        if any(t is not None for t in tables):
+            try:
+                merged = merge_tables(tables)
+            except _Bad as e:
+                raise CheckpointError(f"cannot save: {e}") from None
+            md.planner_data = {**(md.planner_data or {}), RULES_KEY: merged}
+            if key is not None:
+                self._rank_tables[key] = tables
+        return out, md
+
+
+SMALL_ITEM_BYTES = 64 << 10
+
+
+def _small(item: WriteItem) -> bool:
+    return item.type != WriteItemType.BYTE_IO and (item.tensor_storage_size() or 0) <= SMALL_ITEM_BYTES
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rules(state_dict: dict, items: list[WriteItem]) -> tuple[RuleTable, list[WriteItem]]:
+    """This rank's rule table, and its items less the replicated boxes another replica writes
+    by the rule.  A DTensor whose box the rule does not reproduce fails the save here."""
+    meshes: list[Mesh] = []
+    mesh_at: dict[int, tuple[int, tuple]] = {}  # id(device mesh) -> (index, this rank's coordinate)
+    rules: dict[str, ShardRule] = {}
+    keep = []
+    for item in items:
+        fqn = item.index.fqn
+        obj = state_dict.get(fqn)
+        dims = _dims(obj) if isinstance(obj, DTensor) and item.tensor_data is not None else None
+        if dims is None:
+            keep.append(item)
+            continue
+        dm = obj.device_mesh
+        if id(dm) not in mesh_at:
+            mesh_at[id(dm)] = (len(meshes), tuple(dm.get_coordinate()))
+            meshes.append(Mesh.of(dm.mesh.shape, dm.mesh.flatten().tolist()))
+        m, coord = mesh_at[id(dm)]
+        rule = ShardRule(m, dims)
+        g = Geometry(tuple(obj.shape), meshes[m], rule, salt(fqn))
+        i = g.chunk_of(coord)
+        chunk = item.tensor_data.chunk
+        if g.box(i) != (tuple(chunk.offsets), tuple(chunk.sizes)):
+            raise CheckpointError(
+                f"the sharding rule of {obj.placements} gives box {g.box(i)} on mesh coordinate {coord}, "
+                f"but DTensor holds {(tuple(chunk.offsets), tuple(chunk.sizes))}; save with "
+                "DataStatesSavePlanner(sharding_rules=False) and report this", key=fqn)
+        rules[fqn] = rule
+        if g.writer(i) == coord:
+            keep.append(item)
+    return RuleTable.of(meshes, rules), keep
+
+
+def _dims(dt: DTensor) -> tuple[int, ...] | None:
+    """Per mesh dimension, the tensor dimension it shards (-1: replicated); None where a
+    placement is anything else (partial, strided shards) or two shard one dimension."""
+    dims = []
+    for p in dt.placements:
+        if type(p) is Shard:
+            dims.append(p.dim % max(1, dt.ndim))
+        elif isinstance(p, Replicate):
+            dims.append(-1)
+        else:
+            return None
+    sharded = [d for d in dims if d >= 0]
+    return tuple(dims) if len(set(sharded)) == len(sharded) else None
 
 
 class DataStatesLoadPlanner(DefaultLoadPlanner):

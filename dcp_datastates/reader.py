@@ -44,6 +44,7 @@ from .errors import ProviderError
 from .planner import deliver_object
 from .providers import rebuild
 from .tiers import StorageTier
+from .tiers.manifests import part_loader
 from .tiers.manifests import load_manifest  # noqa: F401 (re-exported: tests and tools use it)
 from .engine import upload
 from .engine.upload import DeviceUpload, pinned_slab
@@ -169,6 +170,8 @@ class DataStatesReader(StorageReader):
                     log.warning("no usable manifest on %s (%s); trying the next tier", tier.url, e)
                 continue
             self.manifest_tier = tier.url
+            if m.index is not None:  # format 4: parts from this tier first, then the others
+                m.index.loaders = [part_loader(t) for t in [tier, *(x for x in self._tiers() if x.url != tier.url)]]
             if errors:
                 log.warning("manifest served by %s", tier.url)
             return m

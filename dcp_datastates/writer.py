@@ -33,7 +33,7 @@ import uuid
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -47,9 +47,12 @@ from .errors import CheckpointError, CheckpointExistsError
 from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
 from .format.manifest import paused_gc
 from .format.build import build_manifest
-from .format.names import rank_manifest_name
-from .format.records import RankRecord
-from .planner import Placed, lay_out, records_for
+from .format.index import ExplicitChunk, IndexTensor, PartRef, index_wire, part_digest
+from .format.manifest import Manifest, encode_index
+from .format.names import part_file_name, rank_manifest_name
+from .format.records import ItemRecord, PartRecord, RankRecord
+from .format.rules import RuleTable
+from .planner import RULES_KEY, Placed, lay_out, records_for
 from .session import SaveSession, hold_step
 from .tiers import StorageTier
 from .tiers.incremental import Base, load_base
@@ -119,6 +122,8 @@ class DataStatesWriter(StorageWriter):
         self._persistence: Persistence | None = None
         self._refs: dict[str, tuple[str, int]] = {}
         self._planned_at = 0.0
+        self._rules: RuleTable | None = None
+        self._part_file: dict[str, int] = {}  # format 4: this rank's metadata part, uploaded with its data
 
     # ------------------------------------------------------------ AsyncStager
     @property
@@ -245,6 +250,7 @@ class DataStatesWriter(StorageWriter):
             sd = plan.storage_data if isinstance(plan.storage_data, dict) else {}
             self.rank = int(sd.get("rank", self.rank))
             self.save_id = _fresh_save_id(self, sd.get("save_id", self.save_id))
+            self._rules = _rules_of(planner) if self.use_collectives else None
             return self._write(plan, planner, self._session or SaveSession(lazy=False))
 
     def _write(self, plan: SavePlan, planner: SavePlanner, session: SaveSession) -> Future:
@@ -259,8 +265,9 @@ class DataStatesWriter(StorageWriter):
                                         on_tier_failed=self._release)
         if not copy_items:
             session.mark_snapshot()
-            self._persistence.start_uploads({}, {}, waits_for_commit=self._commits_persist())
-            fut.set_result(self._results(placed, names, []))
+            res = self._results(placed, names, [])
+            self._persistence.start_uploads(dict(self._part_file), {}, waits_for_commit=self._commits_persist())
+            fut.set_result(res)
             return fut
         persisting = bool(self.persist_to and self.persist)
         sinks = [self.tier.open_sink(n, o_direct=self.o_direct, drop_cache=not persisting) for n in names]
@@ -275,7 +282,8 @@ class DataStatesWriter(StorageWriter):
                     if sz == 0:  # every byte of this stripe was reused from the base
                         self.tier.remove(n)
                 res = self._results(placed, names, sizes, f.result().timings)
-                self._persistence.start_uploads({n: sz for n, sz in zip(names, sizes) if sz > 0}, self._refs,
+                self._persistence.start_uploads({**{n: sz for n, sz in zip(names, sizes) if sz > 0},
+                                                 **self._part_file}, self._refs,
                                                 waits_for_commit=self._commits_persist())
                 fut.set_result(res)
             except BaseException as e:  # noqa: BLE001 - delivered through DCP's future
@@ -291,17 +299,13 @@ class DataStatesWriter(StorageWriter):
                  timings: dict | None = None) -> list[WriteResult]:
         out, self._refs, self.last_stats = _write_results(placed, names, sizes, self._base, self.rank, timings)
         self.last_timings = dict(timings or {})
-        return out
+        self._part_file = {}
+        return [_write_part(self, placed, out)] if self._rules is not None else out
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with _failing(self):
-            with paused_gc():
-                manifest = _manifest_for(metadata, results, self.save_id)
-            name = MANIFEST_NAME
-            if not self.use_collectives:
-                manifest.ranks = [self.rank]
-                name = rank_manifest_name(self.rank, self.save_id)
-            body = encode_manifest(manifest)
+            manifest, body = _commit_body(self, metadata, results)
+            name = MANIFEST_NAME if self.use_collectives else rank_manifest_name(self.rank, self.save_id)
             self.tier.commit_bytes(name, body, sync=self.sync_files)
             if self.use_collectives:
                 # DCP broadcasts this Metadata to every rank as the save's result: a run-level
@@ -402,13 +406,109 @@ def _write_results(placed: list[Placed], names: list[str], sizes: list[int], bas
     return out, {f: (home, base_files[f]) for f, home in refs.items()}, stats
 
 
+def _rules_of(planner: SavePlanner) -> RuleTable | None:
+    """The rank's sharding rules, where its planner made them (format 4)."""
+    rules = getattr(planner, "rules", None)
+    return rules if isinstance(rules, RuleTable) else None
+
+
+def _commit_body(w: DataStatesWriter, metadata: Metadata, results: list[list[WriteResult]]):
+    """The manifest to commit and its bytes: a format 4 index where the planner gave sharding
+    rules, else a version 3 manifest (of this rank alone with ``use_collectives=False``)."""
+    raw = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    rules = raw.get(RULES_KEY)
+    with paused_gc():
+        if isinstance(rules, RuleTable) and w.use_collectives:
+            return _index_for(metadata, results, w.save_id, rules, w.path)
+        manifest = _manifest_for(metadata, results, w.save_id)
+    if not w.use_collectives:
+        manifest.ranks = [w.rank]
+    return manifest, encode_manifest(manifest)
+
+
+PART_INDEX = MetadataIndex("\x00dcp_datastates.part")
+
+
+def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult]) -> WriteResult:
+    """Format 4: commit this rank's records as its metadata part (a version 3 manifest of its
+    chunks) beside its data files; the one result the coordinator gets names it."""
+    grank = dist.get_rank() if dist.is_available() and dist.is_initialized() else w.rank
+    rank_rec = out[0].storage_data.rank if out else None
+    files = dict(rank_rec.files) if rank_rec else {}
+    homes = dict(rank_rec.homes) if rank_rec else {}
+    shapes, chunks, explicit, values = {}, [], [], {}
+    for p, wr in zip(placed, out):
+        rec: ItemRecord = wr.storage_data
+        fqn = wr.index.fqn
+        if rec.kind in ("value", "provider-value"):
+            values[fqn] = rec.value if rec.kind == "value" else None
+            chunks.append((fqn, None, rec))
+            continue
+        td = p.item.tensor_data
+        shapes[fqn] = (rec.dtype, tuple(td.size))
+        offs = tuple(wr.index.offset or ())
+        chunks.append((fqn, offs, rec))
+        if fqn not in w._rules.rules:
+            explicit.append((fqn, offs, tuple(rec.sizes)))
+    world = max(dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1, grank + 1)
+    part = build_manifest(shapes=shapes, results=[chunks], planner_data={}, save_id=w.save_id, world_size=world,
+                          torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
+    part.ranks, part.files, part.homes = [grank], files, homes
+    values = {k: part.values[k] for k in values}
+    part.values = {}
+    body = encode_manifest(part)
+    name = part_file_name(grank, w.save_id)
+    w.tier.commit_bytes(name, body, sync=w.sync_files)
+    ref = PartRef(grank, name, len(body), part_digest(body))
+    w._part_file = {name: len(body)}
+    w.last_stats["part_bytes"] = len(body)
+    return WriteResult(index=PART_INDEX, size_in_bytes=len(body),
+                       storage_data=PartRecord(grank, ref, files, homes, explicit, values,
+                                               dict(rank_rec.timings) if rank_rec else {}))
+
+
+def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: str, rules: RuleTable,
+               path: str | None) -> tuple[Manifest, bytes]:
+    """Format 4: the index of a save from DCP's global metadata (dtypes and sizes), the merged
+    rule table and one part record per rank; it grows in tensors + ranks."""
+    tensors = [IndexTensor(fqn, dtype_name(md.properties.dtype), tuple(md.size), rules.rules.get(fqn))
+               for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
+    at = {t.fqn: i for i, t in enumerate(tensors)}
+    files, homes, values, parts, explicit, seen = {}, {}, {}, [], [], set()
+    for rr in results:
+        for wr in rr:
+            rec = wr.storage_data
+            if not isinstance(rec, PartRecord):
+                raise CheckpointError("a rank wrote no metadata part although the save planner gave "
+                                      "sharding rules (are all ranks using DataStatesSavePlanner?)", checkpoint=path)
+            parts.append(rec.part)
+            files.update(rec.files)
+            files[rec.part.name] = rec.part.size
+            homes.update(rec.homes)
+            values.update(rec.values)
+            for fqn, offs, sizes in rec.explicit:
+                if (fqn, offs) not in seen:  # a replicated item written by several ranks: keep one
+                    seen.add((fqn, offs))
+                    explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank))
+    world = max([dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+                 *(p.rank + 1 for p in parts)])
+    m = Manifest(save_id=save_id, world_size=world, ranks=sorted(p.rank for p in parts), files=files,
+                 tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
+                 created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
+    return m, encode_index(m, index_wire(list(rules.meshes), tensors, explicit, parts))
+
+
+def _planner_data(metadata: Metadata) -> dict:
+    raw = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    return {k: list(v) for k, v in raw.items() if isinstance(k, str)
+            and isinstance(v, (tuple, list)) and all(isinstance(x, (str, int)) for x in v)}
+
+
 def _manifest_for(metadata: Metadata, results: list[list[WriteResult]], save_id: str):
     """The manifest of a save from DCP's global metadata and every rank's records."""
     shapes = {fqn: (dtype_name(md.properties.dtype), tuple(md.size))
               for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-    raw = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    pdata = {k: list(v) for k, v in raw.items() if isinstance(k, str)
-             and isinstance(v, (tuple, list)) and all(isinstance(x, (str, int)) for x in v)}
+    pdata = _planner_data(metadata)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return build_manifest(
         shapes=shapes, planner_data=pdata, save_id=save_id, world_size=world,

@@ -481,3 +481,35 @@ def plan_cache_async(rank, world, base, mode):
         async_save(sd, storage_writer=w, planner=DataStatesSavePlanner(enable_plan_caching=True),
                    async_checkpointer_type=ctype, process_group=pg).result()
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(base, "ref", f"step-{step}")))
+
+
+# ----------------------------------------------------------------- format 4: sharding rules
+
+def _rules_full():
+    torch.manual_seed(5)
+    return {"row": torch.randn(10, 6), "tiny": torch.randn(3, 2), "col": torch.randn(5, 7),
+            "rep": torch.randn(4, 6), "hsdp": torch.randn(9, 4), "grid": torch.randn(5, 6),
+            "plain": torch.arange(5.0)}
+
+
+def rules_save(rank, world, ours_dir):
+    """1-D and 2-D meshes with Shard, Replicate, uneven and empty shards, an HSDP layout
+    (replicated over one mesh dimension, sharded over the other) and a plain tensor."""
+    full = _rules_full()
+    mesh1 = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (2, world // 2))
+    place = {"row": (mesh1, [Shard(0)]), "tiny": (mesh1, [Shard(0)]), "col": (mesh1, [Shard(1)]),
+             "rep": (mesh1, [Replicate()]), "hsdp": (mesh2, [Replicate(), Shard(0)]),
+             "grid": (mesh2, [Shard(1), Shard(0)])}
+    sd = {k: distribute_tensor(full[k], *place[k]) if k in place else full[k] for k in full}
+    dcp.save(sd, storage_writer=DataStatesWriter(ours_dir), planner=DataStatesSavePlanner())
+
+
+def rules_load(rank, world, ours_dir, planner):
+    full = _rules_full()
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(v.ndim - 1)]) if k != "plain"
+          else torch.zeros_like(v) for k, v in full.items()}
+    dcp.load(sd, storage_reader=DataStatesReader(ours_dir), **({"planner": DataStatesLoadPlanner()} if planner else {}))
+    for k, v in sd.items():
+        assert torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, full[k]), k

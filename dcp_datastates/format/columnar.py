@@ -327,6 +327,18 @@ class Table:
             got = self._rows_cache[t] = c0 + np.sort(np.concatenate([live, empty]))
         return got
 
+    def count(self, t: int) -> int:
+        return len(self.rows(t))
+
+    def box_at(self, t: int, i: int) -> tuple[tuple, tuple]:
+        """(offsets, sizes) of tensor ``t``'s record ``i``."""
+        return self.box(int(self.rows(t)[i]), t)
+
+    def chunk_at(self, t: int, i: int) -> Chunk:
+        """Tensor ``t``'s record ``i`` alone (its boxes checked first)."""
+        self.check(t)
+        return self.chunk(int(self.rows(t)[i]), t)
+
     def box_list(self, t: int) -> list[tuple[tuple, tuple]]:
         """(offsets, sizes) of tensor ``t``'s records, in order (kept for small tensors)."""
         got = self._small_boxes.get(t)

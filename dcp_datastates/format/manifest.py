@@ -31,11 +31,12 @@ from .columnar import decode_table, encode_table
 from .model import (  # noqa: F401 (the model is re-exported: most layers import it from here)
     FORMAT_VERSION, Chunk, Extent, Manifest, Seg, TensorEntry, ValueEntry, _Bad, check_tiling, paused_gc)
 from .dtypes import dtype_from_name
+from .index import INDEX_VERSION, IndexTable
 from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 
 MAGIC = b"\xffDCP-DATASTATES\n"
 FORMAT_NAME = "dcp-datastates"
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 MAX_MANIFEST_BYTES = 1 << 31
@@ -75,7 +76,14 @@ def encode_manifest(m: Manifest, *, version: int = FORMAT_VERSION) -> bytes:
         return _encode(m, version)
 
 
-def _encode(m: Manifest, version: int) -> bytes:
+def encode_index(m: Manifest, index: dict) -> bytes:
+    """The version 4 index of ``m`` (its header fields, values and files; ``m.tensors`` is not
+    used): ``index`` is ``format.index.index_wire``'s map of rules, explicit chunks and parts."""
+    with paused_gc():
+        return _encode(m, INDEX_VERSION, index)
+
+
+def _encode(m: Manifest, version: int, index: dict | None = None) -> bytes:
     body = {
         "format": FORMAT_NAME,
         "version": version,
@@ -92,7 +100,10 @@ def _encode(m: Manifest, version: int) -> bytes:
         "planner_data": m.planner_data,
         "extra": m.extra,
     }
-    if version >= 3:
+    if index is not None:
+        body["files"] = [[name, size] for name, size in m.files.items()]
+        body.update(index)
+    elif version >= 3:
         body["files"] = [[name, size] for name, size in m.files.items()]
         body["table"] = encode_table(m.tensors, {name: i for i, name in enumerate(m.files)}, _chunk_to_wire)
     else:
@@ -452,7 +463,12 @@ def _from_body(body, source: str = "<memory>") -> Manifest:
         if not name.endswith(".dsd"):  # only data files are ever read from a sibling directory
             raise _Bad(f"file {name!r} in another directory is not a data file (*.dsd)")
         homes[name] = check_file_name(home)
-    if version >= 3:
+    index = None
+    if version >= INDEX_VERSION:
+        index = IndexTable(body, files=files, homes=homes, world=world, save_id=_save_id(body), source=source,
+                           decode=lambda data, where: decode_manifest(data, source=where))
+        tensors = {t.fqn: TensorEntry(_dtype(t.dtype), t.size, source=(index, i)) for i, t in enumerate(index.tensors)}
+    elif version >= 3:
         tensors = decode_table(_req(body, "table", dict), list(files.items()), block_size,
                                lambda fqn, o, z, w: _special_chunk(fqn, o, z, w, files, block_size, version),
                                source)
@@ -463,9 +479,7 @@ def _from_body(body, source: str = "<memory>") -> Manifest:
     for k, path in planner_data.items():
         if not isinstance(k, str) or not isinstance(path, list) or not all(isinstance(p, (str, int)) for p in path):
             raise _Bad(f"planner_data for {k!r} must be a list of str/int")
-    save_id = body.get("save_id", "")
-    if not isinstance(save_id, str):
-        raise _Bad("save_id must be a string")
+    save_id = _save_id(body)
     for key, typ in (("created_unix", (int, float)), ("torch", str), ("writer", str)):
         if key in body and body[key] is not None and not isinstance(body[key], typ):
             raise _Bad(f"field {key!r} has the wrong type ({type(body[key]).__name__})")
@@ -476,4 +490,17 @@ def _from_body(body, source: str = "<memory>") -> Manifest:
         created_unix=float(body.get("created_unix", 0.0) or 0.0),
         torch_version=str(body.get("torch", "")), writer=str(body.get("writer", "")),
         extra=body.get("extra") if isinstance(body.get("extra"), dict) else {},
+        index=index,
     )
+
+
+def _save_id(body: dict) -> str:
+    save_id = body.get("save_id", "")
+    if not isinstance(save_id, str):
+        raise _Bad("save_id must be a string")
+    return save_id
+
+
+def _dtype(name) -> str:
+    dtype_from_name(name)  # raises on a dtype outside the fixed table
+    return name

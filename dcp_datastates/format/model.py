@@ -133,9 +133,9 @@ def box_hits(offsets: tuple, sizes: tuple, boxes) -> bool:
 class TensorEntry:
     """A tensor of the checkpoint: dtype, global size and its chunks.
 
-    A version 3 manifest builds a tensor's chunk records only when they are asked for
-    (``source``: the decoded table and the tensor's row in it); ``find`` and ``overlapping``
-    answer from the table's columns without building them, so a rank that loads one chunk of a
+    A version 3 or 4 manifest builds a tensor's chunk records only when they are asked for
+    (``source``: the decoded table, or the version 4 index, and the tensor's row in it);
+    ``find`` and ``overlapping`` answer from columns or rules without building them, so a rank that loads one chunk of a
     tensor sharded over thousands of ranks never builds the others."""
 
     __slots__ = ("dtype", "size", "_chunks", "_source")
@@ -173,22 +173,21 @@ class TensorEntry:
         """How many chunk records the tensor has, without building them."""
         if self._chunks is None:
             table, row = self._source
-            return len(table.rows(row))
+            return table.count(row)
         return len(self._chunks)
 
     def box(self, i: int) -> tuple[tuple, tuple]:
         """(offsets, sizes) of record ``i``, without building it."""
         if self._chunks is None:
             table, row = self._source
-            return table.box(int(table.rows(row)[i]), row)
+            return table.box_at(row, i)
         return self._chunks[i].offsets, self._chunks[i].sizes
 
     def chunk_at(self, i: int) -> Chunk:
         """Record ``i`` alone (a lazy tensor builds only that one; its boxes are checked)."""
         if self._chunks is None:
             table, row = self._source
-            table.check(row)
-            return table.chunk(int(table.rows(row)[i]), row)
+            return table.chunk_at(row, i)
         return self._chunks[i]
 
     def boxes(self) -> list[tuple[tuple, tuple]]:
@@ -234,6 +233,7 @@ class Manifest:
     torch_version: str = ""
     writer: str = ""
     extra: dict = field(default_factory=dict)
+    index: object = None  # version 4: the IndexTable that finds chunk records in the ranks' parts
 
     def usage(self) -> tuple[int, dict[str, int]]:
         """Tensor bytes this checkpoint owns (in its own files) and, per earlier checkpoint of

@@ -23,6 +23,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 SAVE_ID = re.compile(r"^[0-9a-f]{12}$")
 DATA_FILE = re.compile(r"^data-r(\d{5})-([0-9a-f]{12})-(\d{2})\.dsd$")
 _DATA_PART = re.compile(r"^data-r(\d{5})-([0-9a-f]{12})-(\d{2})\.dsd\.part$")
+PART_FILE = re.compile(r"^part-r(\d{5,7})-([0-9a-f]{12})\.dsm(?:\.part)?$")  # a rank's metadata (format 4)
 _RANK_MANIFEST = re.compile(r"^\.manifest\.rank-(\d{5})(?:\.([0-9a-f]{12}))?$")
 _MARKER = re.compile(r"^\.(?:uploaded|failed)\.rank-(\d{5})\.([0-9a-f]{12})$")
 
@@ -31,9 +32,14 @@ def data_file_name(rank: int, save_id: str, stripe: int) -> str:
     return f"data-r{rank:05d}-{save_id}-{stripe:02d}.dsd"
 
 
+def part_file_name(rank: int, save_id: str) -> str:
+    return f"part-r{rank:05d}-{save_id}.dsm"
+
+
 def data_file_save_id(name: str) -> str | None:
-    """The save that wrote data file ``name`` (or its partial upload ``name.part``)."""
-    m = DATA_FILE.match(name) or _DATA_PART.match(name)
+    """The save that wrote data file or metadata part ``name`` (or its partial upload
+    ``name.part``)."""
+    m = DATA_FILE.match(name) or _DATA_PART.match(name) or PART_FILE.match(name)
     return m.group(2) if m else None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .index import PartRef
 from .manifest import Extent, ValueEntry
 
 
@@ -40,3 +41,17 @@ class ItemRecord:
     tree: dict | None = None
     value: ValueEntry | None = None
     rank: RankRecord | None = None
+
+
+@dataclass(slots=True)
+class PartRecord:
+    """A rank's whole result in a version 4 save (one ``WriteResult``): the metadata part it
+    wrote, its files, the chunks of its tensors without a sharding rule (key, offsets, sizes;
+    the index lists them with this rank as owner), and its values."""
+    rank: int  # the global rank, as the meshes number them
+    part: PartRef
+    files: dict[str, int]
+    homes: dict[str, str]
+    explicit: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    values: dict[str, ValueEntry]
+    timings: dict[str, float] = field(default_factory=dict)

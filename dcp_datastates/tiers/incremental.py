@@ -21,11 +21,20 @@ class Base:
     manifest: Manifest
     here: frozenset  # base files present on this rank's tier (the only ones it may reference)
     homes: dict  # base file -> the directory that holds it
-    chunks: dict  # (fqn, offsets) -> Chunk
+    chunks: dict  # (fqn, offsets) -> Chunk; empty for a lazy (format 3 or 4) manifest
 
     def extents(self, fqn: str, offsets: tuple) -> dict[str, Extent]:
-        """Base extents of chunk ``(fqn, offsets)``: ``{part path or "": Extent}``."""
-        c: Chunk | None = self.chunks.get((fqn, offsets))
+        """Base extents of chunk ``(fqn, offsets)``: ``{part path or "": Extent}``.  A lazy
+        manifest is asked for that chunk alone (format 4: only the part holding it is read)."""
+        entry = self.manifest.tensors.get(fqn)
+        if entry is not None and entry.lazy:
+            try:
+                c: Chunk | None = entry.find(offsets)
+            except CheckpointError as e:  # the base cannot serve this chunk: write it in full
+                log.warning("incremental base %s: %s; writing that chunk in full", self.name, e)
+                c = None
+        else:
+            c = self.chunks.get((fqn, offsets))
         if c is None:
             return {}
         if c.extent is not None:
@@ -60,5 +69,5 @@ def load_base(tier: StorageTier, incremental_base: str | None, storage_options: 
             listed[home] = set(tier.sibling(home).listdir())
         if f in listed[home]:
             here.add(f)
-    chunks = {(fqn, c.offsets): c for fqn, t in m.tensors.items() for c in t.chunks}
+    chunks = {(fqn, c.offsets): c for fqn, t in m.tensors.items() if not t.lazy for c in t.chunks}
     return Base(name, m, frozenset(here), homes, chunks)

@@ -87,7 +87,20 @@ def read_manifest(tier: StorageTier, name: str) -> Manifest:
         data = tier.read_bytes(name, max_bytes=MAX_MANIFEST_BYTES)
     except DataFileError as e:
         raise ManifestError(f"manifest unreadable: {e}", checkpoint=where) from None
-    return decode_manifest(data, source=where)
+    m = decode_manifest(data, source=where)
+    if m.index is not None:
+        m.index.loaders = [part_loader(tier)]
+    return m
+
+
+def part_loader(tier: StorageTier):
+    """Read a format 4 metadata part of ``tier`` by name and expected size."""
+    def load(name: str, size: int) -> bytes:
+        try:
+            return tier.read_bytes(name, max_bytes=size)
+        except DataFileError as e:
+            raise ManifestError(str(e), checkpoint=tier.url, file=name) from None
+    return load
 
 
 @dataclasses.dataclass(frozen=True)

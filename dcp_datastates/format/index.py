@@ -1,0 +1,273 @@
+"""Format version 4: a small index, and one metadata part per rank.
+
+A version 3 manifest lists every chunk: with FSDP over N ranks that is tensors x N entries,
+and every rank reads all of them.  Version 4 splits it:
+
+* the **index** (``.metadata``, written by the coordinator) holds what grows in tensors +
+  ranks: each tensor's dtype and size and either its sharding rule (``rules.py``) or, for
+  tensors without one, its chunks' boxes and the rank that wrote each; the meshes; the values;
+  every file with its size; and each rank's **part** with its size and xxh3-128 digest;
+* a **part** (``part-rNNNNN-<save>.dsm``, written by its rank with its data files) is a
+  version 3 manifest of that rank's chunks: where their bytes are, and their block digests.
+
+A rank reads the index and the parts of the ranks whose chunks it loads: its own for a
+same-size restart, a few when resharded.  A part is accepted only with the size and digest the
+index gives it, the same save id, and files that the index lists with the same sizes; a chunk
+is taken from it only where its box is the one the rule or the index says.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import xxhash
+
+from ..errors import ManifestError
+from .model import Chunk, Manifest, _Bad, box_hits, check_tiling
+from .rules import Geometry, Mesh, ShardRule, salt
+
+INDEX_VERSION = 4
+MAX_NDIM = 64
+MAX_DIM = 1 << 48
+MAX_PART_BYTES = 1 << 31
+_I8 = np.dtype("<i8")
+
+
+@dataclass(frozen=True, slots=True)
+class PartRef:
+    """A rank's metadata part, as the index names it."""
+    rank: int
+    name: str
+    size: int
+    digest: bytes  # xxh3-128 of the whole file, 16 bytes
+
+    def to_wire(self) -> list:
+        return [self.rank, self.name, self.size, self.digest]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexTensor:
+    """One tensor of the index: its rule, or (``rule`` None) its chunks in ``explicit``."""
+    fqn: str
+    dtype: str
+    size: tuple[int, ...]
+    rule: ShardRule | None
+
+
+@dataclass(frozen=True, slots=True)
+class ExplicitChunk:
+    """A chunk of a tensor without a rule: its box and the rank whose part holds it."""
+    tensor: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    owner: int
+
+
+def part_digest(data: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
+               parts: list[PartRef]) -> dict:
+    """The version 4 fields of the manifest body."""
+    col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
+    return {
+        "meshes": [m.to_wire() for m in meshes],
+        "tensor_list": [[t.fqn, t.dtype, list(t.size), None if t.rule is None else t.rule.to_wire()] for t in tensors],
+        "explicit": {"tensor": col([c.tensor for c in explicit]), "owner": col([c.owner for c in explicit]),
+                     "offsets": col([x for c in explicit for x in c.offsets]),
+                     "sizes": col([x for c in explicit for x in c.sizes])},
+        "parts": [p.to_wire() for p in parts],
+    }
+
+
+def _arr(d: dict, key: str, n: int | None, lo: int, hi: int) -> np.ndarray:
+    raw = d.get(key) if isinstance(d, dict) else None
+    if not isinstance(raw, bytes) or len(raw) % 8:
+        raise _Bad(f"explicit.{key} must be int64 bytes")
+    a = np.frombuffer(raw, dtype=_I8)
+    if n is not None and len(a) != n:
+        raise _Bad(f"explicit.{key} has {len(a)} entries, expected {n}")
+    if len(a) and (int(a.min()) < lo or int(a.max()) > hi):
+        raise _Bad(f"explicit.{key} holds values outside [{lo}, {hi}]")
+    return a
+
+
+class IndexTable:
+    """The decoded index: the source of its tensors' chunks (``TensorEntry``), loading the
+    parts that hold their records on demand through ``loader`` (set by the tier that read it)."""
+
+    def __init__(self, body: dict, *, files: dict[str, int], homes: dict[str, str], world: int, save_id: str,
+                 source: str, decode: Callable[[bytes, str], Manifest]) -> None:
+        self.source, self.save_id, self.files, self.homes, self._decode = source, save_id, files, homes, decode
+        # readers of a part by (name, size), fastest tier first; set by the tier that read the index
+        self.loaders: list[Callable[[str, int], bytes]] = []
+        self._lock = threading.Lock()
+        self._loaded: dict[int, Manifest] = {}
+        raw_meshes = body.get("meshes")
+        if not isinstance(raw_meshes, list) or len(raw_meshes) > 1 << 16:
+            raise _Bad("meshes must be a list")
+        self.meshes = [Mesh.from_wire(w, world) for w in raw_meshes]
+        self.parts = self._parts(body.get("parts"), world)
+        for m in self.meshes:  # every rank a rule can name has a part
+            missing = [r for r in m.ranks if r not in self.parts]
+            if missing:
+                raise _Bad(f"mesh ranks {missing[:8]} have no metadata part")
+        raw = body.get("tensor_list")
+        if not isinstance(raw, list):
+            raise _Bad("tensor_list must be a list")
+        self.tensors: list[IndexTensor] = []
+        self.geoms: list[Geometry | None] = []
+        names: set[str] = set()
+        for w in raw:
+            if not isinstance(w, list) or len(w) != 4 or not isinstance(w[0], str) or not isinstance(w[1], str) \
+                    or not isinstance(w[2], list) or len(w[2]) > MAX_NDIM:
+                raise _Bad("a tensor must be [name, dtype, size, rule]")
+            if w[0] in names:
+                raise _Bad(f"tensor {w[0]!r} is listed twice")
+            names.add(w[0])
+            size = tuple(w[2])
+            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_DIM for x in size):
+                raise _Bad(f"tensor {w[0]!r} has an invalid size")
+            rule = None if w[3] is None else ShardRule.from_wire(w[3], self.meshes, len(size))
+            self.tensors.append(IndexTensor(w[0], w[1], size, rule))
+            self.geoms.append(None if rule is None else Geometry(size, self.meshes[rule.mesh], rule, salt(w[0])))
+        self._explicit(body.get("explicit"), world)
+
+    def _parts(self, raw, world: int) -> dict[int, PartRef]:
+        if not isinstance(raw, list) or len(raw) > world:
+            raise _Bad("parts must be a list of at most one per rank")
+        out: dict[int, PartRef] = {}
+        for w in raw:
+            if not isinstance(w, list) or len(w) != 4 or not isinstance(w[0], int) or isinstance(w[0], bool) \
+                    or not isinstance(w[2], int) or not isinstance(w[3], bytes) or len(w[3]) != 16:
+                raise _Bad("a part must be [rank, name, size, digest]")
+            if not 0 <= w[0] < world or w[0] in out:
+                raise _Bad(f"part of rank {w[0]} is out of range or listed twice")
+            if self.files.get(w[1]) != w[2] or not 0 < w[2] <= MAX_PART_BYTES:
+                raise _Bad(f"part {w[1]!r} is not among the files with its size")
+            out[w[0]] = PartRef(w[0], w[1], w[2], w[3])
+        return out
+
+    def _explicit(self, raw, world: int) -> None:
+        t = _arr(raw, "tensor", None, 0, max(0, len(self.tensors) - 1))
+        owner = _arr(raw, "owner", len(t), 0, world - 1)
+        if any(int(o) not in self.parts for o in np.unique(owner).tolist()):
+            raise _Bad("an explicit chunk's owner has no metadata part")
+        if len(t) and any(self.tensors[i].rule is not None for i in np.unique(t).tolist()):
+            raise _Bad("a tensor with a sharding rule also lists explicit chunks")
+        nd = np.array([len(x.size) for x in self.tensors], dtype=_I8)[t] if len(t) else np.zeros(0, _I8)
+        total = int(nd.sum())
+        offs = _arr(raw, "offsets", total, 0, MAX_DIM)
+        sizes = _arr(raw, "sizes", total, 0, MAX_DIM)
+        self.rows: dict[int, list[tuple[tuple, tuple, int]]] = {}
+        at = 0
+        for ti, o, k in zip(t.tolist(), owner.tolist(), nd.tolist()):
+            box = (tuple(offs[at:at + k].tolist()), tuple(sizes[at:at + k].tolist()))
+            at += k
+            gs = self.tensors[ti].size
+            if any(a + b > g for a, b, g in zip(*box, gs)):
+                raise _Bad(f"{self.tensors[ti].fqn}: chunk at {list(box[0])} extends beyond the tensor")
+            self.rows.setdefault(ti, []).append((*box, o))
+        for ti, rows in self.rows.items():
+            if len(rows) > 1:
+                check_tiling(self.tensors[ti].fqn, [_Box(o, z) for o, z, _ in rows])
+
+    # ------------------------------------------------------ TensorEntry's source
+    def count(self, t: int) -> int:
+        g = self.geoms[t]
+        return g.count() if g is not None else len(self.rows.get(t, ()))
+
+    def box_at(self, t: int, i: int) -> tuple[tuple, tuple]:
+        g = self.geoms[t]
+        return g.box(i) if g is not None else self.rows[t][i][:2]
+
+    def box_list(self, t: int) -> list[tuple[tuple, tuple]]:
+        g = self.geoms[t]
+        return g.boxes() if g is not None else [r[:2] for r in self.rows.get(t, ())]
+
+    def overlapping(self, t: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
+        g = self.geoms[t]
+        if g is not None:
+            return g.overlapping(boxes)
+        return [i for i, (o, z, _) in enumerate(self.rows.get(t, ())) if box_hits(o, z, boxes)]
+
+    def check(self, t: int) -> None:
+        """Nothing left to check: rules are valid by construction, explicit boxes at decode."""
+
+    def chunk_at(self, t: int, i: int) -> Chunk:
+        g = self.geoms[t]
+        if g is not None:
+            o, z = g.box(i)
+            return self._record(t, o, z, g.owner(i))
+        o, z, owner = self.rows[t][i]
+        return self._record(t, o, z, owner)
+
+    def find(self, t: int, offsets: tuple) -> Chunk | None:
+        g = self.geoms[t]
+        if g is not None:
+            i = g.index_of(tuple(offsets))
+            return None if i is None else self.chunk_at(t, i)
+        i = next((k for k, r in enumerate(self.rows.get(t, ())) if r[0] == tuple(offsets)), None)
+        return None if i is None else self.chunk_at(t, i)
+
+    def records(self, t: int) -> list[Chunk]:
+        return [self.chunk_at(t, i) for i in range(self.count(t))]
+
+    # ------------------------------------------------------------------ parts
+    def _record(self, t: int, offsets: tuple, sizes: tuple, owner: int) -> Chunk:
+        fqn = self.tensors[t].fqn
+        entry = self.part(owner).tensors.get(fqn)
+        chunk = None if entry is None else entry.find(offsets)
+        if chunk is None or tuple(chunk.sizes) != tuple(sizes):
+            raise ManifestError(f"the metadata part of rank {owner} has no chunk of size {list(sizes)} at "
+                                f"{list(offsets)}", checkpoint=self.source, key=fqn,
+                                file=self.parts[owner].name)
+        return chunk
+
+    def part(self, rank: int) -> Manifest:
+        """Rank ``rank``'s part, read and checked once."""
+        with self._lock:
+            got = self._loaded.get(rank)
+            if got is not None:
+                return got
+            ref = self.parts.get(rank)
+            if ref is None:
+                raise ManifestError(f"rank {rank} has no metadata part", checkpoint=self.source)
+            data, why = None, "this index was decoded without a way to read its parts"
+            for load in self.loaders:  # the digest pins the content: any tier's copy will do
+                try:
+                    got = load(ref.name, ref.size)
+                except (OSError, ManifestError) as e:
+                    why = f"unreadable: {e}"
+                    continue
+                if len(got) == ref.size and part_digest(got) == ref.digest:
+                    data = got
+                    break
+                why = "does not match the index (damaged, or from another save)"
+            if data is None:
+                raise ManifestError(f"metadata part {why}; restore it from another tier or re-save",
+                                    checkpoint=self.source, file=ref.name)
+            m = self._decode(data, f"{self.source}/{ref.name}")
+            if m.save_id != self.save_id or m.version != 3 or m.ranks != [rank]:
+                raise ManifestError(f"metadata part holds save {m.save_id} ranks {m.ranks[:4]}, not rank "
+                                    f"{rank} of save {self.save_id}", checkpoint=self.source, file=ref.name)
+            for name, size in m.files.items():
+                if self.files.get(name) != size:
+                    raise ManifestError(f"metadata part names file {name} ({size} bytes), which the "
+                                        "index does not list so", checkpoint=self.source, file=ref.name)
+            if any(self.homes.get(name) != home for name, home in m.homes.items()):
+                raise ManifestError("metadata part places a file in another checkpoint than the index does",
+                                    checkpoint=self.source, file=ref.name)
+            self._loaded[rank] = m
+            return m
+
+
+class _Box:
+    __slots__ = ("offsets", "sizes")
+
+    def __init__(self, offsets: tuple, sizes: tuple) -> None:
+        self.offsets, self.sizes = offsets, sizes

@@ -1,0 +1,136 @@
+"""Format version 4: sharding rules and per-rank metadata parts, on real gloo ranks."""
+
+import itertools
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from dcp_datastates.errors import ManifestError
+from dcp_datastates import DataStatesReader
+from tests.manifest_tools import rewrite_manifest
+
+from dcp_datastates.format.rules import Geometry, Mesh, ShardRule, salt
+from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers.manifests import load_manifest
+from tests import workers
+from tests.dist import run_ranks
+
+
+def test_rules_give_dtensors_boxes():
+    """Every box a rule gives is DTensor's own for that mesh coordinate (uneven and empty
+    shards, several mesh dimensions); overlap answers equal a sweep over every box."""
+    utils = pytest.importorskip("torch.distributed.tensor._utils")
+    from torch.distributed.tensor import Replicate, Shard
+    rng = random.Random(0)
+    for _ in range(400):
+        size = tuple(rng.randint(0, 9) for _ in range(rng.randint(0, 3)))
+        shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        free = list(range(len(size)))
+        dims = []
+        for _ in shape:
+            d = rng.choice([-1, *free])
+            dims.append(d)
+            if d >= 0:
+                free.remove(d)
+        g = Geometry(size, Mesh.of(shape, range(len(list(itertools.product(*map(range, shape)))))),
+                     ShardRule(0, tuple(dims)), salt("w"))
+        placements = [Shard(d) if d >= 0 else Replicate() for d in dims]
+        for coord in itertools.product(*map(range, shape)):
+            local, offset = utils._compute_local_shape_and_global_offset(size, shape, list(coord), placements)
+            assert g.box(g.chunk_of(coord)) == (tuple(offset), tuple(local)), (size, shape, dims, coord)
+        q = [(a, rng.randint(0, s - a)) for s in size for a in [rng.randint(0, max(0, s - 1))]]
+        qo, qs = tuple(a for a, _ in q), tuple(b for _, b in q)
+        sweep = [i for i in range(g.count()) if all(g.box(i)[1]) and all(qs) and
+                 all(o < a + b and a < o + z for o, z, a, b in zip(*g.box(i), qo, qs))] if size else [0]
+        assert g.overlapping([(qo, qs)]) == sweep
+
+
+@pytest.fixture(scope="module")
+def ruled(tmp_path_factory):
+    ours = str(tmp_path_factory.mktemp("v4") / "ck")
+    run_ranks(4, workers.rules_save, ours)
+    return ours
+
+
+def test_rules_save_once_and_reshard(ruled):
+    ours = ruled
+    m = load_manifest(StorageTier(ours))
+    assert m.version == 4 and sorted(m.index.parts) == [0, 1, 2, 3]
+    ruled = {t.fqn for t in m.index.tensors if t.rule is not None}
+    assert ruled == {"row", "tiny", "col", "rep", "hsdp", "grid"}
+    # a replicated box is written by one replica only: "rep" by one rank, each "hsdp" row block by one
+    holders = {k: [r for r in range(4) if k in m.index.part(r).tensors] for k in ("rep", "hsdp")}
+    assert len(holders["rep"]) == 1 and len(holders["hsdp"]) == 2, holders
+    run_ranks(3, workers.rules_load, ours, True)
+    run_ranks(2, workers.rules_load, ours, False)
+
+
+@pytest.mark.parametrize("save_world,load_world", [(3, 2), (2, 3)])
+def test_fsdp2_with_rules_reshards(tmp_path, save_world, load_world):
+    ours, ref = str(tmp_path / "ours"), str(tmp_path / "ref")
+    run_ranks(save_world, workers.save_fsdp, ours, ref, True, True)
+    assert load_manifest(StorageTier(ours)).version == 4
+    run_ranks(load_world, workers.load_fsdp_and_compare, ours, ref, True)
+
+
+def _part_name(ck: str, rank: int) -> str:
+    return next(f for f in os.listdir(ck) if f.startswith(f"part-r{rank:05d}-"))
+
+
+def _records(ck: str) -> None:
+    """Every chunk record of every tensor (reads every part)."""
+    m = DataStatesReader(ck)
+    m.read_metadata()
+    for t in m.manifest.tensors.values():
+        t.chunks
+
+
+@pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "part-name", "owner", "two-rules"])
+def test_hostile_index_is_refused(ruled, tmp_path, case):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ruled, ck)
+
+    def mutate(body):
+        if case == "mesh-rank":
+            body["meshes"][0][1] = ["list", 0, 1, 2, 99]
+        elif case == "rule-dim":
+            row = next(t for t in body["tensor_list"] if t[3] is not None)
+            row[3][1] = [5] * len(row[3][1])
+        elif case == "part-size":
+            body["parts"][0][2] += 1
+        elif case == "part-name":
+            body["parts"][0][1] = "../../etc/passwd"
+        elif case == "owner":
+            body["explicit"]["owner"] = np.full(len(body["explicit"]["owner"]) // 8, 7, "<i8").tobytes()
+        else:
+            body["tensor_list"].append(list(body["tensor_list"][0]))
+    rewrite_manifest(ck, mutate, version=4)
+    with pytest.raises(ManifestError) as e:
+        _records(ck)
+    assert "checkpoint=" in str(e.value)
+
+
+def test_damaged_or_foreign_part_is_refused_and_a_good_copy_used(ruled, tmp_path):
+    ck, backup = str(tmp_path / "ck"), str(tmp_path / "backup")
+    shutil.copytree(ruled, ck)
+    shutil.copytree(ruled, backup)
+    name = _part_name(ck, 1)
+    with open(os.path.join(ck, name), "r+b") as f:
+        f.seek(40)
+        b = f.read(1)
+        f.seek(40)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ManifestError, match="metadata part") as e:
+        _records(ck)
+    assert name in str(e.value)
+    r = DataStatesReader(ck, fallback=[backup])
+    r.read_metadata()
+    for t in r.manifest.tensors.values():
+        t.chunks  # rank 1's part comes from the backup tier, pinned by the index's digest
+    # another save's part under this save's name: refused by the digest
+    shutil.copy(os.path.join(ck, _part_name(ck, 2)), os.path.join(ck, name))
+    with pytest.raises(ManifestError, match="metadata part"):
+        _records(ck)
