@@ -54,7 +54,7 @@ from dcp_datastates.format.checksum import BLOCK_SIZE, DIGEST_BYTES, Digests  # 
 from dcp_datastates.format.dtypes import dtype_name  # noqa: E402
 from dcp_datastates.format.manifest import Extent, Seg, encode_manifest  # noqa: E402
 from dcp_datastates.format.model import ChunkMetadataView, paused_gc  # noqa: E402
-from dcp_datastates.planner import narrow as narrowed_to  # noqa: E402
+from dcp_datastates.planner import plan_reads  # noqa: E402
 from dcp_datastates.format.names import data_file_name  # noqa: E402
 from dcp_datastates.format.records import ItemRecord, RankRecord  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
@@ -195,21 +195,23 @@ def _needed(ts, geoms, explicit: dict, layout: str, world: int, rank: int) -> se
     return need
 
 
-def _part(ts, rows, rank: int, n: int) -> tuple[bytes, dict]:
-    """Rank ``rank``'s metadata part, as ``DataStatesWriter`` commits it."""
+def _part(ts, rows, rank: int, n: int) -> tuple[bytes, dict, dict]:
+    """Rank ``rank``'s metadata part, as ``DataStatesWriter`` commits it; its files; and each
+    chunk's extent by (tensor index, offsets)."""
     name = data_file_name(rank, SAVE_ID, 0)
-    pos, recs, shapes = 0, [], {}
+    pos, recs, shapes, exts = 0, [], {}, {}
     for ti, offs, sizes in rows:
         t = ts[ti]
         nb = (int(torch.Size(sizes).numel()) if sizes else 1) * t.dtype.itemsize
         ext = Extent([Seg(name, pos, nb)] if nb else [], nb, Digests(DIGEST * max(1, -(-nb // BLOCK_SIZE))))
         pos += nb
         shapes[t.fqn] = (dtype_name(t.dtype), tuple(t.shape))
+        exts[(ti, tuple(offs))] = ext
         recs.append((t.fqn, tuple(offs), ItemRecord("tensor", dtype_name(t.dtype), tuple(sizes), ext)))
     m = build_manifest(shapes=shapes, results=[recs], planner_data={}, save_id=SAVE_ID, world_size=n,
                        torch_version="", writer="bench")
     m.ranks, m.files = [rank], ({name: pos} if pos else {})
-    return encode_manifest(m), m.files
+    return encode_manifest(m), m.files, exts
 
 
 def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int]]):
@@ -217,27 +219,30 @@ def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int
     rank; the parts of the ranks that the measured loads need are written for real."""
     table, geoms = _rules(ts, layout, n)
     explicit: dict[int, list] = {}
-    per_rank_explicit = {}
+    rows_of = {}
     for r in range(n):
-        rows = _explicit_writes(ts, geoms, layout, n, r) if (r == 0 or layout == "tp_fsdp") else []
-        per_rank_explicit[r] = [(ts[ti].fqn, tuple(o), tuple(z)) for ti, o, z in rows]
-        for ti, o, z in rows:
-            explicit.setdefault(ti, []).append((o, z, r))
-    need = {0}
+        rows_of[r] = _explicit_writes(ts, geoms, layout, n, r) if (r == 0 or layout == "tp_fsdp") else []
+        for ti, o, z in rows_of[r]:
+            if ts[ti].shape:  # small plain chunks (the steps) are in the index itself
+                explicit.setdefault(ti, []).append((o, z, r))
+    need = {0}  # rank 0 wrote the steps: its part gives their extents, inlined in the index
     for world, rank in measured:
         need |= _needed(ts, geoms, explicit, layout, world, rank)
     results, per = [], max(1, sum(math.prod(t.shape) * t.dtype.itemsize for t in ts) // n)
     for r in range(n):
         pname = part_file_name(r, SAVE_ID)
+        exts = {}
         if r in need:
-            body, files = _part(ts, _ours_writes(ts, geoms, layout, n, r), r, n)
+            body, files, exts = _part(ts, _ours_writes(ts, geoms, layout, n, r), r, n)
             with open(os.path.join(path, pname), "wb") as f:
                 f.write(body)
             ref = PartRef(r, pname, len(body), part_digest(body))
         else:  # never read by the measured loads
             files, ref = {data_file_name(r, SAVE_ID, 0): per}, PartRef(r, pname, 4096, b"\0" * 16)
+        listed = [(ts[ti].fqn, tuple(o), tuple(z), None if ts[ti].shape else exts[(ti, tuple(o))])
+                  for ti, o, z in rows_of[r]]
         results.append([WriteResult(index=PART_INDEX, size_in_bytes=ref.size,
-                                    storage_data=PartRecord(r, ref, files, {}, per_rank_explicit[r], {}))])
+                                    storage_data=PartRecord(r, ref, files, {}, listed, {}))])
     sdm = {t.fqn: TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), []) for t in ts}
     md = Metadata(state_dict_metadata=sdm, planner_data={RULES_KEY: table, **{t.fqn: t.fqn.split(".") for t in ts}})
     return md, results
@@ -251,10 +256,11 @@ def _plan_one_rank(md: Metadata, ts, layout: str, n: int, rank: int, narrow: boo
     items = []
     for ti, t in enumerate(ts):
         boxes = sm.boxes(t, ti, layout, n, rank)
-        local = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
         tmd = md.state_dict_metadata[t.fqn]
-        if narrow and isinstance(tmd.chunks, ChunkMetadataView):
-            tmd = narrowed_to(tmd, [(tuple(o), tuple(s)) for o, s in boxes])
+        if narrow and isinstance(tmd.chunks, ChunkMetadataView):  # as DataStatesLoadPlanner plans
+            items += plan_reads(t.fqn, tmd, [(tuple(o), tuple(s)) for o, s in boxes])
+            continue
+        local = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
         items += create_read_items_for_chunk_list(t.fqn, tmd, local)
     return items
 
@@ -262,10 +268,15 @@ def _plan_one_rank(md: Metadata, ts, layout: str, n: int, rank: int, narrow: boo
 def _resolve(reader, meta: Metadata, items: list) -> None:
     """Find where each read item's bytes are, as ``read_data`` does first (ours: the chunk's
     record, from a part; DCP: its storage data)."""
-    if isinstance(reader, DataStatesReader):
+    if isinstance(reader, DataStatesReader):  # as DataStatesReader._make_task finds them
         tensors = reader.manifest.tensors
         for it in items:
-            if tensors[it.storage_index.fqn].find(tuple(it.storage_index.offset)) is None:
+            entry, at, key = tensors[it.storage_index.fqn], it.storage_index.index, tuple(it.storage_index.offset)
+            chunk = entry.chunk_at(at) if isinstance(at, int) and 0 <= at < entry.count() \
+                and entry.box(at)[0] == key else None
+            if chunk is None or chunk.offsets != key:
+                chunk = entry.find(key)
+            if chunk is None:
                 raise RuntimeError(f"no record for {it.storage_index}")
     else:
         sd = meta.storage_data
@@ -309,17 +320,24 @@ def one(system: str, layout: str, n: int, root: str) -> dict:
     del md, results
     out = {"system": system, "layout": layout, "ranks": n, "simulate_s": round(sim_s, 2),
            "commit_s": round(commit_s, 3), "commit_rss_growth": commit_rss, "metadata_bytes": meta_bytes}
+    # warm-up, not timed: the first read of a process pays imports and caches, for both systems
+    (DataStatesReader(path) if system == "ours" else FileSystemReader(path)).read_metadata()
     for label, (world, rank) in zip(("same", "half"), measured):
         # DCP's own planner over our metadata sweeps every chunk: run where it fits the time
         for narrow in ((True, False) if system == "ours" and n <= 2048 else (system == "ours",)):
-            t0 = time.perf_counter()
-            reader = DataStatesReader(path) if system == "ours" else FileSystemReader(path)
-            meta = reader.read_metadata()
-            t1 = time.perf_counter()
-            items = _plan_one_rank(meta, ts, layout, world, rank, narrow)
-            t2 = time.perf_counter()
-            _resolve(reader, meta, items)
-            t3 = time.perf_counter()
+            best = None
+            for _ in range(3 if n <= 2048 else 1):  # best of 3 (the collector and the machine add noise)
+                t0 = time.perf_counter()
+                reader = DataStatesReader(path) if system == "ours" else FileSystemReader(path)
+                meta = reader.read_metadata()
+                t1 = time.perf_counter()
+                items = _plan_one_rank(meta, ts, layout, world, rank, narrow)
+                t2 = time.perf_counter()
+                _resolve(reader, meta, items)
+                t3 = time.perf_counter()
+                if best is None or t3 - t0 < best[3] - best[0]:
+                    best = (t0, t1, t2, t3)
+            t0, t1, t2, t3 = best
             tag = label if narrow or system == "dcp" else f"{label}_dcp_planner"
             out[f"ready_{tag}_s"] = round(t3 - t0, 3)
             out[f"read_metadata_{tag}_s"] = round(t1 - t0, 3)

@@ -25,10 +25,10 @@ import xxhash
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan, SavePlanner,
                                                   WriteItem, WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -212,7 +212,13 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
             if item is not None:
                 whole[fqn] = item
                 continue
-            narrowed[fqn] = narrow(tmd, [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)])
+            boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)]
+            keep = tmd.chunks.entry.overlapping(boxes)
+            item = _exact_read(fqn, tmd, boxes, keep)
+            if item is not None:
+                whole[fqn] = item
+                continue
+            narrowed[fqn] = narrow(tmd, boxes, keep)
         if not narrowed and not whole:
             return super().create_local_plan()
         sd = self.state_dict
@@ -253,10 +259,35 @@ def _whole_read(fqn: str, obj: torch.Tensor, tmd: TensorStorageMetadata) -> Read
                     lengths=torch.Size(sizes))
 
 
-def narrow(tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]]) -> TensorStorageMetadata:
-    """``tmd`` (its chunks a ``ChunkMetadataView``) with only the saved chunks that overlap
-    ``boxes`` ((offsets, sizes) pairs), found over the manifest's columns."""
+def _exact_read(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
+                keep: list[int]) -> ReadItem | None:
+    """The read of a rank's one box that is exactly one saved chunk (a same-size restart of a
+    sharded tensor), as DCP's planner would make it; None for anything else."""
+    if len(boxes) != 1 or len(keep) != 1 or not all(boxes[0][1]) or tmd.chunks.entry.box(keep[0]) != boxes[0]:
+        return None
+    offsets, sizes = (torch.Size(x) for x in boxes[0])
+    zeros = torch.Size([0] * len(sizes))
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0), dest_offsets=zeros,
+                    storage_index=MetadataIndex(fqn, offsets, keep[0]), storage_offsets=zeros, lengths=sizes)
+
+
+def plan_reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]]) -> list[ReadItem]:
+    """The reads of one tensor's ``boxes`` as ``DataStatesLoadPlanner`` plans them (for tools
+    and benchmarks that plan without a state dict): one exact chunk directly, else DCP's
+    resharding against the overlapping chunks only."""
     keep = tmd.chunks.entry.overlapping(boxes)
+    item = _exact_read(fqn, tmd, boxes, keep)
+    if item is not None:
+        return [item]
+    local = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in boxes]
+    return create_read_items_for_chunk_list(fqn, narrow(tmd, boxes, keep), local)
+
+
+def narrow(tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
+           keep: list[int] | None = None) -> TensorStorageMetadata:
+    """``tmd`` (its chunks a ``ChunkMetadataView``) with only the saved chunks that overlap
+    ``boxes`` ((offsets, sizes) pairs), found over the manifest's columns or rules."""
+    keep = tmd.chunks.entry.overlapping(boxes) if keep is None else keep
     return TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
 
 

@@ -48,11 +48,11 @@ from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
 from .format.manifest import paused_gc
 from .format.build import build_manifest
 from .format.index import ExplicitChunk, IndexTensor, PartRef, index_wire, part_digest
-from .format.manifest import Manifest, encode_index
+from .format.manifest import Chunk, Manifest, encode_index
 from .format.names import part_file_name, rank_manifest_name
 from .format.records import ItemRecord, PartRecord, RankRecord
 from .format.rules import RuleTable
-from .planner import RULES_KEY, Placed, lay_out, records_for
+from .planner import RULES_KEY, SMALL_ITEM_BYTES, Placed, lay_out, records_for
 from .session import SaveSession, hold_step
 from .tiers import StorageTier
 from .tiers.incremental import Base, load_base
@@ -448,8 +448,9 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
         shapes[fqn] = (rec.dtype, tuple(td.size))
         offs = tuple(wr.index.offset or ())
         chunks.append((fqn, offs, rec))
-        if fqn not in w._rules.rules:
-            explicit.append((fqn, offs, tuple(rec.sizes)))
+        if fqn not in w._rules.rules:  # no rule: listed in the index; small plain chunks in full
+            small = rec.kind == "tensor" and rec.extent.nbytes <= SMALL_ITEM_BYTES
+            explicit.append((fqn, offs, tuple(rec.sizes), rec.extent if small else None))
     world = max(dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1, grank + 1)
     part = build_manifest(shapes=shapes, results=[chunks], planner_data={}, save_id=w.save_id, world_size=world,
                           torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
@@ -486,16 +487,17 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
             files[rec.part.name] = rec.part.size
             homes.update(rec.homes)
             values.update(rec.values)
-            for fqn, offs, sizes in rec.explicit:
+            for fqn, offs, sizes, ext in rec.explicit:
                 if (fqn, offs) not in seen:  # a replicated item written by several ranks: keep one
                     seen.add((fqn, offs))
-                    explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank))
+                    explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank,
+                                                  None if ext is None else Chunk(offs, sizes, ext)))
     world = max([dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                  *(p.rank + 1 for p in parts)])
     m = Manifest(save_id=save_id, world_size=world, ranks=sorted(p.rank for p in parts), files=files,
                  tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
                  created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
-    return m, encode_index(m, index_wire(list(rules.meshes), tensors, explicit, parts))
+    return m, encode_index(m, index_wire(list(rules.meshes), tensors, explicit, parts, list(files)))
 
 
 def _planner_data(metadata: Metadata) -> dict:

@@ -12,6 +12,7 @@ from dcp_datastates.errors import ManifestError
 from dcp_datastates import DataStatesReader
 from tests.manifest_tools import rewrite_manifest
 
+from dcp_datastates.format.columnar import encode_table
 from dcp_datastates.format.rules import Geometry, Mesh, ShardRule, salt
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest
@@ -61,6 +62,8 @@ def test_rules_save_once_and_reshard(ruled):
     assert m.version == 4 and sorted(m.index.parts) == [0, 1, 2, 3]
     ruled = {t.fqn for t in m.index.tensors if t.rule is not None}
     assert ruled == {"row", "tiny", "col", "rep", "hsdp", "grid"}
+    plain = next(i for i, t in enumerate(m.index.tensors) if t.fqn == "plain")
+    assert [r[2] for r in m.index.rows[plain]] == [-1]  # a small plain tensor: its record in the index
     # a replicated box is written by one replica only: "rep" by one rank, each "hsdp" row block by one
     holders = {k: [r for r in range(4) if k in m.index.part(r).tensors] for k in ("rep", "hsdp")}
     assert len(holders["rep"]) == 1 and len(holders["hsdp"]) == 2, holders
@@ -88,7 +91,8 @@ def _records(ck: str) -> None:
         t.chunks
 
 
-@pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "part-name", "owner", "two-rules"])
+@pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "part-name", "owner", "two-rules",
+                                  "inline-missing", "inline-outside"])
 def test_hostile_index_is_refused(ruled, tmp_path, case):
     ck = str(tmp_path / "ck")
     shutil.copytree(ruled, ck)
@@ -105,6 +109,10 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
             body["parts"][0][1] = "../../etc/passwd"
         elif case == "owner":
             body["explicit"]["owner"] = np.full(len(body["explicit"]["owner"]) // 8, 7, "<i8").tobytes()
+        elif case == "inline-missing":
+            body["inline"] = encode_table({}, {}, None)
+        elif case == "inline-outside":  # the inline chunk's bytes past the end of its file
+            body["inline"]["seg_offset"] = np.full(1, 1 << 40, "<i8").tobytes()
         else:
             body["tensor_list"].append(list(body["tensor_list"][0]))
     rewrite_manifest(ck, mutate, version=4)

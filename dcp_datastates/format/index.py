@@ -26,7 +26,8 @@ import numpy as np
 import xxhash
 
 from ..errors import ManifestError
-from .model import Chunk, Manifest, _Bad, box_hits, check_tiling
+from .columnar import decode_table, encode_table
+from .model import Chunk, Manifest, TensorEntry, _Bad, box_hits, check_tiling
 from .rules import Geometry, Mesh, ShardRule, salt
 
 INDEX_VERSION = 4
@@ -59,11 +60,16 @@ class IndexTensor:
 
 @dataclass(frozen=True, slots=True)
 class ExplicitChunk:
-    """A chunk of a tensor without a rule: its box and the rank whose part holds it."""
+    """A chunk of a tensor without a rule: its box and the rank whose part holds it, or (small
+    plain chunks, ``record`` given) its record in the index itself."""
     tensor: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     owner: int
+    record: Chunk | None = None
+
+
+INLINE = -1  # the owner of a chunk whose record is in the index's "inline" table
 
 
 def part_digest(data: bytes) -> bytes:
@@ -71,10 +77,17 @@ def part_digest(data: bytes) -> bytes:
 
 
 def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
-               parts: list[PartRef]) -> dict:
-    """The version 4 fields of the manifest body."""
+               parts: list[PartRef], files: list[str]) -> dict:
+    """The version 4 fields of the manifest body (``files``: the body's file list, in order)."""
     col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
+    inline: dict[str, TensorEntry] = {}
+    for c in explicit:
+        if c.record is not None:
+            t = tensors[c.tensor]
+            inline.setdefault(t.fqn, TensorEntry(t.dtype, t.size, [])).chunks.append(c.record)
+    explicit = [c if c.record is None else ExplicitChunk(c.tensor, c.offsets, c.sizes, INLINE) for c in explicit]
     return {
+        "inline": encode_table(inline, {f: i for i, f in enumerate(files)}, _no_provider),
         "meshes": [m.to_wire() for m in meshes],
         "tensor_list": [[t.fqn, t.dtype, list(t.size), None if t.rule is None else t.rule.to_wire()] for t in tensors],
         "explicit": {"tensor": col([c.tensor for c in explicit]), "owner": col([c.owner for c in explicit]),
@@ -82,6 +95,10 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
                      "sizes": col([x for c in explicit for x in c.sizes])},
         "parts": [p.to_wire() for p in parts],
     }
+
+
+def _no_provider(chunk):
+    raise ValueError("provider chunks are never inline")
 
 
 def _arr(d: dict, key: str, n: int | None, lo: int, hi: int) -> np.ndarray:
@@ -101,7 +118,7 @@ class IndexTable:
     parts that hold their records on demand through ``loader`` (set by the tier that read it)."""
 
     def __init__(self, body: dict, *, files: dict[str, int], homes: dict[str, str], world: int, save_id: str,
-                 source: str, decode: Callable[[bytes, str], Manifest]) -> None:
+                 source: str, block_size: int, decode: Callable[[bytes, str], Manifest]) -> None:
         self.source, self.save_id, self.files, self.homes, self._decode = source, save_id, files, homes, decode
         # readers of a part by (name, size), fastest tier first; set by the tier that read the index
         self.loaders: list[Callable[[str, int], bytes]] = []
@@ -120,8 +137,9 @@ class IndexTable:
         if not isinstance(raw, list):
             raise _Bad("tensor_list must be a list")
         self.tensors: list[IndexTensor] = []
-        self.geoms: list[Geometry | None] = []
+        self._geoms: dict[int, Geometry | None] = {}
         names: set[str] = set()
+        rules: dict[tuple, ShardRule] = {}  # few distinct rules: each validated once
         for w in raw:
             if not isinstance(w, list) or len(w) != 4 or not isinstance(w[0], str) or not isinstance(w[1], str) \
                     or not isinstance(w[2], list) or len(w[2]) > MAX_NDIM:
@@ -132,10 +150,20 @@ class IndexTable:
             size = tuple(w[2])
             if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_DIM for x in size):
                 raise _Bad(f"tensor {w[0]!r} has an invalid size")
-            rule = None if w[3] is None else ShardRule.from_wire(w[3], self.meshes, len(size))
+            rule = None
+            if w[3] is not None:
+                key = (repr(w[3]), len(size))
+                rule = rules.get(key)
+                if rule is None:
+                    rule = rules[key] = ShardRule.from_wire(w[3], self.meshes, len(size))
             self.tensors.append(IndexTensor(w[0], w[1], size, rule))
-            self.geoms.append(None if rule is None else Geometry(size, self.meshes[rule.mesh], rule, salt(w[0])))
         self._explicit(body.get("explicit"), world)
+        self.inline = decode_table(body.get("inline"), list(files.items()), block_size, _no_special, source)
+        for ti, rows in self.rows.items():
+            fqn = self.tensors[ti].fqn
+            for o, z, owner in rows:
+                if owner == INLINE and (fqn not in self.inline or self.inline[fqn].find(o) is None):
+                    raise _Bad(f"{fqn}: chunk at {list(o)} is inline but not in the inline table")
 
     def _parts(self, raw, world: int) -> dict[int, PartRef]:
         if not isinstance(raw, list) or len(raw) > world:
@@ -154,8 +182,8 @@ class IndexTable:
 
     def _explicit(self, raw, world: int) -> None:
         t = _arr(raw, "tensor", None, 0, max(0, len(self.tensors) - 1))
-        owner = _arr(raw, "owner", len(t), 0, world - 1)
-        if any(int(o) not in self.parts for o in np.unique(owner).tolist()):
+        owner = _arr(raw, "owner", len(t), INLINE, world - 1)
+        if any(int(o) not in self.parts for o in np.unique(owner).tolist() if o != INLINE):
             raise _Bad("an explicit chunk's owner has no metadata part")
         if len(t) and any(self.tensors[i].rule is not None for i in np.unique(t).tolist()):
             raise _Bad("a tensor with a sharding rule also lists explicit chunks")
@@ -177,20 +205,29 @@ class IndexTable:
                 check_tiling(self.tensors[ti].fqn, [_Box(o, z) for o, z, _ in rows])
 
     # ------------------------------------------------------ TensorEntry's source
+    def geom(self, t: int) -> Geometry | None:
+        """Tensor ``t``'s rule as geometry (None: its chunks are listed), made on first use."""
+        g = self._geoms.get(t, False)
+        if g is False:
+            x = self.tensors[t]
+            g = self._geoms[t] = None if x.rule is None else Geometry(x.size, self.meshes[x.rule.mesh], x.rule,
+                                                                       salt(x.fqn))
+        return g
+
     def count(self, t: int) -> int:
-        g = self.geoms[t]
+        g = self.geom(t)
         return g.count() if g is not None else len(self.rows.get(t, ()))
 
     def box_at(self, t: int, i: int) -> tuple[tuple, tuple]:
-        g = self.geoms[t]
+        g = self.geom(t)
         return g.box(i) if g is not None else self.rows[t][i][:2]
 
     def box_list(self, t: int) -> list[tuple[tuple, tuple]]:
-        g = self.geoms[t]
+        g = self.geom(t)
         return g.boxes() if g is not None else [r[:2] for r in self.rows.get(t, ())]
 
     def overlapping(self, t: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
-        g = self.geoms[t]
+        g = self.geom(t)
         if g is not None:
             return g.overlapping(boxes)
         return [i for i, (o, z, _) in enumerate(self.rows.get(t, ())) if box_hits(o, z, boxes)]
@@ -199,7 +236,7 @@ class IndexTable:
         """Nothing left to check: rules are valid by construction, explicit boxes at decode."""
 
     def chunk_at(self, t: int, i: int) -> Chunk:
-        g = self.geoms[t]
+        g = self.geom(t)
         if g is not None:
             o, z = g.box(i)
             return self._record(t, o, z, g.owner(i))
@@ -207,7 +244,7 @@ class IndexTable:
         return self._record(t, o, z, owner)
 
     def find(self, t: int, offsets: tuple) -> Chunk | None:
-        g = self.geoms[t]
+        g = self.geom(t)
         if g is not None:
             i = g.index_of(tuple(offsets))
             return None if i is None else self.chunk_at(t, i)
@@ -220,9 +257,12 @@ class IndexTable:
     # ------------------------------------------------------------------ parts
     def _record(self, t: int, offsets: tuple, sizes: tuple, owner: int) -> Chunk:
         fqn = self.tensors[t].fqn
-        entry = self.part(owner).tensors.get(fqn)
+        entry = self.inline.get(fqn) if owner == INLINE else self.part(owner).tensors.get(fqn)
         chunk = None if entry is None else entry.find(offsets)
         if chunk is None or tuple(chunk.sizes) != tuple(sizes):
+            if owner == INLINE:
+                raise ManifestError(f"the index has no inline chunk of size {list(sizes)} at {list(offsets)}",
+                                    checkpoint=self.source, key=fqn)
             raise ManifestError(f"the metadata part of rank {owner} has no chunk of size {list(sizes)} at "
                                 f"{list(offsets)}", checkpoint=self.source, key=fqn,
                                 file=self.parts[owner].name)
@@ -264,6 +304,10 @@ class IndexTable:
                                     checkpoint=self.source, file=ref.name)
             self._loaded[rank] = m
             return m
+
+
+def _no_special(fqn, offsets, sizes, wire):
+    raise _Bad(f"{fqn}: an inline chunk must be a plain tensor chunk")
 
 
 class _Box:

@@ -466,7 +466,7 @@ def _from_body(body, source: str = "<memory>") -> Manifest:
     index = None
     if version >= INDEX_VERSION:
         index = IndexTable(body, files=files, homes=homes, world=world, save_id=_save_id(body), source=source,
-                           decode=lambda data, where: decode_manifest(data, source=where))
+                           block_size=block_size, decode=lambda data, where: decode_manifest(data, source=where))
         tensors = {t.fqn: TensorEntry(_dtype(t.dtype), t.size, source=(index, i)) for i, t in enumerate(index.tensors)}
     elif version >= 3:
         tensors = decode_table(_req(body, "table", dict), list(files.items()), block_size,

@@ -46,12 +46,13 @@ class ItemRecord:
 @dataclass(slots=True)
 class PartRecord:
     """A rank's whole result in a version 4 save (one ``WriteResult``): the metadata part it
-    wrote, its files, the chunks of its tensors without a sharding rule (key, offsets, sizes;
-    the index lists them with this rank as owner), and its values."""
+    wrote, its files, the chunks of its tensors without a sharding rule (key, offsets, sizes, and the extent of
+    a small plain chunk, which the index holds itself; the others it lists with this rank as
+    owner), and its values."""
     rank: int  # the global rank, as the meshes number them
     part: PartRef
     files: dict[str, int]
     homes: dict[str, str]
-    explicit: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    explicit: list[tuple[str, tuple[int, ...], tuple[int, ...], Extent | None]]  # extent: small, inline
     values: dict[str, ValueEntry]
     timings: dict[str, float] = field(default_factory=dict)
