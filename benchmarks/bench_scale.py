@@ -156,7 +156,8 @@ def _rules(ts, layout: str, n: int) -> tuple[RuleTable, list]:
             dims = (0, -1)
         if dims is not None:
             rules[t.fqn] = ShardRule(0, dims)
-        geoms.append(None if dims is None else Geometry(tuple(t.shape), mesh, rules[t.fqn], salt(t.fqn)))
+        geoms.append(None if dims is None else Geometry(tuple(t.shape), mesh, rules[t.fqn], salt(t.fqn),
+                                                        t.dtype.itemsize))
     return RuleTable.of([mesh], rules), geoms
 
 

@@ -35,7 +35,7 @@ from .errors import CheckpointError
 from .format import decode_manifest
 from .format.manifest import MANIFEST_NAME, is_manifest_name
 from .guard import async_save
-from .planner import DataStatesLoadPlanner
+from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest, manifest_head, manifest_is_ours
@@ -140,13 +140,13 @@ class Checkpointer:
             overwrite=True, async_mode=self.async_mode,
             incremental_base=None if base is None else f"step-{base}", **self.writer_options)
         if self.async_mode is None:
-            md = dcp.save(state, storage_writer=writer, process_group=self.pg)
+            md = dcp.save(state, storage_writer=writer, process_group=self.pg, planner=DataStatesSavePlanner())
             self._inflight = {"step": step, "writer": writer, "future": None, "persist": persist,
                               "base": base}
             self._on_committed(md)
             return None
         kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
-        fut = async_save(state, storage_writer=writer, process_group=self.pg,
+        fut = async_save(state, storage_writer=writer, process_group=self.pg, planner=DataStatesSavePlanner(),
                          async_checkpointer_type=kind)
         self._inflight = {"step": step, "writer": writer, "future": fut, "persist": persist, "base": base}
         return fut

@@ -160,7 +160,7 @@ def _rules(state_dict: dict, items: list[WriteItem]) -> tuple[RuleTable, list[Wr
             meshes.append(Mesh.of(dm.mesh.shape, dm.mesh.flatten().tolist()))
         m, coord = mesh_at[id(dm)]
         rule = ShardRule(m, dims)
-        g = Geometry(tuple(obj.shape), meshes[m], rule, salt(fqn))
+        g = Geometry(tuple(obj.shape), meshes[m], rule, salt(fqn), obj.dtype.itemsize)
         i = g.chunk_of(coord)
         chunk = item.tensor_data.chunk
         if g.box(i) != (tuple(chunk.offsets), tuple(chunk.sizes)):

@@ -457,6 +457,7 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     part.ranks, part.files, part.homes = [grank], files, homes
     values = {k: part.values[k] for k in values}
     part.values = {}
+    usage = part.usage()
     body = encode_manifest(part)
     name = part_file_name(grank, w.save_id)
     w.tier.commit_bytes(name, body, sync=w.sync_files)
@@ -464,7 +465,7 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     w._part_file = {name: len(body)}
     w.last_stats["part_bytes"] = len(body)
     return WriteResult(index=PART_INDEX, size_in_bytes=len(body),
-                       storage_data=PartRecord(grank, ref, files, homes, explicit, values,
+                       storage_data=PartRecord(grank, ref, files, homes, explicit, values, usage,
                                                dict(rank_rec.timings) if rank_rec else {}))
 
 
@@ -476,6 +477,7 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     at = {t.fqn: i for i, t in enumerate(tensors)}
     files, homes, values, parts, explicit, seen = {}, {}, {}, [], [], set()
+    owned, shared = 0, {}
     for rr in results:
         for wr in rr:
             rec = wr.storage_data
@@ -483,6 +485,9 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                 raise CheckpointError("a rank wrote no metadata part although the save planner gave "
                                       "sharding rules (are all ranks using DataStatesSavePlanner?)", checkpoint=path)
             parts.append(rec.part)
+            owned += rec.usage[0]
+            for home, n in rec.usage[1].items():
+                shared[home] = shared.get(home, 0) + n
             files.update(rec.files)
             files[rec.part.name] = rec.part.size
             homes.update(rec.homes)
@@ -497,7 +502,8 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     m = Manifest(save_id=save_id, world_size=world, ranks=sorted(p.rank for p in parts), files=files,
                  tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
                  created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
-    return m, encode_index(m, index_wire(list(rules.meshes), tensors, explicit, parts, list(files)))
+    return m, encode_index(m, index_wire(list(rules.meshes), tensors, explicit, parts, list(files),
+                                              (owned, shared)))
 
 
 def _planner_data(metadata: Metadata) -> dict:

@@ -37,7 +37,7 @@ def test_rules_give_dtensors_boxes():
             if d >= 0:
                 free.remove(d)
         g = Geometry(size, Mesh.of(shape, range(len(list(itertools.product(*map(range, shape)))))),
-                     ShardRule(0, tuple(dims)), salt("w"))
+                     ShardRule(0, tuple(dims)), salt("w"), 4)
         placements = [Shard(d) if d >= 0 else Replicate() for d in dims]
         for coord in itertools.product(*map(range, shape)):
             local, offset = utils._compute_local_shape_and_global_offset(size, shape, list(coord), placements)
@@ -63,10 +63,12 @@ def test_rules_save_once_and_reshard(ruled):
     ruled = {t.fqn for t in m.index.tensors if t.rule is not None}
     assert ruled == {"row", "tiny", "col", "rep", "hsdp", "grid"}
     plain = next(i for i, t in enumerate(m.index.tensors) if t.fqn == "plain")
-    assert [r[2] for r in m.index.rows[plain]] == [-1]  # a small plain tensor: its record in the index
-    # a replicated box is written by one replica only: "rep" by one rank, each "hsdp" row block by one
+    listed = m.index.listed
+    assert listed.owner[listed.rows(plain)].tolist() == [-1]  # a small plain tensor: its record in the index
+    # a replicated box is written by one replica only, the first for a small box: "rep" by rank 0,
+    # each "hsdp" row block by the rank of the first replica holding it (mesh (2, 2): ranks 0, 1)
     holders = {k: [r for r in range(4) if k in m.index.part(r).tensors] for k in ("rep", "hsdp")}
-    assert len(holders["rep"]) == 1 and len(holders["hsdp"]) == 2, holders
+    assert holders == {"rep": [0], "hsdp": [0, 1]}, holders
     run_ranks(3, workers.rules_load, ours, True)
     run_ranks(2, workers.rules_load, ours, False)
 
@@ -92,7 +94,7 @@ def _records(ck: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "part-name", "owner", "two-rules",
-                                  "inline-missing", "inline-outside"])
+                                  "inline-missing", "inline-outside", "listed-overlap"])
 def test_hostile_index_is_refused(ruled, tmp_path, case):
     ck = str(tmp_path / "ck")
     shutil.copytree(ruled, ck)
@@ -109,6 +111,10 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
             body["parts"][0][1] = "../../etc/passwd"
         elif case == "owner":
             body["explicit"]["owner"] = np.full(len(body["explicit"]["owner"]) // 8, 7, "<i8").tobytes()
+        elif case == "listed-overlap":  # "plain" listed twice over the same box (inline and in part 0)
+            ex = body["explicit"]
+            ex["tensor"], ex["owner"] = ex["tensor"] * 2, ex["owner"] + np.zeros(1, "<i8").tobytes()
+            ex["offsets"], ex["sizes"] = ex["offsets"] * 2, ex["sizes"] * 2
         elif case == "inline-missing":
             body["inline"] = encode_table({}, {}, None)
         elif case == "inline-outside":  # the inline chunk's bytes past the end of its file
@@ -142,3 +148,15 @@ def test_damaged_or_foreign_part_is_refused_and_a_good_copy_used(ruled, tmp_path
     shutil.copy(os.path.join(ck, _part_name(ck, 2)), os.path.join(ck, name))
     with pytest.raises(ManifestError, match="metadata part"):
         _records(ck)
+
+
+def test_replica_that_writes_a_box():
+    """A small replicated box is written by the first replica; large ones spread over the
+    replicas, each keeping its shard coordinate."""
+    mesh = Mesh.of((4, 2), range(8))  # 4 replicas x 2 shards
+    small = Geometry((64, 4), mesh, ShardRule(0, (-1, 0)), salt("s"), 4)
+    assert [small.writer(i) for i in range(2)] == [(0, 0), (0, 1)]
+    big = Geometry((1 << 16, 4), mesh, ShardRule(0, (-1, 0)), salt("b"), 4)  # 512 KiB a box
+    writers = [big.writer(i) for i in range(2)]
+    assert [w[1] for w in writers] == [0, 1] and writers[1][0] == (writers[0][0] + 1) % 4
+    assert [big.owner(i) for i in range(2)] == [w[0] * 2 + w[1] for w in writers]

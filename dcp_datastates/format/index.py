@@ -26,8 +26,9 @@ import numpy as np
 import xxhash
 
 from ..errors import ManifestError
-from .columnar import decode_table, encode_table
-from .model import Chunk, Manifest, TensorEntry, _Bad, box_hits, check_tiling
+from .columnar import _disjoint, decode_table, encode_table
+from .dtypes import dtype_from_name
+from .model import Chunk, Manifest, TensorEntry, _Bad, check_tiling
 from .rules import Geometry, Mesh, ShardRule, salt
 
 INDEX_VERSION = 4
@@ -77,7 +78,7 @@ def part_digest(data: bytes) -> bytes:
 
 
 def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
-               parts: list[PartRef], files: list[str]) -> dict:
+               parts: list[PartRef], files: list[str], usage: tuple[int, dict[str, int]]) -> dict:
     """The version 4 fields of the manifest body (``files``: the body's file list, in order)."""
     col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
     inline: dict[str, TensorEntry] = {}
@@ -87,6 +88,7 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
             inline.setdefault(t.fqn, TensorEntry(t.dtype, t.size, [])).chunks.append(c.record)
     explicit = [c if c.record is None else ExplicitChunk(c.tensor, c.offsets, c.sizes, INLINE) for c in explicit]
     return {
+        "usage": [usage[0], usage[1]],
         "inline": encode_table(inline, {f: i for i, f in enumerate(files)}, _no_provider),
         "meshes": [m.to_wire() for m in meshes],
         "tensor_list": [[t.fqn, t.dtype, list(t.size), None if t.rule is None else t.rule.to_wire()] for t in tensors],
@@ -157,13 +159,16 @@ class IndexTable:
                 if rule is None:
                     rule = rules[key] = ShardRule.from_wire(w[3], self.meshes, len(size))
             self.tensors.append(IndexTensor(w[0], w[1], size, rule))
-        self._explicit(body.get("explicit"), world)
+        self.listed = _Listed(body.get("explicit"), self.tensors, self.parts, world)
+        raw_usage = body.get("usage")
+        if not (isinstance(raw_usage, list) and len(raw_usage) == 2 and isinstance(raw_usage[0], int)
+                and isinstance(raw_usage[1], dict) and raw_usage[0] >= 0
+                and all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in raw_usage[1].items())):
+            raise _Bad("usage must be [owned bytes, {home: shared bytes}]")
+        self.usage: tuple[int, dict[str, int]] = (raw_usage[0], dict(raw_usage[1]))
         self.inline = decode_table(body.get("inline"), list(files.items()), block_size, _no_special, source)
-        for ti, rows in self.rows.items():
-            fqn = self.tensors[ti].fqn
-            for o, z, owner in rows:
-                if owner == INLINE and (fqn not in self.inline or self.inline[fqn].find(o) is None):
-                    raise _Bad(f"{fqn}: chunk at {list(o)} is inline but not in the inline table")
+        if int((self.listed.owner == INLINE).sum()) != sum(e.count() for e in self.inline.values()):
+            raise _Bad("the inline table does not hold exactly the chunks listed as inline")
 
     def _parts(self, raw, world: int) -> dict[int, PartRef]:
         if not isinstance(raw, list) or len(raw) > world:
@@ -180,75 +185,59 @@ class IndexTable:
             out[w[0]] = PartRef(w[0], w[1], w[2], w[3])
         return out
 
-    def _explicit(self, raw, world: int) -> None:
-        t = _arr(raw, "tensor", None, 0, max(0, len(self.tensors) - 1))
-        owner = _arr(raw, "owner", len(t), INLINE, world - 1)
-        if any(int(o) not in self.parts for o in np.unique(owner).tolist() if o != INLINE):
-            raise _Bad("an explicit chunk's owner has no metadata part")
-        if len(t) and any(self.tensors[i].rule is not None for i in np.unique(t).tolist()):
-            raise _Bad("a tensor with a sharding rule also lists explicit chunks")
-        nd = np.array([len(x.size) for x in self.tensors], dtype=_I8)[t] if len(t) else np.zeros(0, _I8)
-        total = int(nd.sum())
-        offs = _arr(raw, "offsets", total, 0, MAX_DIM)
-        sizes = _arr(raw, "sizes", total, 0, MAX_DIM)
-        self.rows: dict[int, list[tuple[tuple, tuple, int]]] = {}
-        at = 0
-        for ti, o, k in zip(t.tolist(), owner.tolist(), nd.tolist()):
-            box = (tuple(offs[at:at + k].tolist()), tuple(sizes[at:at + k].tolist()))
-            at += k
-            gs = self.tensors[ti].size
-            if any(a + b > g for a, b, g in zip(*box, gs)):
-                raise _Bad(f"{self.tensors[ti].fqn}: chunk at {list(box[0])} extends beyond the tensor")
-            self.rows.setdefault(ti, []).append((*box, o))
-        for ti, rows in self.rows.items():
-            if len(rows) > 1:
-                check_tiling(self.tensors[ti].fqn, [_Box(o, z) for o, z, _ in rows])
-
     # ------------------------------------------------------ TensorEntry's source
     def geom(self, t: int) -> Geometry | None:
         """Tensor ``t``'s rule as geometry (None: its chunks are listed), made on first use."""
         g = self._geoms.get(t, False)
         if g is False:
             x = self.tensors[t]
-            g = self._geoms[t] = None if x.rule is None else Geometry(x.size, self.meshes[x.rule.mesh], x.rule,
-                                                                       salt(x.fqn))
+            g = self._geoms[t] = None if x.rule is None else Geometry(
+                x.size, self.meshes[x.rule.mesh], x.rule, salt(x.fqn), dtype_from_name(x.dtype).itemsize)
         return g
 
     def count(self, t: int) -> int:
         g = self.geom(t)
-        return g.count() if g is not None else len(self.rows.get(t, ()))
+        return g.count() if g is not None else len(self.listed.rows(t))
 
     def box_at(self, t: int, i: int) -> tuple[tuple, tuple]:
         g = self.geom(t)
-        return g.box(i) if g is not None else self.rows[t][i][:2]
+        return g.box(i) if g is not None else self.listed.box(int(self.listed.rows(t)[i]))
 
     def box_list(self, t: int) -> list[tuple[tuple, tuple]]:
         g = self.geom(t)
-        return g.boxes() if g is not None else [r[:2] for r in self.rows.get(t, ())]
+        return g.boxes() if g is not None else [self.listed.box(c) for c in self.listed.rows(t).tolist()]
 
     def overlapping(self, t: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
         g = self.geom(t)
         if g is not None:
             return g.overlapping(boxes)
-        return [i for i, (o, z, _) in enumerate(self.rows.get(t, ())) if box_hits(o, z, boxes)]
+        self.check(t)
+        return self.listed.overlapping(t, boxes)
 
     def check(self, t: int) -> None:
-        """Nothing left to check: rules are valid by construction, explicit boxes at decode."""
+        """Rules are valid by construction; a tensor's listed boxes are checked disjoint on first use."""
+        if self.tensors[t].rule is None:
+            try:
+                self.listed.check(t, self.tensors[t].fqn)
+            except _Bad as e:
+                raise ManifestError(f"invalid manifest: {e}", checkpoint=self.source) from None
 
     def chunk_at(self, t: int, i: int) -> Chunk:
         g = self.geom(t)
         if g is not None:
             o, z = g.box(i)
             return self._record(t, o, z, g.owner(i))
-        o, z, owner = self.rows[t][i]
-        return self._record(t, o, z, owner)
+        self.check(t)
+        c = int(self.listed.rows(t)[i])
+        return self._record(t, *self.listed.box(c), int(self.listed.owner[c]))
 
     def find(self, t: int, offsets: tuple) -> Chunk | None:
         g = self.geom(t)
         if g is not None:
             i = g.index_of(tuple(offsets))
             return None if i is None else self.chunk_at(t, i)
-        i = next((k for k, r in enumerate(self.rows.get(t, ())) if r[0] == tuple(offsets)), None)
+        self.check(t)
+        i = self.listed.position(t, tuple(offsets))
         return None if i is None else self.chunk_at(t, i)
 
     def records(self, t: int) -> list[Chunk]:
@@ -304,6 +293,80 @@ class IndexTable:
                                     checkpoint=self.source, file=ref.name)
             self._loaded[rank] = m
             return m
+
+
+class _Listed:
+    """The chunks of tensors without a rule, as int64 columns validated in bulk (owners, boxes
+    inside their tensors); a tensor's boxes are shown disjoint when it is first used."""
+
+    def __init__(self, raw, tensors: list[IndexTensor], parts: dict[int, PartRef], world: int) -> None:
+        t = _arr(raw, "tensor", None, 0, max(0, len(tensors) - 1))
+        owner = _arr(raw, "owner", len(t), INLINE, world - 1)
+        if any(int(o) not in parts for o in np.unique(owner).tolist() if o != INLINE):
+            raise _Bad("an explicit chunk's owner has no metadata part")
+        if len(t) and any(tensors[i].rule is not None for i in np.unique(t).tolist()):
+            raise _Bad("a tensor with a sharding rule also lists explicit chunks")
+        tnd = np.array([len(x.size) for x in tensors], dtype=_I8)
+        nd = tnd[t] if len(t) else np.zeros(0, _I8)
+        total = int(nd.sum())
+        self.offs = _arr(raw, "offsets", total, 0, MAX_DIM)
+        self.sizes = _arr(raw, "sizes", total, 0, MAX_DIM)
+        self.cstart = np.concatenate([np.zeros(1, _I8), np.cumsum(nd)[:-1]]) if len(t) else nd
+        if total:
+            tsz = np.array([x for ts in tensors for x in ts.size], dtype=_I8)
+            tstart = np.concatenate([np.zeros(1, _I8), np.cumsum(tnd)[:-1]])
+            chunk = np.repeat(np.arange(len(t)), nd)
+            dim = np.arange(total) - self.cstart[chunk]
+            if np.any(self.offs + self.sizes > tsz[tstart[t[chunk]] + dim]):
+                raise _Bad("an explicit chunk extends beyond its tensor")
+        self.t, self.owner, self.nd = t, owner, nd
+        self._order = np.argsort(t, kind="stable")
+        self._sorted = t[self._order]
+        self._checked: set[int] = set()
+
+    def rows(self, ti: int) -> np.ndarray:
+        """Column positions of tensor ``ti``'s chunks, in listed order."""
+        lo, hi = np.searchsorted(self._sorted, ti, "left"), np.searchsorted(self._sorted, ti, "right")
+        return self._order[lo:hi]
+
+    def box(self, c: int) -> tuple[tuple, tuple]:
+        a, k = int(self.cstart[c]), int(self.nd[c])
+        return tuple(self.offs[a:a + k].tolist()), tuple(self.sizes[a:a + k].tolist())
+
+    def _boxes(self, ti: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.rows(ti)
+        k = int(self.nd[rows[0]]) if len(rows) else 0
+        at = self.cstart[rows][:, None] + np.arange(k)[None, :]
+        return self.offs[at], self.sizes[at]
+
+    def check(self, ti: int, fqn: str) -> None:
+        if ti in self._checked:
+            return
+        rows = self.rows(ti)
+        if len(rows) > 1:
+            offs, sizes = self._boxes(ti)
+            live = np.all(sizes > 0, axis=1)
+            if not _disjoint(offs[live], sizes[live]):
+                check_tiling(fqn, [_Box(*self.box(int(c))) for c in rows.tolist()])
+        self._checked.add(ti)
+
+    def overlapping(self, ti: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
+        offs, sizes = self._boxes(ti)
+        if offs.shape[1] == 0:
+            return list(range(min(1, len(offs))))
+        hit = np.zeros(len(offs), dtype=bool)
+        live = np.all(sizes > 0, axis=1)
+        for lo, n in boxes:
+            lo_a = np.asarray(lo, dtype=_I8)
+            hit |= live & np.all(offs < lo_a + np.asarray(n, dtype=_I8), axis=1) & np.all(offs + sizes > lo_a, axis=1)
+        return np.nonzero(hit)[0].tolist()
+
+    def position(self, ti: int, offsets: tuple) -> int | None:
+        offs, _ = self._boxes(ti)
+        if offs.shape[1] == 0:
+            return 0 if len(offs) and offsets == () else None
+        hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=_I8), axis=1))[0]
+        return int(hit[0]) if len(hit) else None
 
 
 def _no_special(fqn, offsets, sizes, wire):

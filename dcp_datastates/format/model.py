@@ -237,7 +237,10 @@ class Manifest:
 
     def usage(self) -> tuple[int, dict[str, int]]:
         """Tensor bytes this checkpoint owns (in its own files) and, per earlier checkpoint of
-        the run, the bytes it shares from there (incremental saves)."""
+        the run, the bytes it shares from there (incremental saves).  A version 4 index holds the
+        sums its ranks counted in their parts."""
+        if self.index is not None:
+            return self.index.usage
         owned, shared = 0, {}
         for t in self.tensors.values():
             for c in t.chunks:

@@ -55,4 +55,5 @@ class PartRecord:
     homes: dict[str, str]
     explicit: list[tuple[str, tuple[int, ...], tuple[int, ...], Extent | None]]  # extent: small, inline
     values: dict[str, ValueEntry]
+    usage: tuple[int, dict[str, int]] = (0, {})  # bytes in own files, bytes shared by home (``Manifest.usage``)
     timings: dict[str, float] = field(default_factory=dict)

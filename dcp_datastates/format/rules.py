@@ -7,9 +7,9 @@ shard, the last ones shorter or empty).  A manifest that stores the mesh once an
 which tensor dimension each mesh dimension shards, grows in tensors + ranks instead of
 tensors x ranks.
 
-Which replica writes a replicated box is a rule too (:meth:`Geometry.owner`), decided by each
-rank alone when it plans: replica ``(crc32(fqn) + chunk) mod replicas``, spreading the writes
-of a tensor's boxes over the replicas.
+Which replica writes a replicated box is a rule too (:meth:`Geometry.writer`), decided by each
+rank alone when it plans: the first replica for a box of at most 64 KiB, else replica
+``(crc32(fqn) + chunk) mod replicas``, spreading the large writes over the replicas.
 
 Chunk ``i`` of a rule is the coordinate of its sharded mesh dimensions, row-major in mesh
 order.  Everything here is arithmetic on small integers; nothing walks all chunks unless asked
@@ -19,6 +19,7 @@ for all of them.
 from __future__ import annotations
 
 import itertools
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import xxhash
 from .model import _Bad
 
 MAX_MESH_DIMS = 8
+SMALL_BOX_BYTES = 64 << 10  # a replicated box this small is written by the first replica
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,10 +131,10 @@ def salt(fqn: str) -> int:
 class Geometry:
     """The chunks of one tensor under a rule: boxes, overlap, owner ranks, by arithmetic."""
 
-    __slots__ = ("size", "mesh", "dims", "salt", "_sharded", "_replicated", "_count", "_replicas")
+    __slots__ = ("size", "mesh", "dims", "salt", "itemsize", "_sharded", "_replicated", "_count", "_replicas")
 
-    def __init__(self, size: tuple[int, ...], mesh: Mesh, rule: ShardRule, salt_: int) -> None:
-        self.size, self.mesh, self.dims, self.salt = size, mesh, rule.dims, salt_
+    def __init__(self, size: tuple[int, ...], mesh: Mesh, rule: ShardRule, salt_: int, itemsize: int) -> None:
+        self.size, self.mesh, self.dims, self.salt, self.itemsize = size, mesh, rule.dims, salt_, itemsize
         self._sharded = [m for m, d in enumerate(rule.dims) if d >= 0]
         self._replicated = [m for m, d in enumerate(rule.dims) if d < 0]
         self._count = 1
@@ -172,11 +174,15 @@ class Geometry:
         return i
 
     def writer(self, i: int) -> tuple[int, ...]:
-        """The mesh coordinate of the replica that writes chunk ``i``."""
+        """The mesh coordinate of the replica that writes chunk ``i``: the first replica for a
+        small box (a rank then finds a tensor group's small boxes in one part), else replica
+        ``(salt + i) mod replicas`` (the large ones spread over the replicas' bandwidth)."""
         coord = [0] * len(self.dims)
         for m, c in zip(self._sharded, self._coord(i)):
             coord[m] = c
-        k = (self.salt + i) % self._replicas
+        k = 0
+        if self._replicas > 1 and math.prod(self.box(i)[1]) * self.itemsize > SMALL_BOX_BYTES:
+            k = (self.salt + i) % self._replicas
         for m in reversed(self._replicated):
             coord[m] = k % self.mesh.shape[m]
             k //= self.mesh.shape[m]

@@ -42,7 +42,7 @@ from torchtitan.tools.logging import logger
 
 from ..format.names import MANIFEST_NAME
 from ..guard import async_save
-from ..planner import DataStatesLoadPlanner
+from ..planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from ..engine.device_cache import prepare_device_cache
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..reader import DataStatesReader
@@ -108,7 +108,7 @@ class DataStatesCheckpointManager(CheckpointManager):
             async_mode="process" if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM else None)
         self._ds_writer = writer
         if async_mode == AsyncMode.DISABLED:
-            dcp.save(state_dict, storage_writer=writer)
+            dcp.save(state_dict, storage_writer=writer, planner=DataStatesSavePlanner())
             if enable_garbage_collection:
                 from torchtitan.tools.utils import GarbageCollection
                 GarbageCollection.collect("GC collection invoked by checkpointer.")
@@ -117,7 +117,7 @@ class DataStatesCheckpointManager(CheckpointManager):
                 else AsyncCheckpointerType.THREAD)
         self._ds_inflight = checkpoint_id
         upload = async_save(state_dict, storage_writer=writer, process_group=self.pg,
-                            async_checkpointer_type=kind)
+                            planner=DataStatesSavePlanner(), async_checkpointer_type=kind)
         upload.add_done_callback(lambda _f: setattr(self, "_ds_inflight", None))
         if async_mode == AsyncMode.ASYNC:
             return upload
