@@ -19,7 +19,7 @@ ranks (FSDP, HSDP, TP x FSDP).  For each layout, N and system, one fresh process
    ``create_read_items_for_chunk_list``), and finding where each planned item's bytes are
    (ours: its chunk record, from the parts it needs; DCP: its storage data), at the same world
    size and resharded to N/2.  For dcp-datastates also as DCP's ``DefaultLoadPlanner`` plans
-   (a sweep over every chunk), up to 2,048 ranks.
+   (a sweep over every chunk), up to 512 ranks.
 
 DCP runs, and ours for TP x FSDP (whose strided boxes are listed, not ruled), whose chunk count
 exceeds ``--max-chunks`` are skipped (the simulation would not fit this machine), and reported.
@@ -325,7 +325,7 @@ def one(system: str, layout: str, n: int, root: str) -> dict:
     (DataStatesReader(path) if system == "ours" else FileSystemReader(path)).read_metadata()
     for label, (world, rank) in zip(("same", "half"), measured):
         # DCP's own planner over our metadata sweeps every chunk: run where it fits the time
-        for narrow in ((True, False) if system == "ours" and n <= 2048 else (system == "ours",)):
+        for narrow in ((True, False) if system == "ours" and n <= 512 else (system == "ours",)):
             best = None
             for _ in range(3 if n <= 2048 else 1):  # best of 3 (the collector and the machine add noise)
                 t0 = time.perf_counter()

@@ -8,23 +8,24 @@ import shutil
 import numpy as np
 import pytest
 
-from dcp_datastates.errors import ManifestError
-from dcp_datastates import DataStatesReader
-from tests.manifest_tools import rewrite_manifest
+from torch.distributed.tensor import Replicate, Shard
 
+from dcp_datastates import DataStatesReader
+from dcp_datastates.errors import ManifestError
 from dcp_datastates.format.columnar import encode_table
 from dcp_datastates.format.rules import Geometry, Mesh, ShardRule, salt
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest
 from tests import workers
 from tests.dist import run_ranks
+from tests.manifest_tools import rewrite_manifest
+from tests.test_cli import cli
 
 
 def test_rules_give_dtensors_boxes():
     """Every box a rule gives is DTensor's own for that mesh coordinate (uneven and empty
     shards, several mesh dimensions); overlap answers equal a sweep over every box."""
-    utils = pytest.importorskip("torch.distributed.tensor._utils")
-    from torch.distributed.tensor import Replicate, Shard
+    utils = pytest.importorskip("torch.distributed.tensor._utils")  # private: may move between versions
     rng = random.Random(0)
     for _ in range(400):
         size = tuple(rng.randint(0, 9) for _ in range(rng.randint(0, 3)))
@@ -160,3 +161,18 @@ def test_replica_that_writes_a_box():
     writers = [big.writer(i) for i in range(2)]
     assert [w[1] for w in writers] == [0, 1] and writers[1][0] == (writers[0][0] + 1) % 4
     assert [big.owner(i) for i in range(2)] == [w[0] * 2 + w[1] for w in writers]
+
+
+def test_tools_read_every_part(ruled, tmp_path):
+    """`verify` checks every chunk of a format 4 checkpoint (all parts), and names a damaged one."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ruled, ck)
+    r = cli("verify", ck)
+    assert "ok" in (r.stdout + r.stderr).lower()
+    data = next(f for f in sorted(os.listdir(ck)) if f.startswith("data-r00002-"))
+    with open(os.path.join(ck, data), "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = cli("verify", ck, check=False)
+    assert r.returncode != 0 and data in (r.stdout + r.stderr), r.stdout + r.stderr
