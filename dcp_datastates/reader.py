@@ -346,8 +346,9 @@ class DataStatesReader(StorageReader):
         entry = m.tensors.get(fqn)
         at = ri.storage_index.index  # DCP's planners give the chunk's place in our metadata
         chunk = None
-        if entry is not None and isinstance(at, int) and 0 <= at < entry.count() and entry.box(at)[0] == key:
-            chunk = entry.chunk_at(at)  # (a narrowed plan numbers its own list: its box is checked first)
+        if entry is not None and isinstance(at, int) and 0 <= at < entry.count() \
+                and (m.index is None or entry.box(at)[0] == key):  # format 4: no stray part read
+            chunk = entry.chunk_at(at)  # (a narrowed plan numbers its own list)
             if chunk.offsets != key:
                 chunk = None
         if chunk is None and entry is not None and entry.lazy:  # a narrowed plan (ours): over the columns
