@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale_model as sm  # noqa: E402
 
 from dcp_datastates import DataStatesReader  # noqa: E402
+from dcp_datastates.reader import chunk_record  # noqa: E402
 from dcp_datastates.format import MANIFEST_NAME  # noqa: E402
 from dcp_datastates.format.checksum import BLOCK_SIZE, DIGEST_BYTES, Digests  # noqa: E402
 from dcp_datastates.format.dtypes import dtype_name  # noqa: E402
@@ -270,14 +271,10 @@ def _resolve(reader, meta: Metadata, items: list) -> None:
     """Find where each read item's bytes are, as ``read_data`` does first (ours: the chunk's
     record, from a part; DCP: its storage data)."""
     if isinstance(reader, DataStatesReader):  # as DataStatesReader._make_task finds them
-        tensors = reader.manifest.tensors
+        m = reader.manifest
         for it in items:
-            entry, at, key = tensors[it.storage_index.fqn], it.storage_index.index, tuple(it.storage_index.offset)
-            chunk = entry.chunk_at(at) if isinstance(at, int) and 0 <= at < entry.count() \
-                and entry.box(at)[0] == key else None
-            if chunk is None or chunk.offsets != key:
-                chunk = entry.find(key)
-            if chunk is None:
+            si = it.storage_index
+            if chunk_record(m, m.tensors[si.fqn], si.index, tuple(si.offset)) is None:
                 raise RuntimeError(f"no record for {it.storage_index}")
     else:
         sd = meta.storage_data

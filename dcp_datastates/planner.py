@@ -197,12 +197,13 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         """DCP's plan, computed against only the saved chunks that overlap this rank's boxes.
 
         DCP's planner sweeps every saved chunk of every tensor it loads: a tensor sharded over
-        N ranks costs each rank O(N), and every rank pays that for every tensor.  A version 3
-        manifest answers "which chunks overlap these boxes" over its columns, so each tensor's
-        metadata is narrowed to those first (for a same-size FSDP restart: one chunk)."""
+        N ranks costs each rank O(N), and every rank pays that for every tensor.  A version 3 or 4
+        manifest answers "which chunks overlap these boxes" over its columns or rules, so each
+        tensor's metadata is narrowed to those first; a box that is exactly one saved chunk (a
+        same-size FSDP restart) is read directly."""
         full = self.metadata
         narrowed: dict = {}
-        whole: dict[str, ReadItem] = {}
+        direct: dict[str, ReadItem] = {}
         for fqn, obj in self.state_dict.items():
             tmd = full.state_dict_metadata.get(fqn) if full is not None else None
             if not isinstance(obj, torch.Tensor) or not isinstance(tmd, TensorStorageMetadata) \
@@ -210,21 +211,21 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
                 continue
             item = _whole_read(fqn, obj, tmd)
             if item is not None:
-                whole[fqn] = item
+                direct[fqn] = item
                 continue
             boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)]
             keep = tmd.chunks.entry.overlapping(boxes)
             item = _exact_read(fqn, tmd, boxes, keep)
             if item is not None:
-                whole[fqn] = item
+                direct[fqn] = item
                 continue
             narrowed[fqn] = narrow(tmd, boxes, keep)
-        if not narrowed and not whole:
+        if not narrowed and not direct:
             return super().create_local_plan()
         sd = self.state_dict
-        rest = {k: v for k, v in sd.items() if k not in whole}
+        rest = {k: v for k, v in sd.items() if k not in direct}
         self.metadata = dataclasses.replace(full, state_dict_metadata={
-            **{k: v for k, v in full.state_dict_metadata.items() if k not in whole}, **narrowed})
+            **{k: v for k, v in full.state_dict_metadata.items() if k not in direct}, **narrowed})
         self.state_dict = rest
         try:
             plan = super().create_local_plan()
@@ -232,7 +233,7 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
             self.metadata = full
             if self.state_dict is rest:
                 self.state_dict = sd
-        return dataclasses.replace(plan, items=[*whole.values(), *plan.items])
+        return dataclasses.replace(plan, items=[*direct.values(), *plan.items])
 
     def load_value(self, read_item, value) -> None:
         """Set a decoded non-tensor value (the reader calls this instead of ``load_bytes``)."""

@@ -344,16 +344,8 @@ class DataStatesReader(StorageReader):
         fqn = ri.storage_index.fqn
         key = tuple(ri.storage_index.offset) if ri.storage_index.offset is not None else ()
         entry = m.tensors.get(fqn)
-        at = ri.storage_index.index  # DCP's planners give the chunk's place in our metadata
-        chunk = None
-        if entry is not None and isinstance(at, int) and 0 <= at < entry.count() \
-                and (m.index is None or entry.box(at)[0] == key):  # format 4: no stray part read
-            chunk = entry.chunk_at(at)  # (a narrowed plan numbers its own list)
-            if chunk.offsets != key:
-                chunk = None
-        if chunk is None and entry is not None and entry.lazy:  # a narrowed plan (ours): over the columns
-            chunk = entry.find(key)
-        elif chunk is None and entry is not None:  # another planner: look it up
+        chunk = None if entry is None else chunk_record(m, entry, ri.storage_index.index, key)
+        if chunk is None and entry is not None and not entry.lazy:  # another planner: look it up
             if self._chunk_index is None or self._chunk_index[0] is not m:  # one index per manifest
                 self._chunk_index = (m, {(f, c.offsets): c for f, t in m.tensors.items() for c in t.chunks})
             chunk = self._chunk_index[1].get((fqn, key))
@@ -431,6 +423,18 @@ class DataStatesReader(StorageReader):
                 raise ChecksumMismatch(f"checksum mismatch in block {bad} (chunk bytes "
                                        f"{bad * task.block_size}+, file offset {file_off + (bad - first_block) * task.block_size}+)",
                                        checkpoint=tier.url, file=name, key=key)
+
+
+def chunk_record(m: Manifest, entry, at, key: tuple) -> Chunk | None:
+    """The stored chunk of ``entry`` at offsets ``key`` that a read item names: by ``at``, the
+    chunk's place in our metadata that DCP's planners give (a narrowed plan numbers its own
+    list, so in format 4, where a stray record is a part read, the box is checked first), else
+    over the columns or rules.  None when not found (an eager manifest: the caller looks it up)."""
+    if isinstance(at, int) and 0 <= at < entry.count() and (m.index is None or entry.box(at)[0] == key):
+        chunk = entry.chunk_at(at)
+        if chunk.offsets == key:
+            return chunk
+    return entry.find(key) if entry.lazy else None
 
 
 def _deliver(ri, planner, value, *, tensor: bool = False) -> None:

@@ -436,12 +436,11 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     rank_rec = out[0].storage_data.rank if out else None
     files = dict(rank_rec.files) if rank_rec else {}
     homes = dict(rank_rec.homes) if rank_rec else {}
-    shapes, chunks, explicit, values = {}, [], [], {}
+    shapes, chunks, explicit = {}, [], []
     for p, wr in zip(placed, out):
         rec: ItemRecord = wr.storage_data
         fqn = wr.index.fqn
-        if rec.kind in ("value", "provider-value"):
-            values[fqn] = rec.value if rec.kind == "value" else None
+        if rec.kind in ("value", "provider-value"):  # values go to the index, as build_manifest makes them
             chunks.append((fqn, None, rec))
             continue
         td = p.item.tensor_data
@@ -455,8 +454,7 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     part = build_manifest(shapes=shapes, results=[chunks], planner_data={}, save_id=w.save_id, world_size=world,
                           torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
     part.ranks, part.files, part.homes = [grank], files, homes
-    values = {k: part.values[k] for k in values}
-    part.values = {}
+    values, part.values = part.values, {}
     usage = part.usage()
     body = encode_manifest(part)
     name = part_file_name(grank, w.save_id)

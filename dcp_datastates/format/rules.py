@@ -215,6 +215,8 @@ class Geometry:
         chunk always does, empty chunks never."""
         if not self.size:
             return [0]
+        if not all(self.size):  # a dimension of size 0: every box is empty
+            return []
         hits: set[int] = set()
         for offs, sizes in boxes:
             if len(offs) != len(self.size) or not all(sizes):
@@ -223,14 +225,13 @@ class Geometry:
             for m in self._sharded:
                 d, n = self.dims[m], self.mesh.shape[m]
                 lo, hi = offs[d], offs[d] + sizes[d]
-                ranges.append([c for c in _span(self.size[d], n, lo, hi)])
+                ranges.append(_span(self.size[d], n, lo, hi))  # non-empty shards only
             for coord in itertools.product(*ranges):
                 i = 0
                 for m, c in zip(self._sharded, coord):
                     i = i * self.mesh.shape[m] + c
                 hits.add(i)
-        empty = {i for i in hits if not all(self.box(i)[1])}
-        return sorted(hits - empty)
+        return sorted(hits)
 
 
 def _candidates(size: int, n: int, off: int):
