@@ -39,7 +39,7 @@ from .format import dtype_name
 from .format.checksum import Digests
 from .format.layout import place_regions, stripe_count
 from .format.manifest import Extent, Seg, ValueEntry
-from .format.model import ChunkMetadataView
+from .format.model import ChunkMetadataView, paused_gc
 from .format.names import data_file_name
 from .format.records import ItemRecord
 from .format.model import _Bad
@@ -201,6 +201,10 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         manifest answers "which chunks overlap these boxes" over its columns or rules, so each
         tensor's metadata is narrowed to those first; a box that is exactly one saved chunk (a
         same-size FSDP restart) is read directly."""
+        with paused_gc():  # a few read items and records per tensor, none cyclic
+            return self._plan()
+
+    def _plan(self) -> LoadPlan:
         full = self.metadata
         narrowed: dict = {}
         direct: dict[str, ReadItem] = {}
@@ -266,7 +270,7 @@ def _exact_read(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, t
     sharded tensor), as DCP's planner would make it; None for anything else."""
     if len(boxes) != 1 or len(keep) != 1 or not all(boxes[0][1]) or tmd.chunks.entry.box(keep[0]) != boxes[0]:
         return None
-    offsets, sizes = (torch.Size(x) for x in boxes[0])
+    offsets, sizes = torch.Size(boxes[0][0]), torch.Size(boxes[0][1])
     zeros = torch.Size([0] * len(sizes))
     return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0), dest_offsets=zeros,
                     storage_index=MetadataIndex(fqn, offsets, keep[0]), storage_offsets=zeros, lengths=sizes)

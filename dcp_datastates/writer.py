@@ -48,7 +48,7 @@ from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
 from .format.manifest import paused_gc
 from .format.build import build_manifest
 from .format.index import ExplicitChunk, IndexTensor, PartRef, index_wire, part_digest
-from .format.manifest import Chunk, Manifest, encode_index
+from .format.manifest import Chunk, Manifest, encode_index, encode_part
 from .format.names import part_file_name, rank_manifest_name
 from .format.records import ItemRecord, PartRecord, RankRecord
 from .format.rules import RuleTable
@@ -456,10 +456,11 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     part.ranks, part.files, part.homes = [grank], files, homes
     values, part.values = part.values, {}
     usage = part.usage()
-    body = encode_manifest(part)
+    head, tail = encode_part(part)
+    body = head + tail
     name = part_file_name(grank, w.save_id)
     w.tier.commit_bytes(name, body, sync=w.sync_files)
-    ref = PartRef(grank, name, len(body), part_digest(body))
+    ref = PartRef(grank, name, len(body), part_digest(head), len(head))
     w._part_file = {name: len(body)}
     w.last_stats["part_bytes"] = len(body)
     return WriteResult(index=PART_INDEX, size_in_bytes=len(body),

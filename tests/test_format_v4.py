@@ -4,6 +4,11 @@ import itertools
 import os
 import random
 import shutil
+import struct
+import zlib
+
+import msgpack
+import xxhash
 
 import numpy as np
 import pytest
@@ -12,7 +17,11 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dcp_datastates import DataStatesReader
 from dcp_datastates.errors import ManifestError
+from dcp_datastates.format import manifest as manifest_mod
 from dcp_datastates.format.columnar import encode_table
+from dcp_datastates.format.index import paths_from_wire, paths_wire
+from dcp_datastates.format.model import _Bad
+from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.rules import Geometry, Mesh, ShardRule, salt
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest
@@ -95,7 +104,8 @@ def _records(ck: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "part-name", "owner", "two-rules",
-                                  "inline-missing", "inline-outside", "listed-overlap"])
+                                  "inline-missing", "inline-outside", "listed-overlap", "part-head-long",
+                                  "part-head-short"])
 def test_hostile_index_is_refused(ruled, tmp_path, case):
     ck = str(tmp_path / "ck")
     shutil.copytree(ruled, ck)
@@ -104,12 +114,16 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
         if case == "mesh-rank":
             body["meshes"][0][1] = ["list", 0, 1, 2, 99]
         elif case == "rule-dim":
-            row = next(t for t in body["tensor_list"] if t[3] is not None)
-            row[3][1] = [5] * len(row[3][1])
+            rule = body["tensor_list"]["rules"][0]
+            rule[1] = [5] * len(rule[1])
         elif case == "part-size":
             body["parts"][0][2] += 1
         elif case == "part-name":
             body["parts"][0][1] = "../../etc/passwd"
+        elif case == "part-head-long":  # a head that would run past the part
+            body["parts"][0][4] = body["parts"][0][2] + 1
+        elif case == "part-head-short":  # a head cut short: its digest cannot match
+            body["parts"][0][4] -= 1
         elif case == "owner":
             body["explicit"]["owner"] = np.full(len(body["explicit"]["owner"]) // 8, 7, "<i8").tobytes()
         elif case == "listed-overlap":  # "plain" listed twice over the same box (inline and in part 0)
@@ -121,7 +135,8 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
         elif case == "inline-outside":  # the inline chunk's bytes past the end of its file
             body["inline"]["seg_offset"] = np.full(1, 1 << 40, "<i8").tobytes()
         else:
-            body["tensor_list"].append(list(body["tensor_list"][0]))
+            names = body["tensor_list"]["names"]
+            names[1] = names[0]
     rewrite_manifest(ck, mutate, version=4)
     with pytest.raises(ManifestError) as e:
         _records(ck)
@@ -176,3 +191,77 @@ def test_tools_read_every_part(ruled, tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     r = cli("verify", ck, check=False)
     assert r.returncode != 0 and data in (r.stdout + r.stderr), r.stdout + r.stderr
+
+
+def test_part_digests_are_read_with_the_data(ruled, tmp_path):
+    """A part's block digests (its tail) are not read to plan a load, only with the data they
+    check; a damaged tail is refused naming the part, and a good copy on another tier is used."""
+    ck, backup = str(tmp_path / "ck"), str(tmp_path / "backup")
+    shutil.copytree(ruled, ck)
+    shutil.copytree(ruled, backup)
+    name = _part_name(ck, 1)
+    with open(os.path.join(ck, name), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    r = DataStatesReader(ck)
+    r.read_metadata()
+    index = r.manifest.index
+    reads = []
+
+    def counted(load):  # the storage interface, wrapped: which byte ranges of which parts are read
+        def wrapped(fname, start, end):
+            reads.append((fname, start, end))
+            return load(fname, start, end)
+        return wrapped
+    index.loaders = [counted(x) for x in index.loaders]
+    chunks = [c for t in r.manifest.tensors.values() for c in t.chunks]  # every record: the heads only
+    assert reads and all(start == 0 and end == index.parts[int(f[6:11])].head for f, start, end in reads)
+    ref = index.parts[1]
+    mine = [c for c in index.part(1).tensors.values() for c in c.chunks]
+    with pytest.raises(ManifestError, match="block digests of metadata part") as e:
+        mine[0].extent.sums[0]
+    assert name in str(e.value) and reads[-1] == (name, ref.head, ref.size)
+    assert len(chunks) >= len(mine)
+    r = DataStatesReader(ck, fallback=[backup])  # the tail comes from the backup, pinned by the head's digest
+    r.read_metadata()
+    assert all(len(c.extent.sums[0]) == 16 for c in r.manifest.index.part(1).tensors["row"].chunks)
+    with open(os.path.join(ck, name), "rb") as f:  # a part alone is not a manifest a reader accepts
+        head = f.read(ref.head)
+    with pytest.raises(ManifestError, match="read it through the index"):
+        decode_manifest(head)
+
+
+def test_packed_body_is_bounded(monkeypatch):
+    """The packed fields of an index inflate only within the manifest limit, whole, and never
+    over the header's fields."""
+    def craft(packed):
+        payload = msgpack.packb({"format": "dcp-datastates", "version": 4, "save_id": "x", "created_unix": 0,
+                                 "packed": packed}, use_bin_type=True)
+        return MAGIC + payload + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload))
+
+    inner = zlib.compress(msgpack.packb({"world_size": 1, "pad": b"\0" * 10000}, use_bin_type=True))
+    with pytest.raises(ManifestError, match="truncated"):
+        decode_manifest(craft(inner[:-4]))
+    with pytest.raises(ManifestError, match="repeats a field"):
+        decode_manifest(craft(zlib.compress(msgpack.packb({"version": 3}))))
+    monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 4096)
+    with pytest.raises(ManifestError, match="inflates beyond 4096"):
+        decode_manifest(craft(inner))
+
+
+def test_flattening_paths_round_trip_by_pattern():
+    """DCP's flattening paths are stored as a few patterns cutting the names at dots; any path
+    that is not its name cut at dots is kept as it is; a pattern that does not fit is refused."""
+    pd = {"model.layers.0.w": ["model", "layers.0.w"], "optim.state.layers.0.w.exp_avg":
+          ["optim", "state", "layers.0.w", "exp_avg"], "opt.param_groups.0.lr": ["opt", "param_groups", 0, "lr"],
+          "x.y": ["x.y"], "a.b.c": ["a", "b", "c"], "odd": ["o", "dd"], "v": ["v"], "n.007": ["n", "007"]}
+    names = [k for k in pd if k != "v"]
+    wire, rest = paths_wire(names, pd)
+    assert rest == {"odd": ["o", "dd"], "v": ["v"]}
+    assert {**paths_from_wire(wire, names), **rest} == pd
+    assert all(type(x) is int for x in paths_from_wire(wire, names)["opt.param_groups.0.lr"][2:3])
+    for bad in ([[5], []], [None, [0]]):  # a cut past the name's dots; a word made an index
+        with pytest.raises(_Bad):
+            paths_from_wire({"patterns": [bad], "of": np.zeros(1, "<i8").tobytes()}, ["model.w"])

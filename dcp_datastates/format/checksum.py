@@ -18,7 +18,8 @@ Format version 1 stored xxh3-64 integers; :func:`verify_blocks` still checks the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -37,18 +38,50 @@ def block_checksums(buf, block_size: int = BLOCK_SIZE) -> list[bytes]:
     return [xxhash.xxh3_128_digest(mv[i:i + block_size]) for i in range(0, n, block_size)]
 
 
+class DigestTail:
+    """Block digests kept out of a manifest, in the tail of its file (format 4's metadata
+    parts): ``nbytes`` of them whose xxh3-128 is ``digest``.  ``fetch()`` reads them (from any
+    copy of the file); they are read on the first use of any of them, which is when the data
+    they check is read, and used only when they match ``digest``."""
+
+    def __init__(self, nbytes: int, digest: bytes, fetch: Callable[[], bytes]) -> None:
+        self.nbytes, self.digest, self._fetch = nbytes, digest, fetch
+        self._lock = threading.Lock()
+        self._data: bytes | None = None
+
+    def read(self, at: int, n: int) -> bytes:
+        with self._lock:
+            if self._data is None:
+                self._data = self._fetch()  # the fetcher checks size and digest
+        return self._data[at:at + n]
+
+
 class Digests(Sequence):
     """The block digests of one extent, kept as the one string they were read as: a manifest
     of a large state lists hundreds of thousands of blocks, and a bytes object per digest
-    cost most of its decode time.  Indexing returns a digest, slicing a list of them."""
+    cost most of its decode time.  Indexing returns a digest, slicing a list of them.
+    ``Digests.tail(...)``: the extent's digests are a slice of a :class:`DigestTail`, read
+    when one is first used."""
 
-    __slots__ = ("joined",)
+    __slots__ = ("_joined", "_tail", "_at", "_n")
 
     def __init__(self, joined: bytes) -> None:
-        self.joined = joined
+        self._joined, self._tail, self._at, self._n = joined, None, 0, len(joined)
+
+    @classmethod
+    def tail(cls, source: DigestTail, at: int, nbytes: int) -> "Digests":
+        d = cls.__new__(cls)
+        d._joined, d._tail, d._at, d._n = None, source, at, nbytes
+        return d
+
+    @property
+    def joined(self) -> bytes:
+        if self._joined is None:
+            self._joined = self._tail.read(self._at, self._n)
+        return self._joined
 
     def __len__(self) -> int:
-        return len(self.joined) // DIGEST_BYTES
+        return self._n // DIGEST_BYTES
 
     def __getitem__(self, i):
         if isinstance(i, slice):

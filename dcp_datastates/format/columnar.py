@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checksum import DIGEST_BYTES, Digests, join_digests
+from .checksum import DIGEST_BYTES, DigestTail, Digests, join_digests
 from .dtypes import dtype_from_name
 from ..errors import ManifestError
 from .model import Chunk, Extent, Seg, TensorEntry, _Bad, box_hits, check_tiling
@@ -117,11 +117,12 @@ def _starts(counts: np.ndarray) -> np.ndarray:
 
 
 def decode_table(table, files: list[tuple[str, int]], block_size: int, special_chunk,
-                 source: str = "<memory>") -> dict[str, TensorEntry]:
+                 source: str = "<memory>", tail: DigestTail | None = None) -> dict[str, TensorEntry]:
     """Validate the columns in bulk; the tensors' records are built when first asked for.
     ``files``: the manifest's (name, size) list that ``seg_file`` indexes;
     ``special_chunk(fqn, offsets, sizes, wire)``: the record of a provider chunk (validated by
-    the caller); ``source``: the file, named by errors found later (overlapping chunks)."""
+    the caller); ``source``: the file, named by errors found later (overlapping chunks);
+    ``tail``: the block digests, when the manifest keeps them out of its table (a format 4 part)."""
     if not isinstance(table, dict):
         raise _Bad("the tensor table must be a map")
     names = table.get("names")
@@ -196,8 +197,11 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
         if np.any(~last & (sn % block_size != 0)):
             raise _Bad("a segment other than a chunk's last ends inside a checksum block")
     nsums = np.where(plain, np.maximum(1, -(-nbytes // block_size)), 0)
-    sums = table.get("sums")
-    if not isinstance(sums, bytes) or len(sums) != int(nsums.sum()) * DIGEST_BYTES:
+    sums = table.get("sums") if tail is None else tail
+    if tail is not None and "sums" in table:
+        raise _Bad("block digests are both in the table and in the file's tail")
+    got = tail.nbytes if tail is not None else (len(sums) if isinstance(sums, bytes) else -1)
+    if got != int(nsums.sum()) * DIGEST_BYTES:
         raise _Bad(f"table field 'sums': expected {int(nsums.sum())} block digests of {DIGEST_BYTES} bytes")
     special = table.get("special") or {}
     if not isinstance(special, dict) or sorted(special) != sorted(str(i) for i in np.nonzero(~plain)[0].tolist()):
@@ -297,9 +301,9 @@ class Table:
         return (self.offs[a:a + (c1 - c0) * nd].reshape(c1 - c0, nd),
                 self.sizes[a:a + (c1 - c0) * nd].reshape(c1 - c0, nd))
 
-    def chunk(self, c: int, t: int) -> Chunk:
-        """The record of chunk ``c`` (a row of the table) of tensor ``t``."""
-        o, z = self.box(c, t)
+    def chunk(self, c: int, t: int, box: tuple | None = None) -> Chunk:
+        """The record of chunk ``c`` (a row of the table) of tensor ``t`` (``box``: its box, when known)."""
+        o, z = self.box(c, t) if box is None else box
         n = int(self.nsegs[c])
         if n < 0:
             return self.special[c]
@@ -309,9 +313,9 @@ class Table:
         else:
             segs = [Seg(self.fnames[int(f)], int(off), int(k)) for f, off, k in
                     zip(self.sfile[s0:s0 + n].tolist(), self.soff[s0:s0 + n].tolist(), self.sn[s0:s0 + n].tolist())]
-        d = int(self.first_sum[c])
-        return Chunk(o, z, Extent(segs, int(self.nbytes[c]),
-                                  Digests(self.sums[d:d + int(self.nsums[c]) * DIGEST_BYTES])))
+        d, k = int(self.first_sum[c]), int(self.nsums[c]) * DIGEST_BYTES
+        sums = Digests.tail(self.sums, d, k) if isinstance(self.sums, DigestTail) else Digests(self.sums[d:d + k])
+        return Chunk(o, z, Extent(segs, int(self.nbytes[c]), sums))
 
     def rows(self, t: int) -> np.ndarray:
         """Table rows of tensor ``t``'s chunks in record order (empty chunks folded into the
@@ -404,7 +408,8 @@ class Table:
     def find(self, t: int, offsets: tuple) -> Chunk | None:
         if int(self.nchunks[t]) == 1:  # most tensors of a rank's part: compare the one box
             c = int(self.first_chunk[t])
-            return self.chunk(c, t) if self.box(c, t)[0] == tuple(offsets) else None
+            box = self.box(c, t)
+            return self.chunk(c, t, box) if box[0] == tuple(offsets) else None
         self.check(t)
         offs, _ = self._boxes(t)
         if offs.shape[1] == 0:

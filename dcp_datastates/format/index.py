@@ -8,16 +8,20 @@ and every rank reads all of them.  Version 4 splits it:
   tensors without one, its chunks' boxes and the rank that wrote each; the meshes; the values;
   every file with its size; and each rank's **part** with its size and xxh3-128 digest;
 * a **part** (``part-rNNNNN-<save>.dsm``, written by its rank with its data files) is a
-  version 3 manifest of that rank's chunks: where their bytes are, and their block digests.
+  version 3 manifest of that rank's chunks, where their bytes are (the head), followed by
+  their block digests (the tail).
 
-A rank reads the index and the parts of the ranks whose chunks it loads: its own for a
-same-size restart, a few when resharded.  A part is accepted only with the size and digest the
+A rank reads the index and the heads of the parts of the ranks whose chunks it loads: its own
+for a same-size restart, a few when resharded.  A head is accepted only with the digest the
 index gives it, the same save id, and files that the index lists with the same sizes; a chunk
-is taken from it only where its box is the one the rule or the index says.
+is taken from it only where its box is the one the rule or the index says.  A part's tail is
+read when the first of its chunks' data is, and used only with the digest its head gives.
+Both the index and the heads are packed (zlib) after their header fields.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +30,7 @@ import numpy as np
 import xxhash
 
 from ..errors import ManifestError
+from .checksum import DigestTail
 from .columnar import _disjoint, decode_table, encode_table
 from .dtypes import dtype_from_name
 from .model import Chunk, Manifest, TensorEntry, _Bad, check_tiling
@@ -35,19 +40,23 @@ INDEX_VERSION = 4
 MAX_NDIM = 64
 MAX_DIM = 1 << 48
 MAX_PART_BYTES = 1 << 31
+MAX_RULES = 1 << 20
 _I8 = np.dtype("<i8")
 
 
 @dataclass(frozen=True, slots=True)
 class PartRef:
-    """A rank's metadata part, as the index names it."""
+    """A rank's metadata part, as the index names it: a file of ``size`` bytes whose first
+    ``head`` bytes are the manifest of its chunks (xxh3-128 ``digest``); the rest is the block
+    digests of those chunks, read with the data they check (the head gives their digest)."""
     rank: int
     name: str
     size: int
-    digest: bytes  # xxh3-128 of the whole file, 16 bytes
+    digest: bytes  # xxh3-128 of the head, 16 bytes
+    head: int
 
     def to_wire(self) -> list:
-        return [self.rank, self.name, self.size, self.digest]
+        return [self.rank, self.name, self.size, self.digest, self.head]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +100,136 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
         "usage": [usage[0], usage[1]],
         "inline": encode_table(inline, {f: i for i, f in enumerate(files)}, _no_provider),
         "meshes": [m.to_wire() for m in meshes],
-        "tensor_list": [[t.fqn, t.dtype, list(t.size), None if t.rule is None else t.rule.to_wire()] for t in tensors],
+        "tensor_list": _tensors_wire(tensors),
         "explicit": {"tensor": col([c.tensor for c in explicit]), "owner": col([c.owner for c in explicit]),
                      "offsets": col([x for c in explicit for x in c.offsets]),
                      "sizes": col([x for c in explicit for x in c.sizes])},
         "parts": [p.to_wire() for p in parts],
     }
+
+
+def _tensors_wire(tensors: list[IndexTensor]) -> dict:
+    """The tensor list as columns: names, distinct dtypes and rules, and per tensor a dtype
+    code, its dimensions, its sizes and a rule code (-1: no rule, its chunks are listed)."""
+    dtypes: dict[str, int] = {}
+    rules: dict[ShardRule, int] = {}
+    dcode, ndim, size, rcode = [], [], [], []
+    for t in tensors:
+        dcode.append(dtypes.setdefault(t.dtype, len(dtypes)))
+        ndim.append(len(t.size))
+        size.extend(t.size)
+        rcode.append(-1 if t.rule is None else rules.setdefault(t.rule, len(rules)))
+    return {"names": [t.fqn for t in tensors], "dtypes": list(dtypes), "dtype": bytes(dcode), "ndim": bytes(ndim),
+            "size": np.asarray(size, dtype=_I8).tobytes(), "rules": [r.to_wire() for r in rules],
+            "rule": np.asarray(rcode, dtype=_I8).tobytes()}
+
+
+def _tensors_from_wire(raw, meshes: list[Mesh]) -> list[IndexTensor]:
+    """The tensor list, its columns validated in bulk and each distinct rule once per rank."""
+    if not isinstance(raw, dict):
+        raise _Bad("tensor_list must be a map of columns")
+    names, dnames, rwires = raw.get("names"), raw.get("dtypes"), raw.get("rules")
+    if not isinstance(names, list) or not all(type(x) is str for x in names):
+        raise _Bad("tensor_list.names must be a list of strings")
+    if len(set(names)) != len(names):
+        raise _Bad("a tensor is listed twice")
+    if not isinstance(dnames, list) or not isinstance(rwires, list) or len(dnames) > 256 or len(rwires) > MAX_RULES:
+        raise _Bad("tensor_list.dtypes and tensor_list.rules must be lists")
+    for d in dnames:
+        dtype_from_name(d)  # raises on a dtype outside the fixed table
+    n = len(names)
+    dcode, nd = (_raw_u8(raw, k, n) for k in ("dtype", "ndim"))
+    if n and (int(dcode.max()) >= len(dnames) or int(nd.max()) > MAX_NDIM):
+        raise _Bad("a tensor's dtype code or dimension count is out of range")
+    size = _arr(raw, "size", int(nd.sum()), 0, MAX_DIM)
+    rcode = _arr(raw, "rule", n, -1, len(rwires) - 1)
+    rules: dict[tuple[int, int], ShardRule] = {}  # (rule, ndim): few, each validated once
+    for r, k in set(zip(rcode.tolist(), nd.tolist())):
+        if r >= 0:
+            rules[(r, k)] = ShardRule.from_wire(rwires[r], meshes, k)
+    sizes, dt, out, at = size.tolist(), [dnames[c] for c in dcode.tolist()], [], 0
+    for i, (k, r) in enumerate(zip(nd.tolist(), rcode.tolist())):
+        out.append(IndexTensor(names[i], dt[i], tuple(sizes[at:at + k]), rules[(r, k)] if r >= 0 else None))
+        at += k
+    return out
+
+
+def _pattern(fqn: str, path) -> tuple | None:
+    """How DCP's flattening path of ``fqn`` cuts it: ``(cuts, ints)``, ``cuts`` the ordinals of
+    the dots that separate components (None: every dot), ``ints`` the components that are list
+    indices.  None when the path is not ``fqn`` cut at dots (kept as it is)."""
+    if not isinstance(path, (list, tuple)) or not path or any(type(p) not in (str, int) for p in path):
+        return None
+    comps = [str(p) for p in path]
+    if ".".join(comps) != fqn:
+        return None
+    ints = tuple(k for k, p in enumerate(path) if type(p) is int)
+    if len(comps) == fqn.count(".") + 1:
+        return None, ints
+    cuts, dots = [], -1
+    for c in comps[:-1]:
+        dots += c.count(".") + 1
+        cuts.append(dots)
+    return tuple(cuts), ints
+
+
+def paths_wire(names: list[str], planner_data: dict) -> tuple[dict, dict]:
+    """DCP's flattening paths of the index's tensors as a few distinct patterns and one code
+    per tensor (-1: none); returns that and the entries it does not cover."""
+    at = {n: i for i, n in enumerate(names)}
+    patterns: dict[tuple, int] = {}
+    code = np.full(len(names), -1, dtype=_I8)
+    rest = {}
+    for k, path in planner_data.items():
+        pat = _pattern(k, path) if k in at else None
+        if pat is None:
+            rest[k] = path
+        else:
+            code[at[k]] = patterns.setdefault(pat, len(patterns))
+    wire = [[None if c is None else list(c), list(i)] for c, i in patterns]
+    return {"patterns": wire, "of": code.tobytes()}, rest
+
+
+def paths_from_wire(raw, names: list[str]) -> dict[str, list]:
+    """The flattening paths ``paths_wire`` encoded, each cut from its tensor's name."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("patterns"), list):
+        raise _Bad("paths must be a map with a list of patterns")
+    pats = []
+    for w in raw["patterns"]:
+        if not (isinstance(w, list) and len(w) == 2 and (w[0] is None or isinstance(w[0], list))
+                and isinstance(w[1], list) and all(type(x) is int for x in (w[0] or []) + w[1])):
+            raise _Bad("a path pattern must be [cuts or null, ints]")
+        pats.append(w)
+    code = _arr(raw, "of", len(names), -1, len(pats) - 1)
+    out: dict[str, list] = {}
+    for i, c in enumerate(code.tolist()):
+        if c < 0:
+            continue
+        cuts, ints = pats[c]
+        parts = names[i].split(".")
+        if cuts is None:
+            comps = parts
+        else:
+            if any(not 0 <= b < len(parts) - 1 for b in cuts) or any(a >= b for a, b in zip(cuts, cuts[1:])):
+                raise _Bad(f"path pattern {c} does not fit {names[i]!r}")
+            bounds = [0, *(b + 1 for b in cuts), len(parts)]
+            comps = [".".join(parts[a:b]) for a, b in zip(bounds, bounds[1:])]
+        for k in ints:
+            if not 0 <= k < len(comps) or not _INT.fullmatch(comps[k]):
+                raise _Bad(f"path pattern {c} makes a non-integer of {names[i]!r} an index")
+            comps[k] = int(comps[k])
+        out[names[i]] = comps
+    return out
+
+
+_INT = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
+def _raw_u8(d: dict, key: str, n: int) -> np.ndarray:
+    raw = d.get(key)
+    if not isinstance(raw, bytes) or len(raw) != n:
+        raise _Bad(f"tensor_list.{key} must be {n} bytes")
+    return np.frombuffer(raw, dtype=np.uint8)
 
 
 def _no_provider(chunk):
@@ -120,10 +253,10 @@ class IndexTable:
     parts that hold their records on demand through ``loader`` (set by the tier that read it)."""
 
     def __init__(self, body: dict, *, files: dict[str, int], homes: dict[str, str], world: int, save_id: str,
-                 source: str, block_size: int, decode: Callable[[bytes, str], Manifest]) -> None:
+                 source: str, block_size: int, decode: Callable[[bytes, str, Callable], Manifest]) -> None:
         self.source, self.save_id, self.files, self.homes, self._decode = source, save_id, files, homes, decode
-        # readers of a part by (name, size), fastest tier first; set by the tier that read the index
-        self.loaders: list[Callable[[str, int], bytes]] = []
+        # readers of a part's bytes [start, end) by name, fastest tier first; set by the tier that read the index
+        self.loaders: list[Callable[[str, int, int], bytes]] = []
         self._lock = threading.Lock()
         self._loaded: dict[int, Manifest] = {}
         raw_meshes = body.get("meshes")
@@ -135,30 +268,8 @@ class IndexTable:
             missing = [r for r in m.ranks if r not in self.parts]
             if missing:
                 raise _Bad(f"mesh ranks {missing[:8]} have no metadata part")
-        raw = body.get("tensor_list")
-        if not isinstance(raw, list):
-            raise _Bad("tensor_list must be a list")
-        self.tensors: list[IndexTensor] = []
+        self.tensors: list[IndexTensor] = _tensors_from_wire(body.get("tensor_list"), self.meshes)
         self._geoms: dict[int, Geometry | None] = {}
-        names: set[str] = set()
-        rules: dict[tuple, ShardRule] = {}  # few distinct rules: each validated once
-        for w in raw:
-            if not isinstance(w, list) or len(w) != 4 or not isinstance(w[0], str) or not isinstance(w[1], str) \
-                    or not isinstance(w[2], list) or len(w[2]) > MAX_NDIM:
-                raise _Bad("a tensor must be [name, dtype, size, rule]")
-            if w[0] in names:
-                raise _Bad(f"tensor {w[0]!r} is listed twice")
-            names.add(w[0])
-            size = tuple(w[2])
-            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_DIM for x in size):
-                raise _Bad(f"tensor {w[0]!r} has an invalid size")
-            rule = None
-            if w[3] is not None:
-                key = (repr(w[3]), len(size))
-                rule = rules.get(key)
-                if rule is None:
-                    rule = rules[key] = ShardRule.from_wire(w[3], self.meshes, len(size))
-            self.tensors.append(IndexTensor(w[0], w[1], size, rule))
         self.listed = _Listed(body.get("explicit"), self.tensors, self.parts, world)
         raw_usage = body.get("usage")
         if not (isinstance(raw_usage, list) and len(raw_usage) == 2 and isinstance(raw_usage[0], int)
@@ -175,14 +286,17 @@ class IndexTable:
             raise _Bad("parts must be a list of at most one per rank")
         out: dict[int, PartRef] = {}
         for w in raw:
-            if not isinstance(w, list) or len(w) != 4 or not isinstance(w[0], int) or isinstance(w[0], bool) \
-                    or not isinstance(w[2], int) or not isinstance(w[3], bytes) or len(w[3]) != 16:
-                raise _Bad("a part must be [rank, name, size, digest]")
+            if not isinstance(w, list) or len(w) != 5 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in (w[0], w[2], w[4])) \
+                    or not isinstance(w[3], bytes) or len(w[3]) != 16:
+                raise _Bad("a part must be [rank, name, size, digest, head]")
             if not 0 <= w[0] < world or w[0] in out:
                 raise _Bad(f"part of rank {w[0]} is out of range or listed twice")
             if self.files.get(w[1]) != w[2] or not 0 < w[2] <= MAX_PART_BYTES:
                 raise _Bad(f"part {w[1]!r} is not among the files with its size")
-            out[w[0]] = PartRef(w[0], w[1], w[2], w[3])
+            if not 0 < w[4] <= w[2]:
+                raise _Bad(f"part {w[1]!r}: its head of {w[4]} bytes is not within its {w[2]} bytes")
+            out[w[0]] = PartRef(*w)
         return out
 
     # ------------------------------------------------------ TensorEntry's source
@@ -212,6 +326,8 @@ class IndexTable:
         if g is not None:
             return g.overlapping(boxes)
         self.check(t)
+        if not self.tensors[t].size:  # a 0-d tensor (an Adam step): its one chunk
+            return list(range(min(1, len(self.listed.rows(t)))))
         return self.listed.overlapping(t, boxes)
 
     def check(self, t: int) -> None:
@@ -266,21 +382,9 @@ class IndexTable:
             ref = self.parts.get(rank)
             if ref is None:
                 raise ManifestError(f"rank {rank} has no metadata part", checkpoint=self.source)
-            data, why = None, "this index was decoded without a way to read its parts"
-            for load in self.loaders:  # the digest pins the content: any tier's copy will do
-                try:
-                    got = load(ref.name, ref.size)
-                except (OSError, ManifestError) as e:
-                    why = f"unreadable: {e}"
-                    continue
-                if len(got) == ref.size and part_digest(got) == ref.digest:
-                    data = got
-                    break
-                why = "does not match the index (damaged, or from another save)"
-            if data is None:
-                raise ManifestError(f"metadata part {why}; restore it from another tier or re-save",
-                                    checkpoint=self.source, file=ref.name)
-            m = self._decode(data, f"{self.source}/{ref.name}")
+            data = self._read(ref, 0, ref.head, ref.digest, "metadata part")
+            m = self._decode(data, f"{self.source}/{ref.name}",
+                             lambda n, digest: DigestTail(n, digest, lambda: self._tail(ref, n, digest)))
             if m.save_id != self.save_id or m.version != 3 or m.ranks != [rank]:
                 raise ManifestError(f"metadata part holds save {m.save_id} ranks {m.ranks[:4]}, not rank "
                                     f"{rank} of save {self.save_id}", checkpoint=self.source, file=ref.name)
@@ -293,6 +397,29 @@ class IndexTable:
                                     checkpoint=self.source, file=ref.name)
             self._loaded[rank] = m
             return m
+
+
+    def _read(self, ref: PartRef, start: int, end: int, digest: bytes, what: str) -> bytes:
+        why = "this index was decoded without a way to read its parts"
+        for load in self.loaders:  # the digest pins the content: any tier's copy will do
+            try:
+                got = load(ref.name, start, end)
+            except (OSError, ManifestError) as e:
+                why = f"unreadable: {e}"
+                continue
+            if len(got) == end - start and part_digest(got) == digest:
+                return got
+            why = "does not match the index (damaged, or from another save)"
+        raise ManifestError(f"{what} {why}; restore it from another tier or re-save",
+                            checkpoint=self.source, file=ref.name)
+
+    def _tail(self, ref: PartRef, n: int, digest: bytes) -> bytes:
+        """The block digests of part ``ref``: the file's bytes after its head, read when the
+        data they check is read."""
+        if ref.head + n != ref.size:
+            raise ManifestError(f"metadata part's block digests ({n} bytes after a {ref.head}-byte head) do "
+                                f"not fill its {ref.size} bytes", checkpoint=self.source, file=ref.name)
+        return self._read(ref, ref.head, ref.size, digest, "block digests of metadata part")
 
 
 class _Listed:
@@ -323,11 +450,15 @@ class _Listed:
         self._order = np.argsort(t, kind="stable")
         self._sorted = t[self._order]
         self._checked: set[int] = set()
+        self._rows: dict[int, np.ndarray] = {}
 
     def rows(self, ti: int) -> np.ndarray:
-        """Column positions of tensor ``ti``'s chunks, in listed order."""
-        lo, hi = np.searchsorted(self._sorted, ti, "left"), np.searchsorted(self._sorted, ti, "right")
-        return self._order[lo:hi]
+        """Column positions of tensor ``ti``'s chunks, in listed order (cached)."""
+        got = self._rows.get(ti)
+        if got is None:
+            lo, hi = np.searchsorted(self._sorted, ti, "left"), np.searchsorted(self._sorted, ti, "right")
+            got = self._rows[ti] = self._order[lo:hi]
+        return got
 
     def box(self, c: int) -> tuple[tuple, tuple]:
         a, k = int(self.cstart[c]), int(self.nd[c])

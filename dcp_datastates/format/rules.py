@@ -131,7 +131,8 @@ def salt(fqn: str) -> int:
 class Geometry:
     """The chunks of one tensor under a rule: boxes, overlap, owner ranks, by arithmetic."""
 
-    __slots__ = ("size", "mesh", "dims", "salt", "itemsize", "_sharded", "_replicated", "_count", "_replicas")
+    __slots__ = ("size", "mesh", "dims", "salt", "itemsize", "_sharded", "_replicated", "_count", "_replicas",
+                 "_last")
 
     def __init__(self, size: tuple[int, ...], mesh: Mesh, rule: ShardRule, salt_: int, itemsize: int) -> None:
         self.size, self.mesh, self.dims, self.salt, self.itemsize = size, mesh, rule.dims, salt_, itemsize
@@ -143,6 +144,7 @@ class Geometry:
         self._replicas = 1
         for m in self._replicated:
             self._replicas *= mesh.shape[m]
+        self._last: tuple = (-1, None)  # planning and reading ask for one chunk's box several times
 
     def count(self) -> int:
         return self._count
@@ -157,11 +159,16 @@ class Geometry:
         return out
 
     def box(self, i: int) -> tuple[tuple, tuple]:
+        last = self._last
+        if last[0] == i:
+            return last[1]
         offs, sizes = [0] * len(self.size), list(self.size)
         for m, c in zip(self._sharded, self._coord(i)):
             d = self.dims[m]
             offs[d], sizes[d] = split(self.size[d], self.mesh.shape[m], c)
-        return tuple(offs), tuple(sizes)
+        box = tuple(offs), tuple(sizes)
+        self._last = (i, box)
+        return box
 
     def boxes(self) -> list[tuple[tuple, tuple]]:
         return [self.box(i) for i in range(self._count)]
@@ -217,6 +224,13 @@ class Geometry:
             return [0]
         if not all(self.size):  # a dimension of size 0: every box is empty
             return []
+        if len(self._sharded) == 1 and len(boxes) == 1:  # one sharded mesh dimension, one box (FSDP)
+            offs, sizes = boxes[0]
+            if len(offs) != len(self.size) or not all(sizes):
+                return []
+            m = self._sharded[0]
+            d = self.dims[m]
+            return list(_span(self.size[d], self.mesh.shape[m], offs[d], offs[d] + sizes[d]))
         hits: set[int] = set()
         for offs, sizes in boxes:
             if len(offs) != len(self.size) or not all(sizes):

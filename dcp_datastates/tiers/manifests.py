@@ -94,12 +94,15 @@ def read_manifest(tier: StorageTier, name: str) -> Manifest:
 
 
 def part_loader(tier: StorageTier):
-    """Read a format 4 metadata part of ``tier`` by name and expected size."""
-    def load(name: str, size: int) -> bytes:
+    """Read bytes [start, end) of a format 4 metadata part of ``tier`` (a ranged read: the
+    head to plan, the tail with the data); short at the end of the file."""
+    def load(name: str, start: int, end: int) -> bytes:
+        buf = bytearray(end - start)
         try:
-            return tier.read_bytes(name, max_bytes=size)
+            n = tier.read_into(name, start, buf)
         except DataFileError as e:
             raise ManifestError(str(e), checkpoint=tier.url, file=name) from None
+        return bytes(buf[:n])
     return load
 
 
