@@ -60,6 +60,7 @@ from dcp_datastates.format.names import data_file_name  # noqa: E402
 from dcp_datastates.format.records import ItemRecord  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
 from dcp_datastates.format.build import build_manifest  # noqa: E402
+from dcp_datastates.format.columnar import tail_offsets  # noqa: E402
 from dcp_datastates.format.index import PartRef, part_digest  # noqa: E402
 from dcp_datastates.format.names import part_file_name  # noqa: E402
 from dcp_datastates.format.records import PartRecord  # noqa: E402
@@ -169,6 +170,8 @@ def _needed(ts, geoms, explicit: dict, layout: str, world: int, rank: int) -> se
     for ti, t in enumerate(ts):
         boxes = sm.boxes(t, ti, layout, world, rank)
         g = geoms[ti]
+        if g is not None and g.replicas() > 1:  # replicated boxes: their records are in the index
+            continue
         if g is not None:
             need.update(g.owner(i) for i in g.overlapping(boxes))
         else:
@@ -177,9 +180,19 @@ def _needed(ts, geoms, explicit: dict, layout: str, world: int, rank: int) -> se
     return need
 
 
-def _part(ts, rows, rank: int, n: int) -> tuple[bytes, bytes, dict, dict]:
+def _held_writes(geoms) -> dict[int, list[tuple[int, tuple, tuple]]]:
+    """The replicated boxes (tensor, offsets, sizes) by the rank that writes each."""
+    out: dict[int, list] = {}
+    for ti, g in enumerate(geoms):
+        if g is not None and g.replicas() > 1:
+            for i in range(g.count()):
+                out.setdefault(g.owner(i), []).append((ti, *g.box(i)))
+    return out
+
+
+def _part(ts, rows, rank: int, n: int) -> tuple[bytes, bytes, dict, dict, dict]:
     """Rank ``rank``'s metadata part (head and tail), as ``DataStatesWriter`` commits it; its
-    files; and each chunk's extent by (tensor index, offsets)."""
+    files; each chunk's extent by (tensor index, offsets); and where its digests start in the tail."""
     name = data_file_name(rank, SAVE_ID, 0)
     pos, recs, shapes, exts = 0, [], {}, {}
     for ti, offs, sizes in rows:
@@ -195,7 +208,9 @@ def _part(ts, rows, rank: int, n: int) -> tuple[bytes, bytes, dict, dict]:
                        torch_version="", writer="bench")
     m.ranks, m.files = [rank], ({name: pos} if pos else {})
     head, tail = encode_part(m)
-    return head, tail, m.files, exts
+    offsets = tail_offsets(m.tensors)
+    at = {(ti, o): offsets[(ts[ti].fqn, o)] for ti, o in exts}
+    return head, tail, m.files, exts, at
 
 
 def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int]]):
@@ -212,21 +227,27 @@ def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int
     need = {0}  # rank 0 wrote the steps: its part gives their extents, inlined in the index
     for world, rank in measured:
         need |= _needed(ts, geoms, explicit, layout, world, rank)
+    held_of = _held_writes(geoms)
     results, per = [], max(1, sum(math.prod(t.shape) * t.dtype.itemsize for t in ts) // n)
     for r in range(n):
         pname = part_file_name(r, SAVE_ID)
-        exts = {}
-        if r in need:
-            head, tail, files, exts = _part(ts, _ours_writes(ts, geoms, layout, n, r), r, n)
-            with open(os.path.join(path, pname), "wb") as f:
-                f.write(head + tail)
-            ref = PartRef(r, pname, len(head) + len(tail), part_digest(head), len(head))
+        exts, held = {}, []
+        if r in need or r in held_of:  # a part the loads read, or whose held records the index takes
+            rows = _ours_writes(ts, geoms, layout, n, r) if r in need else held_of[r] + rows_of[r]
+            head, tail, files, exts, tail_at = _part(ts, rows, r, n)
+            if r in need:
+                with open(os.path.join(path, pname), "wb") as f:
+                    f.write(head + tail)
+            ref = PartRef(r, pname, len(head) + len(tail), part_digest(head), len(head), part_digest(tail))
+            held = [(ts[ti].fqn, tuple(o), tuple(z), exts[(ti, tuple(o))], tail_at[(ti, tuple(o))])
+                    for ti, o, z in rows if geoms[ti] is not None and geoms[ti].replicas() > 1]
         else:  # never read by the measured loads (sizes of a part with 1,000 records)
-            files, ref = {data_file_name(r, SAVE_ID, 0): per}, PartRef(r, pname, 36000, os.urandom(16), 20000)
+            files = {data_file_name(r, SAVE_ID, 0): per}
+            ref = PartRef(r, pname, 36000, os.urandom(16), 20000, os.urandom(16))
         listed = [(ts[ti].fqn, tuple(o), tuple(z), None if ts[ti].shape else exts[(ti, tuple(o))])
                   for ti, o, z in rows_of[r]]
         results.append([WriteResult(index=PART_INDEX, size_in_bytes=ref.size,
-                                    storage_data=PartRecord(r, ref, files, {}, listed, {}))])
+                                    storage_data=PartRecord(r, ref, files, {}, listed, {}, held=held))])
     sdm = {t.fqn: TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), []) for t in ts}
     md = Metadata(state_dict_metadata=sdm, planner_data={RULES_KEY: table, **{t.fqn: t.fqn.split(".") for t in ts}})
     return md, results

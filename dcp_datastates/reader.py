@@ -428,9 +428,12 @@ class DataStatesReader(StorageReader):
 def chunk_record(m: Manifest, entry, at, key: tuple) -> Chunk | None:
     """The stored chunk of ``entry`` at offsets ``key`` that a read item names: by ``at``, the
     chunk's place in our metadata that DCP's planners give (a narrowed plan numbers its own
-    list, so in format 4, where a stray record is a part read, the box is checked first), else
-    over the columns or rules.  None when not found (an eager manifest: the caller looks it up)."""
-    if isinstance(at, int) and 0 <= at < entry.count() and (m.index is None or entry.box(at)[0] == key):
+    list: in format 4, where a stray record is a part read, the index checks the box first),
+    else over the columns or rules.  None when not found (an eager manifest: the caller looks
+    it up)."""
+    if m.index is not None and entry.lazy:  # format 4: the index finds it by rule or column
+        return entry.source[0].record_for(entry.source[1], at, key)
+    if isinstance(at, int) and 0 <= at < entry.count():
         chunk = entry.chunk_at(at)
         if chunk.offsets == key:
             return chunk

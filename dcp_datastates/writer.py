@@ -47,7 +47,8 @@ from .errors import CheckpointError, CheckpointExistsError
 from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
 from .format.manifest import paused_gc
 from .format.build import build_manifest
-from .format.index import ExplicitChunk, IndexTensor, PartRef, index_wire, part_digest
+from .format.columnar import tail_offsets
+from .format.index import ExplicitChunk, HeldColumns, IndexTensor, PartRef, index_wire, part_digest
 from .format.manifest import Chunk, Manifest, encode_index, encode_part
 from .format.names import part_file_name, rank_manifest_name
 from .format.records import ItemRecord, PartRecord, RankRecord
@@ -456,16 +457,19 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     part.ranks, part.files, part.homes = [grank], files, homes
     values, part.values = part.values, {}
     usage = part.usage()
+    tail_at = tail_offsets(part.tensors)
+    held = [(fqn, offs, tuple(rec.sizes), rec.extent, tail_at[(fqn, offs)]) for fqn, offs, rec in chunks
+            if offs is not None and w._rules.replicas(fqn) > 1 and rec.kind == "tensor"]
     head, tail = encode_part(part)
     body = head + tail
     name = part_file_name(grank, w.save_id)
     w.tier.commit_bytes(name, body, sync=w.sync_files)
-    ref = PartRef(grank, name, len(body), part_digest(head), len(head))
+    ref = PartRef(grank, name, len(body), part_digest(head), len(head), part_digest(tail))
     w._part_file = {name: len(body)}
     w.last_stats["part_bytes"] = len(body)
     return WriteResult(index=PART_INDEX, size_in_bytes=len(body),
                        storage_data=PartRecord(grank, ref, files, homes, explicit, values, usage,
-                                               dict(rank_rec.timings) if rank_rec else {}))
+                                               dict(rank_rec.timings) if rank_rec else {}, held))
 
 
 def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: str, rules: RuleTable,
@@ -475,8 +479,8 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     tensors = [IndexTensor(fqn, dtype_name(md.properties.dtype), tuple(md.size), rules.rules.get(fqn))
                for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     at = {t.fqn: i for i, t in enumerate(tensors)}
-    files, homes, values, parts, explicit, seen = {}, {}, {}, [], [], set()
-    owned, shared = 0, {}
+    files, homes, values, parts, explicit, held, seen = {}, {}, {}, [], [], HeldColumns(), set()
+    owned, shared, add_held = 0, {}, held.add
     for rr in results:
         for wr in rr:
             rec = wr.storage_data
@@ -496,13 +500,15 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                     seen.add((fqn, offs))
                     explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank,
                                                   None if ext is None else Chunk(offs, sizes, ext)))
+            for fqn, offs, sizes, ext, tail_at in rec.held:
+                add_held(at[fqn], offs, sizes, rec.rank, ext, tail_at)
     world = max([dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                  *(p.rank + 1 for p in parts)])
     m = Manifest(save_id=save_id, world_size=world, ranks=sorted(p.rank for p in parts), files=files,
                  tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
                  created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
     return m, encode_index(m, index_wire(list(rules.meshes), tensors, explicit, parts, list(files),
-                                              (owned, shared)))
+                                              (owned, shared), held))
 
 
 def _planner_data(metadata: Metadata) -> dict:

@@ -77,6 +77,10 @@ def test_rules_save_once_and_reshard(ruled):
     assert listed.owner[listed.rows(plain)].tolist() == [-1]  # a small plain tensor: its record in the index
     # a replicated box is written by one replica only, the first for a small box: "rep" by rank 0,
     # each "hsdp" row block by the rank of the first replica holding it (mesh (2, 2): ranks 0, 1)
+    at = {t.fqn: i for i, t in enumerate(m.index.tensors)}
+    assert {k for k, i in at.items() if m.index.held.has(i)} == {"rep", "hsdp"}
+    held = [c for k in ("rep", "hsdp") for c in m.tensors[k].chunks]  # from the index: no part read
+    assert held and not m.index._loaded
     holders = {k: [r for r in range(4) if k in m.index.part(r).tensors] for k in ("rep", "hsdp")}
     assert holders == {"rep": [0], "hsdp": [0, 1]}, holders
     run_ranks(3, workers.rules_load, ours, True)
@@ -105,7 +109,7 @@ def _records(ck: str) -> None:
 
 @pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "part-name", "owner", "two-rules",
                                   "inline-missing", "inline-outside", "listed-overlap", "part-head-long",
-                                  "part-head-short"])
+                                  "part-head-short", "held-owner", "held-past-file", "held-bytes"])
 def test_hostile_index_is_refused(ruled, tmp_path, case):
     ck = str(tmp_path / "ck")
     shutil.copytree(ruled, ck)
@@ -120,6 +124,14 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
             body["parts"][0][2] += 1
         elif case == "part-name":
             body["parts"][0][1] = "../../etc/passwd"
+        elif case == "held-owner":  # a replicated box's record under a rank that is not its writer
+            owner = np.frombuffer(body["held"]["owner"], "<i8")
+            body["held"]["owner"] = ((owner + 1) % 4).astype("<i8").tobytes()
+        elif case == "held-past-file":
+            body["held"]["seg_offset"] = np.full(len(body["held"]["seg_offset"]) // 8, 1 << 40, "<i8").tobytes()
+        elif case == "held-bytes":  # a record that holds fewer bytes than its box
+            n = np.frombuffer(body["held"]["seg_nbytes"], "<i8")
+            body["held"]["seg_nbytes"] = np.maximum(n - 4, 0).astype("<i8").tobytes()
         elif case == "part-head-long":  # a head that would run past the part
             body["parts"][0][4] = body["parts"][0][2] + 1
         elif case == "part-head-short":  # a head cut short: its digest cannot match

@@ -88,6 +88,18 @@ def encode_table(tensors: dict[str, TensorEntry], file_index: dict[str, int], sp
             "seg_nbytes": _col(seg_nbytes), "sums": b"".join(sums), "special": special}
 
 
+def tail_offsets(tensors: dict[str, TensorEntry]) -> dict[tuple[str, tuple], int]:
+    """Where each plain chunk's block digests start in the ``sums`` column ``encode_table``
+    builds of ``tensors`` (the tail of a format 4 part), by (key, offsets)."""
+    out, at = {}, 0
+    for fqn, t in tensors.items():
+        for c in t.chunks:
+            if c.extent is not None:
+                out[(fqn, tuple(c.offsets))] = at
+                at += len(c.extent.sums) * DIGEST_BYTES
+    return out
+
+
 def _ints(table: dict, key: str, n: int | None = None, lo: int = 0, hi: int = MAX_FILE_BYTES) -> np.ndarray:
     raw = table.get(key)
     if not isinstance(raw, bytes) or len(raw) % 8:

@@ -21,19 +21,20 @@ Both the index and the heads are packed (zlib) after their header fields.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import xxhash
 
 from ..errors import ManifestError
-from .checksum import DigestTail
-from .columnar import _disjoint, decode_table, encode_table
+from .checksum import DIGEST_BYTES, DigestTail, Digests
+from .columnar import _SMALL, _disjoint, decode_table, encode_table
 from .dtypes import dtype_from_name
-from .model import Chunk, Manifest, TensorEntry, _Bad, check_tiling
+from .model import Chunk, Extent, Manifest, Seg, TensorEntry, _Bad, box_hits, check_tiling
 from .rules import Geometry, Mesh, ShardRule, salt
 
 INDEX_VERSION = 4
@@ -41,6 +42,7 @@ MAX_NDIM = 64
 MAX_DIM = 1 << 48
 MAX_PART_BYTES = 1 << 31
 MAX_RULES = 1 << 20
+_BULK = 1 << 17  # listed chunks converted to Python lists at once (see _Listed._lists)
 _I8 = np.dtype("<i8")
 
 
@@ -54,9 +56,10 @@ class PartRef:
     size: int
     digest: bytes  # xxh3-128 of the head, 16 bytes
     head: int
+    tail_digest: bytes  # xxh3-128 of the rest (the block digests), 16 bytes
 
     def to_wire(self) -> list:
-        return [self.rank, self.name, self.size, self.digest, self.head]
+        return [self.rank, self.name, self.size, self.digest, self.head, self.tail_digest]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,47 @@ class ExplicitChunk:
     record: Chunk | None = None
 
 
+@dataclass(slots=True)
+class HeldColumns:
+    """Records of replicated boxes, which the index holds (a rank loading one reads no part),
+    gathered column by column as the coordinator adds each rank's: the box, the writer's rank,
+    the extent's segments, and where its block digests start in that rank's part's tail."""
+    tensor: list[int] = field(default_factory=list)
+    owner: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    tail_at: list[int] = field(default_factory=list)
+    nsegs: list[int] = field(default_factory=list)
+    seg_file: list[str] = field(default_factory=list)
+    seg_offset: list[int] = field(default_factory=list)
+    seg_nbytes: list[int] = field(default_factory=list)
+
+    def add(self, tensor: int, offsets: tuple, sizes: tuple, owner: int, extent: Extent, tail_at: int) -> None:
+        self.tensor.append(tensor)
+        self.owner.append(owner)
+        self.offsets += offsets
+        self.sizes += sizes
+        self.tail_at.append(tail_at)
+        segs = extent.segs
+        self.nsegs.append(len(segs))
+        if len(segs) == 1:
+            g = segs[0]
+            self.seg_file.append(g.file)
+            self.seg_offset.append(g.offset)
+            self.seg_nbytes.append(g.nbytes)
+            return
+        self.seg_file += [g.file for g in segs]
+        self.seg_offset += [g.offset for g in segs]
+        self.seg_nbytes += [g.nbytes for g in segs]
+
+    def to_wire(self, fidx: dict[str, int]) -> dict:
+        col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
+        return {"tensor": col(self.tensor), "owner": col(self.owner), "offsets": col(self.offsets),
+                "sizes": col(self.sizes), "tail_at": col(self.tail_at), "nsegs": col(self.nsegs),
+                "seg_file": col([fidx[f] for f in self.seg_file]), "seg_offset": col(self.seg_offset),
+                "seg_nbytes": col(self.seg_nbytes)}
+
+
 INLINE = -1  # the owner of a chunk whose record is in the index's "inline" table
 
 
@@ -87,7 +131,8 @@ def part_digest(data: bytes) -> bytes:
 
 
 def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
-               parts: list[PartRef], files: list[str], usage: tuple[int, dict[str, int]]) -> dict:
+               parts: list[PartRef], files: list[str], usage: tuple[int, dict[str, int]],
+               held: HeldColumns | None = None) -> dict:
     """The version 4 fields of the manifest body (``files``: the body's file list, in order)."""
     col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
     inline: dict[str, TensorEntry] = {}
@@ -105,6 +150,7 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
                      "offsets": col([x for c in explicit for x in c.offsets]),
                      "sizes": col([x for c in explicit for x in c.sizes])},
         "parts": [p.to_wire() for p in parts],
+        "held": (held or HeldColumns()).to_wire({f: i for i, f in enumerate(files)}),
     }
 
 
@@ -158,12 +204,19 @@ def _pattern(fqn: str, path) -> tuple | None:
     """How DCP's flattening path of ``fqn`` cuts it: ``(cuts, ints)``, ``cuts`` the ordinals of
     the dots that separate components (None: every dot), ``ints`` the components that are list
     indices.  None when the path is not ``fqn`` cut at dots (kept as it is)."""
-    if not isinstance(path, (list, tuple)) or not path or any(type(p) not in (str, int) for p in path):
+    if not isinstance(path, (list, tuple)) or not path:
         return None
-    comps = [str(p) for p in path]
-    if ".".join(comps) != fqn:
+    try:
+        comps, ints = path, ()
+        joined = ".".join(path)  # all strings: the usual case, in C
+    except TypeError:
+        if any(type(p) not in (str, int) for p in path):
+            return None
+        comps = [str(p) for p in path]
+        ints = tuple(k for k, p in enumerate(path) if type(p) is int)
+        joined = ".".join(comps)
+    if joined != fqn:
         return None
-    ints = tuple(k for k, p in enumerate(path) if type(p) is int)
     if len(comps) == fqn.count(".") + 1:
         return None, ints
     cuts, dots = [], -1
@@ -258,6 +311,7 @@ class IndexTable:
         # readers of a part's bytes [start, end) by name, fastest tier first; set by the tier that read the index
         self.loaders: list[Callable[[str, int, int], bytes]] = []
         self._lock = threading.Lock()
+        self._tails_lock = threading.Lock()
         self._loaded: dict[int, Manifest] = {}
         raw_meshes = body.get("meshes")
         if not isinstance(raw_meshes, list) or len(raw_meshes) > 1 << 16:
@@ -271,6 +325,8 @@ class IndexTable:
         self.tensors: list[IndexTensor] = _tensors_from_wire(body.get("tensor_list"), self.meshes)
         self._geoms: dict[int, Geometry | None] = {}
         self.listed = _Listed(body.get("explicit"), self.tensors, self.parts, world)
+        self.held = _Held(body.get("held"), self.tensors, self.parts, world, list(files.items()), block_size)
+        self._tails: dict[int, DigestTail] = {}
         raw_usage = body.get("usage")
         if not (isinstance(raw_usage, list) and len(raw_usage) == 2 and isinstance(raw_usage[0], int)
                 and isinstance(raw_usage[1], dict) and raw_usage[0] >= 0
@@ -286,10 +342,10 @@ class IndexTable:
             raise _Bad("parts must be a list of at most one per rank")
         out: dict[int, PartRef] = {}
         for w in raw:
-            if not isinstance(w, list) or len(w) != 5 or not all(
+            if not isinstance(w, list) or len(w) != 6 or not all(
                     isinstance(x, int) and not isinstance(x, bool) for x in (w[0], w[2], w[4])) \
-                    or not isinstance(w[3], bytes) or len(w[3]) != 16:
-                raise _Bad("a part must be [rank, name, size, digest, head]")
+                    or not all(isinstance(x, bytes) and len(x) == 16 for x in (w[3], w[5])):
+                raise _Bad("a part must be [rank, name, size, digest, head, tail digest]")
             if not 0 <= w[0] < world or w[0] in out:
                 raise _Bad(f"part of rank {w[0]} is out of range or listed twice")
             if self.files.get(w[1]) != w[2] or not 0 < w[2] <= MAX_PART_BYTES:
@@ -347,6 +403,19 @@ class IndexTable:
         c = int(self.listed.rows(t)[i])
         return self._record(t, *self.listed.box(c), int(self.listed.owner[c]))
 
+    def record_for(self, t: int, at, key: tuple) -> Chunk | None:
+        """The record a read item names: chunk ``at`` when its box starts at ``key`` (DCP's
+        planners number the chunks they were given; a narrowed plan numbers its own list),
+        else the chunk stored at ``key``; one lookup of the rule for both."""
+        g = self.geom(t)
+        if g is None:
+            return self.find(t, key)
+        i = at if isinstance(at, int) and 0 <= at < g.count() and g.box(at)[0] == key else g.index_of(key)
+        if i is None:
+            return None
+        o, z = g.box(i)
+        return self._record(t, o, z, g.owner(i))
+
     def find(self, t: int, offsets: tuple) -> Chunk | None:
         g = self.geom(t)
         if g is not None:
@@ -362,6 +431,13 @@ class IndexTable:
     # ------------------------------------------------------------------ parts
     def _record(self, t: int, offsets: tuple, sizes: tuple, owner: int) -> Chunk:
         fqn = self.tensors[t].fqn
+        if self.tensors[t].rule is not None and self.held.has(t):
+            x = self.tensors[t]
+            try:
+                return self.held.chunk(t, offsets, sizes, owner, self.tail,
+                                       math.prod(sizes) * dtype_from_name(x.dtype).itemsize)
+            except _Bad as e:
+                raise ManifestError(f"invalid manifest: {e}", checkpoint=self.source, key=fqn) from None
         entry = self.inline.get(fqn) if owner == INLINE else self.part(owner).tensors.get(fqn)
         chunk = None if entry is None else entry.find(offsets)
         if chunk is None or tuple(chunk.sizes) != tuple(sizes):
@@ -383,8 +459,7 @@ class IndexTable:
             if ref is None:
                 raise ManifestError(f"rank {rank} has no metadata part", checkpoint=self.source)
             data = self._read(ref, 0, ref.head, ref.digest, "metadata part")
-            m = self._decode(data, f"{self.source}/{ref.name}",
-                             lambda n, digest: DigestTail(n, digest, lambda: self._tail(ref, n, digest)))
+            m = self._decode(data, f"{self.source}/{ref.name}", lambda n, digest: self._own_tail(ref, n, digest))
             if m.save_id != self.save_id or m.version != 3 or m.ranks != [rank]:
                 raise ManifestError(f"metadata part holds save {m.save_id} ranks {m.ranks[:4]}, not rank "
                                     f"{rank} of save {self.save_id}", checkpoint=self.source, file=ref.name)
@@ -413,26 +488,38 @@ class IndexTable:
         raise ManifestError(f"{what} {why}; restore it from another tier or re-save",
                             checkpoint=self.source, file=ref.name)
 
-    def _tail(self, ref: PartRef, n: int, digest: bytes) -> bytes:
-        """The block digests of part ``ref``: the file's bytes after its head, read when the
-        data they check is read."""
-        if ref.head + n != ref.size:
-            raise ManifestError(f"metadata part's block digests ({n} bytes after a {ref.head}-byte head) do "
-                                f"not fill its {ref.size} bytes", checkpoint=self.source, file=ref.name)
-        return self._read(ref, ref.head, ref.size, digest, "block digests of metadata part")
+    def tail(self, rank: int) -> DigestTail:
+        """The block digests of rank ``rank``'s part (the file after its head), read once, when
+        the first data they check is read."""
+        with self._tails_lock:
+            got = self._tails.get(rank)
+            if got is None:
+                ref = self.parts[rank]
+                got = self._tails[rank] = DigestTail(ref.size - ref.head, ref.tail_digest, lambda: self._read(
+                    ref, ref.head, ref.size, ref.tail_digest, "block digests of metadata part"))
+            return got
+
+    def _own_tail(self, ref: PartRef, n: int, digest: bytes) -> DigestTail:
+        """The tail a part's head announces: the one the index gives it."""
+        if ref.head + n != ref.size or digest != ref.tail_digest:
+            raise _Bad(f"its block digests ({n} bytes after a {ref.head}-byte head) are not the "
+                       f"{ref.size - ref.head} bytes the index gives")
+        return self.tail(ref.rank)
 
 
 class _Listed:
     """The chunks of tensors without a rule, as int64 columns validated in bulk (owners, boxes
     inside their tensors); a tensor's boxes are shown disjoint when it is first used."""
 
-    def __init__(self, raw, tensors: list[IndexTensor], parts: dict[int, PartRef], world: int) -> None:
+    def __init__(self, raw, tensors: list[IndexTensor], parts: dict[int, PartRef], world: int,
+                 ruled: bool = False) -> None:
         t = _arr(raw, "tensor", None, 0, max(0, len(tensors) - 1))
-        owner = _arr(raw, "owner", len(t), INLINE, world - 1)
+        owner = _arr(raw, "owner", len(t), 0 if ruled else INLINE, world - 1)
         if any(int(o) not in parts for o in np.unique(owner).tolist() if o != INLINE):
             raise _Bad("an explicit chunk's owner has no metadata part")
-        if len(t) and any(tensors[i].rule is not None for i in np.unique(t).tolist()):
-            raise _Bad("a tensor with a sharding rule also lists explicit chunks")
+        if len(t) and any((tensors[i].rule is None) == ruled for i in np.unique(t).tolist()):
+            raise _Bad("a held chunk's tensor has no sharding rule" if ruled else
+                       "a tensor with a sharding rule also lists explicit chunks")
         tnd = np.array([len(x.size) for x in tensors], dtype=_I8)
         nd = tnd[t] if len(t) else np.zeros(0, _I8)
         total = int(nd.sum())
@@ -451,6 +538,51 @@ class _Listed:
         self._sorted = t[self._order]
         self._checked: set[int] = set()
         self._rows: dict[int, np.ndarray] = {}
+        self._small: dict[int, list] = {}
+        self._stacked: frozenset[int] | None = None
+        self._py: tuple | None = None
+
+    def _stacked_tensors(self) -> frozenset[int]:
+        """Tensors whose live boxes are shown disjoint in one pass over every listed chunk:
+        sorted by their start along the first dimension, each ends before the next starts
+        (TP's strided row splits, FSDP's shards).  The others are checked alone."""
+        if self._stacked is None:
+            live = np.nonzero(self.nd > 0)[0]
+            if len(live):  # 0-d chunks hold no dims: each segment is exactly its chunk's
+                live = live[np.minimum.reduceat(self.sizes, self.cstart[live]) > 0]
+            tid, start = self.t[live], self.offs[self.cstart[live]]
+            end = start + self.sizes[self.cstart[live]]
+            order = np.lexsort((start, tid))
+            tid, start, end = tid[order], start[order], end[order]
+            bad = np.unique(tid[:-1][(tid[:-1] == tid[1:]) & (end[:-1] > start[1:])])
+            self._stacked = frozenset(np.setdiff1d(np.unique(tid), bad).tolist())
+        return self._stacked
+
+    def _lists(self) -> tuple | None:
+        """The columns as Python lists, with each tensor's run in the sorted order: made once,
+        when a table of at most ``_BULK`` chunks is first searched in Python (a restart looks up
+        a few chunks of every tensor: one conversion beats one per tensor)."""
+        if self._py is None and len(self.t) <= _BULK:
+            u, first, count = np.unique(self._sorted, return_index=True, return_counts=True)
+            self._py = (dict(zip(u.tolist(), zip(first.tolist(), (first + count).tolist()))), self._order.tolist(),
+                        self.cstart.tolist(), self.nd.tolist(), self.offs.tolist(), self.sizes.tolist())
+        return self._py
+
+    def _box_list(self, ti: int) -> list[tuple[tuple, tuple]]:
+        """Tensor ``ti``'s boxes as tuples, kept for tensors of few chunks (searched in Python)."""
+        got = self._small.get(ti)
+        if got is None:
+            py = self._lists()
+            if py is None:
+                offs, sizes = self._boxes(ti)
+                got = [(tuple(o), tuple(z)) for o, z in zip(offs.tolist(), sizes.tolist())]
+            else:
+                bounds, order, cst, nd, offs, sizes = py
+                lo, hi = bounds.get(ti, (0, 0))
+                got = [(tuple(offs[cst[c]:cst[c] + nd[c]]), tuple(sizes[cst[c]:cst[c] + nd[c]])) for c in order[lo:hi]]
+            if len(got) <= _SMALL:
+                self._small[ti] = got
+        return got
 
     def rows(self, ti: int) -> np.ndarray:
         """Column positions of tensor ``ti``'s chunks, in listed order (cached)."""
@@ -459,6 +591,25 @@ class _Listed:
             lo, hi = np.searchsorted(self._sorted, ti, "left"), np.searchsorted(self._sorted, ti, "right")
             got = self._rows[ti] = self._order[lo:hi]
         return got
+
+    def count(self, ti: int) -> int:
+        py = self._lists()
+        if py is None:
+            return len(self.rows(ti))
+        lo, hi = py[0].get(ti, (0, 0))
+        return hi - lo
+
+    def sizes_of(self, c: int) -> tuple:
+        py = self._lists()
+        if py is None:
+            return self.box(c)[1]
+        _, _, cst, nd, _, sizes = py
+        return tuple(sizes[cst[c]:cst[c] + nd[c]])
+
+    def row(self, ti: int, i: int) -> int:
+        """Column position of tensor ``ti``'s chunk ``i``."""
+        py = self._lists()
+        return int(self.rows(ti)[i]) if py is None else py[1][py[0][ti][0] + i]
 
     def box(self, c: int) -> tuple[tuple, tuple]:
         a, k = int(self.cstart[c]), int(self.nd[c])
@@ -474,7 +625,7 @@ class _Listed:
         if ti in self._checked:
             return
         rows = self.rows(ti)
-        if len(rows) > 1:
+        if len(rows) > 1 and ti not in self._stacked_tensors():
             offs, sizes = self._boxes(ti)
             live = np.all(sizes > 0, axis=1)
             if not _disjoint(offs[live], sizes[live]):
@@ -482,6 +633,8 @@ class _Listed:
         self._checked.add(ti)
 
     def overlapping(self, ti: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
+        if self.count(ti) <= _SMALL:
+            return [i for i, (o, z) in enumerate(self._box_list(ti)) if box_hits(o, z, boxes)]
         offs, sizes = self._boxes(ti)
         if offs.shape[1] == 0:
             return list(range(min(1, len(offs))))
@@ -493,11 +646,76 @@ class _Listed:
         return np.nonzero(hit)[0].tolist()
 
     def position(self, ti: int, offsets: tuple) -> int | None:
+        py = self._lists()
+        if py is not None:  # compare list slices: no box built
+            bounds, order, cst, nd, offs, _ = py
+            lo, hi = bounds.get(ti, (0, 0))
+            want = list(offsets)
+            return next((i for i, c in enumerate(order[lo:hi]) if offs[cst[c]:cst[c] + nd[c]] == want), None)
+        if self.count(ti) <= _SMALL:
+            return next((i for i, (o, _) in enumerate(self._box_list(ti)) if o == offsets), None)
         offs, _ = self._boxes(ti)
         if offs.shape[1] == 0:
             return 0 if len(offs) and offsets == () else None
         hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=_I8), axis=1))[0]
         return int(hit[0]) if len(hit) else None
+
+
+class _Held:
+    """The records of replicated boxes that the index holds: boxes as ``_Listed`` columns,
+    and per chunk its segments and where its block digests start in its owner's part tail.
+    Segments are checked against the files in bulk; a record against its rule when used."""
+
+    def __init__(self, raw, tensors: list[IndexTensor], parts: dict[int, PartRef], world: int,
+                 files: list[tuple[str, int]], block_size: int) -> None:
+        self.boxes = _Listed(raw, tensors, parts, world, ruled=True)
+        n = len(self.boxes.t)
+        self.tail_at = _arr(raw, "tail_at", n, 0, MAX_PART_BYTES)
+        nsegs = _arr(raw, "nsegs", n, 0, 1 << 16)
+        ns = int(nsegs.sum())
+        self.sfile = _arr(raw, "seg_file", ns, 0, max(0, len(files) - 1))
+        self.soff = _arr(raw, "seg_offset", ns, 0, 1 << 50)
+        self.sn = _arr(raw, "seg_nbytes", ns, 0, 1 << 50)
+        if ns and not files:
+            raise _Bad("a held chunk names a file the index does not list")
+        fsize = np.asarray([z for _, z in files] or [0], dtype=_I8)
+        if np.any(self.soff + self.sn > fsize[self.sfile]):
+            raise _Bad("a held chunk's segment runs past the end of its file")
+        self.first = np.concatenate([np.zeros(1, _I8), np.cumsum(nsegs)[:-1]]) if n else nsegs
+        last = np.zeros(ns, dtype=bool)
+        last[(self.first + nsegs - 1)[nsegs > 0]] = True
+        if np.any(~last & (self.sn % block_size != 0)):
+            raise _Bad("a held chunk's segment other than its last ends inside a checksum block")
+        self.nsegs, self.fnames, self.block_size = nsegs, [f for f, _ in files], block_size
+        self._with = frozenset(np.unique(self.boxes.t).tolist())
+        self._lists: tuple | None = None  # the columns as Python lists, made on first use
+
+    def has(self, t: int) -> bool:
+        return t in self._with
+
+    def chunk(self, t: int, offsets: tuple, sizes: tuple, owner: int, tail: Callable[[int], DigestTail],
+              nbytes: int) -> Chunk:
+        """The held record of tensor ``t``'s box at ``offsets``: it must have the rule's sizes,
+        be owned by the rule's writer, and hold exactly the box's ``nbytes``."""
+        i = self.boxes.position(t, offsets)
+        if i is None:
+            raise _Bad(f"no held chunk at {list(offsets)}")
+        if self._lists is None:
+            self._lists = tuple(a.tolist() for a in (self.boxes.owner, self.tail_at, self.first, self.nsegs,
+                                                     self.sfile, self.soff, self.sn))
+        owners, tail_at, first, nsegs, sfile, soff, sn = self._lists
+        c = self.boxes.row(t, i)
+        if self.boxes.sizes_of(c) != tuple(sizes) or owners[c] != owner:
+            raise _Bad(f"the held chunk at {list(offsets)} is not the box its rule gives (size, writer)")
+        a, k = first[c], nsegs[c]
+        segs = [Seg(self.fnames[sfile[j]], soff[j], sn[j]) for j in range(a, a + k)]
+        if sum(g.nbytes for g in segs) != nbytes:
+            raise _Bad(f"the held chunk at {list(offsets)} holds {sum(g.nbytes for g in segs)} bytes, its box {nbytes}")
+        src = tail(owner)
+        at, nd = tail_at[c], max(1, -(-nbytes // self.block_size)) * DIGEST_BYTES
+        if at + nd > src.nbytes:
+            raise _Bad(f"the held chunk at {list(offsets)} has its block digests past its part's")
+        return Chunk(tuple(offsets), tuple(sizes), Extent(segs, nbytes, Digests.tail(src, at, nd)))
 
 
 def _no_special(fqn, offsets, sizes, wire):

@@ -165,6 +165,11 @@ class TensorEntry:
         return next((c for c in self._chunks if c.offsets == offsets), None)
 
     @property
+    def source(self) -> tuple:
+        """(table, row): the version 3 table or format 4 index that holds the records."""
+        return self._source
+
+    @property
     def lazy(self) -> bool:
         """Whether the records are still unbuilt (a version 3 table backs them)."""
         return self._chunks is None

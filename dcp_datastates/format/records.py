@@ -48,7 +48,7 @@ class PartRecord:
     """A rank's whole result in a version 4 save (one ``WriteResult``): the metadata part it
     wrote, its files, the chunks of its tensors without a sharding rule (key, offsets, sizes, and the extent of
     a small plain chunk, which the index holds itself; the others it lists with this rank as
-    owner), and its values."""
+    owner), its values, and the records of the replicated boxes it wrote."""
     rank: int  # the global rank, as the meshes number them
     part: PartRef
     files: dict[str, int]
@@ -57,3 +57,6 @@ class PartRecord:
     values: dict[str, ValueEntry]
     usage: tuple[int, dict[str, int]] = (0, {})  # bytes in own files, bytes shared by home (``Manifest.usage``)
     timings: dict[str, float] = field(default_factory=dict)
+    # replicated boxes this rank wrote for all replicas: key, offsets, sizes, extent, and where
+    # the extent's block digests start in the part's tail; the index holds these records itself
+    held: list[tuple[str, tuple[int, ...], tuple[int, ...], Extent, int]] = field(default_factory=list)

@@ -149,6 +149,10 @@ class Geometry:
     def count(self) -> int:
         return self._count
 
+    def replicas(self) -> int:
+        """How many ranks hold each box."""
+        return self._replicas
+
     def _coord(self, i: int) -> list[int]:
         """The sharded mesh dimensions' coordinate of chunk ``i`` (row-major)."""
         out = [0] * len(self._sharded)
@@ -197,6 +201,8 @@ class Geometry:
 
     def owner(self, i: int) -> int:
         """The global rank whose part holds chunk ``i``."""
+        if self._replicas == 1 and len(self.mesh.shape) == 1:  # FSDP: chunk i is rank i's
+            return self.mesh.ranks[i]
         flat = 0
         for s, c in zip(self.mesh.shape, self.writer(i)):
             flat = flat * s + c
@@ -272,6 +278,13 @@ class RuleTable:
     meshes: tuple[Mesh, ...]
     rules: dict[str, ShardRule]
     digest: bytes
+
+    def replicas(self, fqn: str) -> int:
+        """How many ranks hold each box of tensor ``fqn`` (1: it has no rule, or is not replicated)."""
+        rule = self.rules.get(fqn)
+        if rule is None:
+            return 1
+        return math.prod(s for s, d in zip(self.meshes[rule.mesh].shape, rule.dims) if d < 0)
 
     @classmethod
     def of(cls, meshes: list[Mesh], rules: dict[str, ShardRule]) -> "RuleTable":
