@@ -1,4 +1,5 @@
-"""Charts of a ``bench_scale.py`` run, as SVG files (no plotting library needed).
+"""Charts of a ``bench_scale.py`` run, as SVG files (no plotting library needed), and the
+run as the Markdown table of ``docs/benchmarks.md`` (printed).
 
     python benchmarks/plot_scale.py benchmarks/results/RUN-scale.json docs/img
 
@@ -68,12 +69,43 @@ def chart(rows: list[dict], key: str, title: str) -> str:
     return "\n".join(out)
 
 
+def table(rows: list[dict]) -> str:
+    """Ours against DCP per layout and rank count: commit, ready (same size and N/2), metadata
+    bytes one rank reads to be ready, and the digest bytes it reads later with the data."""
+    def pair(a, b, key, scale=1.0, fmt="{:.3f}"):
+        x = a.get(key) if a else None
+        y = b.get(key) if b else None
+        if x is None:
+            return "skipped", ""
+        ratio = f"{y / x:.1f}" if y is not None and x > 0 else ""
+        return f"{fmt.format(x / scale)} / " + (fmt.format(y / scale) if y is not None else "skipped"), ratio
+
+    out = ["| layout | ranks | chunks | commit s ours / DCP | × | ready s ours / DCP | × | ready/2 s ours / DCP | × "
+           "| MB read ours / DCP | × | parts read | digest MB with the data |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    by = {(r["system"], r["layout"], r["ranks"]): r for r in rows}
+    for (system, layout, n), ours in by.items():
+        if system != "ours":
+            continue
+        dcp = by.get(("dcp", layout, n))
+        dcp = dcp if dcp and "commit_s" in dcp else None
+        if "commit_s" not in ours:
+            out.append(f"| {layout} | {n:,} | {ours['chunks']:,} | skipped | | | | | | | | | |")
+            continue
+        cells = [pair(ours, dcp, "commit_s"), pair(ours, dcp, "ready_same_s"), pair(ours, dcp, "ready_half_s"),
+                 pair(ours, dcp, "bytes_read_same", 1e6, "{:.2f}")]
+        out.append(f"| {layout} | {n:,} | {ours['chunks']:,} | " + " | ".join(f"{v} | {r}" for v, r in cells)
+                   + f" | {ours.get('parts_read_same', 0)} | {ours.get('digest_bytes_same', 0) / 1e6:.2f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     rows = json.load(open(sys.argv[1]))
     os.makedirs(sys.argv[2], exist_ok=True)
     for key, title, name in MEASURES:
         with open(os.path.join(sys.argv[2], name), "w") as f:
             f.write(chart(rows, key, title))
+    print(table(rows))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import xxhash
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ManifestError
 from .format.checksum import verify_blocks
 from .format.names import DATA_FILE, STEP_DIR, is_manifest_name
 from .tiers import StorageTier
@@ -53,8 +53,21 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
         return [str(e)]
     problems = []
     extents = []
+    if m.index is not None:  # format 4: every part's head and digest tail, also those no chunk record needs
+        for rank in sorted(m.index.parts):
+            try:
+                m.index.part(rank)
+                m.index.tail(rank).read(0, 0)
+            except ManifestError as e:
+                problems.append(str(e))
     for fqn, t in m.tensors.items():
-        for c in t.chunks:
+        for i in range(t.count()):  # chunk by chunk: a bad part hides only the chunks it holds
+            try:
+                c = t.chunk_at(i)
+            except ManifestError as e:
+                if str(e) not in problems:  # said once, not once per chunk the part holds
+                    problems.append(str(e))
+                continue
             if c.extent is not None:
                 extents.append((fqn, c.extent))
             for pname, (_, _, ext) in c.parts.items():

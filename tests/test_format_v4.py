@@ -203,6 +203,15 @@ def test_tools_read_every_part(ruled, tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     r = cli("verify", ck, check=False)
     assert r.returncode != 0 and data in (r.stdout + r.stderr), r.stdout + r.stderr
+    part = _part_name(ck, 1)  # and a damaged part head: both reported, the part once
+    with open(os.path.join(ck, part), "r+b") as f:
+        f.seek(40)
+        b = f.read(1)
+        f.seek(40)
+        f.write(bytes([b[0] ^ 1]))
+    r = cli("verify", ck, check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and data in out and out.count(part) == 1, out
 
 
 def test_part_digests_are_read_with_the_data(ruled, tmp_path):
@@ -246,8 +255,8 @@ def test_part_digests_are_read_with_the_data(ruled, tmp_path):
 
 
 def test_packed_body_is_bounded(monkeypatch):
-    """The packed fields of an index inflate only within the manifest limit, whole, and never
-    over the header's fields."""
+    """The packed fields of an index inflate only within the manifest limit, whole, once, and
+    never over the header's fields."""
     def craft(packed):
         payload = msgpack.packb({"format": "dcp-datastates", "version": 4, "save_id": "x", "created_unix": 0,
                                  "packed": packed}, use_bin_type=True)
@@ -258,6 +267,8 @@ def test_packed_body_is_bounded(monkeypatch):
         decode_manifest(craft(inner[:-4]))
     with pytest.raises(ManifestError, match="repeats a field"):
         decode_manifest(craft(zlib.compress(msgpack.packb({"version": 3}))))
+    with pytest.raises(ManifestError, match="packs another"):  # no chain of inflations
+        decode_manifest(craft(zlib.compress(msgpack.packb({"packed": inner}, use_bin_type=True))))
     monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 4096)
     with pytest.raises(ManifestError, match="inflates beyond 4096"):
         decode_manifest(craft(inner))

@@ -317,8 +317,9 @@ def _map_header(up: msgpack.Unpacker, what: str) -> int:
         raise _Bad(what) from None
 
 
-def _unpack_streaming(payload: bytes) -> dict:
-    """The body as a dict whose tensors' ``chunks`` are ``_ChunkStream`` objects."""
+def _unpack_streaming(payload: bytes, outer: bool = True) -> dict:
+    """The body as a dict whose tensors' ``chunks`` are ``_ChunkStream`` objects; a packed
+    body's fields inflated into it (``outer``: packing is allowed at this level only)."""
     up = _unpacker(payload)
     n = _map_header(up, "the body does not decode as a map")
     body: dict = {}
@@ -332,8 +333,10 @@ def _unpack_streaming(payload: bytes) -> dict:
     if up.tell() != len(payload):
         raise _Bad("extra bytes after the body")
     if "packed" in body:
-        inner = _unpack_streaming(_inflate(body.pop("packed")))
-        if "packed" in inner or any(k in body for k in inner):
+        if not outer:
+            raise _Bad("a packed body packs another")
+        inner = _unpack_streaming(_inflate(body.pop("packed")), outer=False)
+        if any(k in body for k in inner):
             raise _Bad("the packed body repeats a field of the header")
         body.update(inner)
     if span is None:
