@@ -19,7 +19,7 @@ from dcp_datastates import DataStatesReader
 from dcp_datastates.errors import ManifestError
 from dcp_datastates.format import manifest as manifest_mod
 from dcp_datastates.format.columnar import encode_table
-from dcp_datastates.format.index import paths_from_wire, paths_wire
+from dcp_datastates.format.paths import paths_from_wire, paths_wire
 from dcp_datastates.format.model import _Bad
 from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.rules import Geometry, Mesh, ShardRule, salt

@@ -100,24 +100,36 @@ def tail_offsets(tensors: dict[str, TensorEntry]) -> dict[tuple[str, tuple], int
     return out
 
 
-def _ints(table: dict, key: str, n: int | None = None, lo: int = 0, hi: int = MAX_FILE_BYTES) -> np.ndarray:
-    raw = table.get(key)
+def int_column(d: dict, key: str, n: int | None = None, lo: int = 0, hi: int = MAX_FILE_BYTES,
+               what: str = "field") -> np.ndarray:
+    """Column ``key`` of map ``d``: little-endian int64 bytes, ``n`` entries (None: any), every
+    value in [lo, hi]; ``what`` names the map in errors."""
+    raw = d.get(key) if isinstance(d, dict) else None
     if not isinstance(raw, bytes) or len(raw) % 8:
-        raise _Bad(f"table field {key!r} must be bytes of little-endian int64")
+        raise _Bad(f"{what} {key!r} must be bytes of little-endian int64")
     a = np.frombuffer(raw, dtype=_I8)
     if n is not None and len(a) != n:
-        raise _Bad(f"table field {key!r} holds {len(a)} entries, expected {n}")
+        raise _Bad(f"{what} {key!r} holds {len(a)} entries, expected {n}")
     if len(a) and (int(a.min()) < lo or int(a.max()) > hi):
         bad = int(a.min()) if int(a.min()) < lo else int(a.max())
-        raise _Bad(f"table field {key!r} holds {bad}, " + ("a negative value" if bad < 0 else f"outside [{lo}, {hi}]"))
+        raise _Bad(f"{what} {key!r} holds {bad}, " + ("a negative value" if bad < 0 else f"outside [{lo}, {hi}]"))
     return a
 
 
-def _bytes(table: dict, key: str, n: int) -> np.ndarray:
-    raw = table.get(key)
+def _ints(table: dict, key: str, n: int | None = None, lo: int = 0, hi: int = MAX_FILE_BYTES) -> np.ndarray:
+    return int_column(table, key, n, lo, hi, "table field")
+
+
+def byte_column(d: dict, key: str, n: int, what: str = "field") -> np.ndarray:
+    """Column ``key`` of map ``d``: ``n`` bytes, one uint8 per entry."""
+    raw = d.get(key) if isinstance(d, dict) else None
     if not isinstance(raw, bytes) or len(raw) != n:
-        raise _Bad(f"table field {key!r} must be {n} bytes")
+        raise _Bad(f"{what} {key!r} must be {n} bytes")
     return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _bytes(table: dict, key: str, n: int) -> np.ndarray:
+    return byte_column(table, key, n, "table field")
 
 
 def _starts(counts: np.ndarray) -> np.ndarray:

@@ -33,7 +33,8 @@ from .columnar import decode_table, encode_table
 from .model import (  # noqa: F401 (the model is re-exported: most layers import it from here)
     FORMAT_VERSION, Chunk, Extent, Manifest, Seg, TensorEntry, ValueEntry, _Bad, check_tiling, paused_gc)
 from .dtypes import dtype_from_name
-from .index import INDEX_VERSION, IndexTable, paths_from_wire, paths_wire
+from .index import INDEX_VERSION, IndexTable
+from .paths import paths_from_wire, paths_wire
 from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 
 MAGIC = b"\xffDCP-DATASTATES\n"

@@ -1,0 +1,284 @@
+"""Format 4's chunk lists as int64 columns: the chunks of tensors without a rule (``Listed``:
+boxes and the rank whose part holds each) and the records of replicated boxes the index holds
+(``Held``: segments, and where their block digests start in their writer's part tail).  Columns
+are validated in bulk when the index is decoded; a tensor's boxes are searched as numpy arrays,
+or as Python lists made once for tables of up to ``_BULK`` chunks.  ``tensors`` are the index's
+``IndexTensor`` list (fqn, dtype, size, rule), ``parts`` its ``PartRef`` by rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .checksum import DIGEST_BYTES, DigestTail, Digests
+from .columnar import _SMALL, _disjoint, int_column
+from .model import Chunk, Extent, Seg, _Bad, box_hits, check_tiling
+
+
+_I8 = np.dtype("<i8")
+_BULK = 1 << 17  # listed chunks converted to Python lists at once (see Listed._lists)
+MAX_PART_BYTES = 1 << 31
+MAX_DIM = 1 << 48
+INLINE = -1  # the owner of a chunk whose record is in the index's "inline" table
+
+
+@dataclass(slots=True)
+class HeldColumns:
+    """Records of replicated boxes, which the index holds (a rank loading one reads no part),
+    gathered column by column as the coordinator adds each rank's: the box, the writer's rank,
+    the extent's segments, and where its block digests start in that rank's part's tail."""
+    tensor: list[int] = field(default_factory=list)
+    owner: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    tail_at: list[int] = field(default_factory=list)
+    nsegs: list[int] = field(default_factory=list)
+    seg_file: list[str] = field(default_factory=list)
+    seg_offset: list[int] = field(default_factory=list)
+    seg_nbytes: list[int] = field(default_factory=list)
+
+    def add(self, tensor: int, offsets: tuple, sizes: tuple, owner: int, extent: Extent, tail_at: int) -> None:
+        self.tensor.append(tensor)
+        self.owner.append(owner)
+        self.offsets += offsets
+        self.sizes += sizes
+        self.tail_at.append(tail_at)
+        segs = extent.segs
+        self.nsegs.append(len(segs))
+        if len(segs) == 1:
+            g = segs[0]
+            self.seg_file.append(g.file)
+            self.seg_offset.append(g.offset)
+            self.seg_nbytes.append(g.nbytes)
+            return
+        self.seg_file += [g.file for g in segs]
+        self.seg_offset += [g.offset for g in segs]
+        self.seg_nbytes += [g.nbytes for g in segs]
+
+    def to_wire(self, fidx: dict[str, int]) -> dict:
+        col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
+        return {"tensor": col(self.tensor), "owner": col(self.owner), "offsets": col(self.offsets),
+                "sizes": col(self.sizes), "tail_at": col(self.tail_at), "nsegs": col(self.nsegs),
+                "seg_file": col([fidx[f] for f in self.seg_file]), "seg_offset": col(self.seg_offset),
+                "seg_nbytes": col(self.seg_nbytes)}
+
+
+class Listed:
+    """The chunks of tensors without a rule, as int64 columns validated in bulk (owners, boxes
+    inside their tensors); a tensor's boxes are shown disjoint when it is first used."""
+
+    def __init__(self, raw, tensors: list, parts: dict, world: int,
+                 ruled: bool = False) -> None:
+        what = "held" if ruled else "explicit"
+        t = int_column(raw, "tensor", None, 0, max(0, len(tensors) - 1), what)
+        owner = int_column(raw, "owner", len(t), 0 if ruled else INLINE, world - 1, what)
+        if any(int(o) not in parts for o in np.unique(owner).tolist() if o != INLINE):
+            raise _Bad("an explicit chunk's owner has no metadata part")
+        if len(t) and any((tensors[i].rule is None) == ruled for i in np.unique(t).tolist()):
+            raise _Bad("a held chunk's tensor has no sharding rule" if ruled else
+                       "a tensor with a sharding rule also lists explicit chunks")
+        tnd = np.array([len(x.size) for x in tensors], dtype=_I8)
+        nd = tnd[t] if len(t) else np.zeros(0, _I8)
+        total = int(nd.sum())
+        self.offs = int_column(raw, "offsets", total, 0, MAX_DIM, what)
+        self.sizes = int_column(raw, "sizes", total, 0, MAX_DIM, what)
+        self.cstart = np.concatenate([np.zeros(1, _I8), np.cumsum(nd)[:-1]]) if len(t) else nd
+        if total:
+            tsz = np.array([x for ts in tensors for x in ts.size], dtype=_I8)
+            tstart = np.concatenate([np.zeros(1, _I8), np.cumsum(tnd)[:-1]])
+            chunk = np.repeat(np.arange(len(t)), nd)
+            dim = np.arange(total) - self.cstart[chunk]
+            if np.any(self.offs + self.sizes > tsz[tstart[t[chunk]] + dim]):
+                raise _Bad("an explicit chunk extends beyond its tensor")
+        self.t, self.owner, self.nd = t, owner, nd
+        self._order = np.argsort(t, kind="stable")
+        self._sorted = t[self._order]
+        self._checked: set[int] = set()
+        self._rows: dict[int, np.ndarray] = {}
+        self._small: dict[int, list] = {}
+        self._stacked: frozenset[int] | None = None
+        self._py: tuple | None = None
+
+    def _stacked_tensors(self) -> frozenset[int]:
+        """Tensors whose live boxes are shown disjoint in one pass over every listed chunk:
+        sorted by their start along the first dimension, each ends before the next starts
+        (TP's strided row splits, FSDP's shards).  The others are checked alone."""
+        if self._stacked is None:
+            live = np.nonzero(self.nd > 0)[0]
+            if len(live):  # 0-d chunks hold no dims: each segment is exactly its chunk's
+                live = live[np.minimum.reduceat(self.sizes, self.cstart[live]) > 0]
+            tid, start = self.t[live], self.offs[self.cstart[live]]
+            end = start + self.sizes[self.cstart[live]]
+            order = np.lexsort((start, tid))
+            tid, start, end = tid[order], start[order], end[order]
+            bad = np.unique(tid[:-1][(tid[:-1] == tid[1:]) & (end[:-1] > start[1:])])
+            self._stacked = frozenset(np.setdiff1d(np.unique(tid), bad).tolist())
+        return self._stacked
+
+    def _lists(self) -> tuple | None:
+        """The columns as Python lists, with each tensor's run in the sorted order: made once,
+        when a table of at most ``_BULK`` chunks is first searched in Python (a restart looks up
+        a few chunks of every tensor: one conversion beats one per tensor)."""
+        if self._py is None and len(self.t) <= _BULK:
+            u, first, count = np.unique(self._sorted, return_index=True, return_counts=True)
+            self._py = (dict(zip(u.tolist(), zip(first.tolist(), (first + count).tolist()))), self._order.tolist(),
+                        self.cstart.tolist(), self.nd.tolist(), self.offs.tolist(), self.sizes.tolist())
+        return self._py
+
+    def _box_list(self, ti: int) -> list[tuple[tuple, tuple]]:
+        """Tensor ``ti``'s boxes as tuples, kept for tensors of few chunks (searched in Python)."""
+        got = self._small.get(ti)
+        if got is None:
+            py = self._lists()
+            if py is None:
+                offs, sizes = self._boxes(ti)
+                got = [(tuple(o), tuple(z)) for o, z in zip(offs.tolist(), sizes.tolist())]
+            else:
+                bounds, order, cst, nd, offs, sizes = py
+                lo, hi = bounds.get(ti, (0, 0))
+                got = [(tuple(offs[cst[c]:cst[c] + nd[c]]), tuple(sizes[cst[c]:cst[c] + nd[c]])) for c in order[lo:hi]]
+            if len(got) <= _SMALL:
+                self._small[ti] = got
+        return got
+
+    def rows(self, ti: int) -> np.ndarray:
+        """Column positions of tensor ``ti``'s chunks, in listed order (cached)."""
+        got = self._rows.get(ti)
+        if got is None:
+            lo, hi = np.searchsorted(self._sorted, ti, "left"), np.searchsorted(self._sorted, ti, "right")
+            got = self._rows[ti] = self._order[lo:hi]
+        return got
+
+    def count(self, ti: int) -> int:
+        py = self._lists()
+        if py is None:
+            return len(self.rows(ti))
+        lo, hi = py[0].get(ti, (0, 0))
+        return hi - lo
+
+    def sizes_of(self, c: int) -> tuple:
+        py = self._lists()
+        if py is None:
+            return self.box(c)[1]
+        _, _, cst, nd, _, sizes = py
+        return tuple(sizes[cst[c]:cst[c] + nd[c]])
+
+    def row(self, ti: int, i: int) -> int:
+        """Column position of tensor ``ti``'s chunk ``i``."""
+        py = self._lists()
+        return int(self.rows(ti)[i]) if py is None else py[1][py[0][ti][0] + i]
+
+    def box(self, c: int) -> tuple[tuple, tuple]:
+        a, k = int(self.cstart[c]), int(self.nd[c])
+        return tuple(self.offs[a:a + k].tolist()), tuple(self.sizes[a:a + k].tolist())
+
+    def _boxes(self, ti: int) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.rows(ti)
+        k = int(self.nd[rows[0]]) if len(rows) else 0
+        at = self.cstart[rows][:, None] + np.arange(k)[None, :]
+        return self.offs[at], self.sizes[at]
+
+    def check(self, ti: int, fqn: str) -> None:
+        if ti in self._checked:
+            return
+        rows = self.rows(ti)
+        if len(rows) > 1 and ti not in self._stacked_tensors():
+            offs, sizes = self._boxes(ti)
+            live = np.all(sizes > 0, axis=1)
+            if not _disjoint(offs[live], sizes[live]):
+                check_tiling(fqn, [_Box(*self.box(int(c))) for c in rows.tolist()])
+        self._checked.add(ti)
+
+    def overlapping(self, ti: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
+        if self.count(ti) <= _SMALL:
+            return [i for i, (o, z) in enumerate(self._box_list(ti)) if box_hits(o, z, boxes)]
+        offs, sizes = self._boxes(ti)
+        if offs.shape[1] == 0:
+            return list(range(min(1, len(offs))))
+        hit = np.zeros(len(offs), dtype=bool)
+        live = np.all(sizes > 0, axis=1)
+        for lo, n in boxes:
+            lo_a = np.asarray(lo, dtype=_I8)
+            hit |= live & np.all(offs < lo_a + np.asarray(n, dtype=_I8), axis=1) & np.all(offs + sizes > lo_a, axis=1)
+        return np.nonzero(hit)[0].tolist()
+
+    def position(self, ti: int, offsets: tuple) -> int | None:
+        py = self._lists()
+        if py is not None:  # compare list slices: no box built
+            bounds, order, cst, nd, offs, _ = py
+            lo, hi = bounds.get(ti, (0, 0))
+            want = list(offsets)
+            return next((i for i, c in enumerate(order[lo:hi]) if offs[cst[c]:cst[c] + nd[c]] == want), None)
+        if self.count(ti) <= _SMALL:
+            return next((i for i, (o, _) in enumerate(self._box_list(ti)) if o == offsets), None)
+        offs, _ = self._boxes(ti)
+        if offs.shape[1] == 0:
+            return 0 if len(offs) and offsets == () else None
+        hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=_I8), axis=1))[0]
+        return int(hit[0]) if len(hit) else None
+
+
+class Held:
+    """The records of replicated boxes that the index holds: boxes as ``Listed`` columns,
+    and per chunk its segments and where its block digests start in its owner's part tail.
+    Segments are checked against the files in bulk; a record against its rule when used."""
+
+    def __init__(self, raw, tensors: list, parts: dict, world: int,
+                 files: list[tuple[str, int]], block_size: int) -> None:
+        self.boxes = Listed(raw, tensors, parts, world, ruled=True)
+        n = len(self.boxes.t)
+        self.tail_at = int_column(raw, "tail_at", n, 0, MAX_PART_BYTES, "held")
+        nsegs = int_column(raw, "nsegs", n, 0, 1 << 16, "held")
+        ns = int(nsegs.sum())
+        self.sfile = int_column(raw, "seg_file", ns, 0, max(0, len(files) - 1), "held")
+        self.soff = int_column(raw, "seg_offset", ns, 0, 1 << 50, "held")
+        self.sn = int_column(raw, "seg_nbytes", ns, 0, 1 << 50, "held")
+        if ns and not files:
+            raise _Bad("a held chunk names a file the index does not list")
+        fsize = np.asarray([z for _, z in files] or [0], dtype=_I8)
+        if np.any(self.soff + self.sn > fsize[self.sfile]):
+            raise _Bad("a held chunk's segment runs past the end of its file")
+        self.first = np.concatenate([np.zeros(1, _I8), np.cumsum(nsegs)[:-1]]) if n else nsegs
+        last = np.zeros(ns, dtype=bool)
+        last[(self.first + nsegs - 1)[nsegs > 0]] = True
+        if np.any(~last & (self.sn % block_size != 0)):
+            raise _Bad("a held chunk's segment other than its last ends inside a checksum block")
+        self.nsegs, self.fnames, self.block_size = nsegs, [f for f, _ in files], block_size
+        self._with = frozenset(np.unique(self.boxes.t).tolist())
+        self._lists: tuple | None = None  # the columns as Python lists, made on first use
+
+    def has(self, t: int) -> bool:
+        return t in self._with
+
+    def chunk(self, t: int, offsets: tuple, sizes: tuple, owner: int, tail: Callable[[int], DigestTail],
+              nbytes: int) -> Chunk:
+        """The held record of tensor ``t``'s box at ``offsets``: it must have the rule's sizes,
+        be owned by the rule's writer, and hold exactly the box's ``nbytes``."""
+        i = self.boxes.position(t, offsets)
+        if i is None:
+            raise _Bad(f"no held chunk at {list(offsets)}")
+        if self._lists is None:
+            self._lists = tuple(a.tolist() for a in (self.boxes.owner, self.tail_at, self.first, self.nsegs,
+                                                     self.sfile, self.soff, self.sn))
+        owners, tail_at, first, nsegs, sfile, soff, sn = self._lists
+        c = self.boxes.row(t, i)
+        if self.boxes.sizes_of(c) != tuple(sizes) or owners[c] != owner:
+            raise _Bad(f"the held chunk at {list(offsets)} is not the box its rule gives (size, writer)")
+        a, k = first[c], nsegs[c]
+        segs = [Seg(self.fnames[sfile[j]], soff[j], sn[j]) for j in range(a, a + k)]
+        if sum(g.nbytes for g in segs) != nbytes:
+            raise _Bad(f"the held chunk at {list(offsets)} holds {sum(g.nbytes for g in segs)} bytes, its box {nbytes}")
+        src = tail(owner)
+        at, nd = tail_at[c], max(1, -(-nbytes // self.block_size)) * DIGEST_BYTES
+        if at + nd > src.nbytes:
+            raise _Bad(f"the held chunk at {list(offsets)} has its block digests past its part's")
+        return Chunk(tuple(offsets), tuple(sizes), Extent(segs, nbytes, Digests.tail(src, at, nd)))
+
+
+class _Box:
+    __slots__ = ("offsets", "sizes")
+
+    def __init__(self, offsets: tuple, sizes: tuple) -> None:
+        self.offsets, self.sizes = offsets, sizes
