@@ -255,7 +255,7 @@ class IndexTable:
         g = self.geom(t)
         if g is not None:
             o, z = g.box(i)
-            return self._record(t, o, z, g.owner(i))
+            return self._record(t, o, z, g.owner(i), g)
         self.check(t)
         c = int(self.listed.rows(t)[i])
         return self._record(t, *self.listed.box(c), int(self.listed.owner[c]))
@@ -271,7 +271,7 @@ class IndexTable:
         if i is None:
             return None
         o, z = g.box(i)
-        return self._record(t, o, z, g.owner(i))
+        return self._record(t, o, z, g.owner(i), g)
 
     def find(self, t: int, offsets: tuple) -> Chunk | None:
         g = self.geom(t)
@@ -286,13 +286,11 @@ class IndexTable:
         return [self.chunk_at(t, i) for i in range(self.count(t))]
 
     # ------------------------------------------------------------------ parts
-    def _record(self, t: int, offsets: tuple, sizes: tuple, owner: int) -> Chunk:
+    def _record(self, t: int, offsets: tuple, sizes: tuple, owner: int, g: Geometry | None = None) -> Chunk:
         fqn = self.tensors[t].fqn
-        if self.tensors[t].rule is not None and self.held.has(t):
-            x = self.tensors[t]
+        if g is not None and self.held.has(t):  # a replicated box: its record is in the index
             try:
-                return self.held.chunk(t, offsets, sizes, owner, self.tail,
-                                       math.prod(sizes) * dtype_from_name(x.dtype).itemsize)
+                return self.held.chunk(t, offsets, sizes, owner, self.tail, math.prod(sizes) * g.itemsize)
             except _Bad as e:
                 raise ManifestError(f"invalid manifest: {e}", checkpoint=self.source, key=fqn) from None
         entry = self.inline.get(fqn) if owner == INLINE else self.part(owner).tensors.get(fqn)
@@ -348,6 +346,9 @@ class IndexTable:
     def tail(self, rank: int) -> DigestTail:
         """The block digests of rank ``rank``'s part (the file after its head), read once, when
         the first data they check is read."""
+        got = self._tails.get(rank)
+        if got is not None:
+            return got
         with self._tails_lock:
             got = self._tails.get(rank)
             if got is None:

@@ -264,12 +264,16 @@ class Held:
                                                      self.sfile, self.soff, self.sn))
         owners, tail_at, first, nsegs, sfile, soff, sn = self._lists
         c = self.boxes.row(t, i)
-        if self.boxes.sizes_of(c) != tuple(sizes) or owners[c] != owner:
+        if owners[c] != owner or self.boxes.sizes_of(c) != tuple(sizes):
             raise _Bad(f"the held chunk at {list(offsets)} is not the box its rule gives (size, writer)")
         a, k = first[c], nsegs[c]
-        segs = [Seg(self.fnames[sfile[j]], soff[j], sn[j]) for j in range(a, a + k)]
-        if sum(g.nbytes for g in segs) != nbytes:
-            raise _Bad(f"the held chunk at {list(offsets)} holds {sum(g.nbytes for g in segs)} bytes, its box {nbytes}")
+        if k == 1:  # most records: one segment
+            segs, held = [Seg(self.fnames[sfile[a]], soff[a], sn[a])], sn[a]
+        else:
+            segs = [Seg(self.fnames[sfile[j]], soff[j], sn[j]) for j in range(a, a + k)]
+            held = sum(sn[a:a + k])
+        if held != nbytes:
+            raise _Bad(f"the held chunk at {list(offsets)} holds {held} bytes, its box {nbytes}")
         src = tail(owner)
         at, nd = tail_at[c], max(1, -(-nbytes // self.block_size)) * DIGEST_BYTES
         if at + nd > src.nbytes:
