@@ -224,11 +224,11 @@ class IndexTable:
 
     def count(self, t: int) -> int:
         g = self.geom(t)
-        return g.count() if g is not None else len(self.listed.rows(t))
+        return g.count() if g is not None else self.listed.count(t)
 
     def box_at(self, t: int, i: int) -> tuple[tuple, tuple]:
         g = self.geom(t)
-        return g.box(i) if g is not None else self.listed.box(int(self.listed.rows(t)[i]))
+        return g.box(i) if g is not None else self.listed.box_of(t, i)
 
     def box_list(self, t: int) -> list[tuple[tuple, tuple]]:
         g = self.geom(t)
@@ -240,7 +240,7 @@ class IndexTable:
             return g.overlapping(boxes)
         self.check(t)
         if not self.tensors[t].size:  # a 0-d tensor (an Adam step): its one chunk
-            return list(range(min(1, len(self.listed.rows(t)))))
+            return list(range(min(1, self.listed.count(t))))
         return self.listed.overlapping(t, boxes)
 
     def check(self, t: int) -> None:
@@ -257,8 +257,7 @@ class IndexTable:
             o, z = g.box(i)
             return self._record(t, o, z, g.owner(i), g)
         self.check(t)
-        c = int(self.listed.rows(t)[i])
-        return self._record(t, *self.listed.box(c), int(self.listed.owner[c]))
+        return self._record(t, *self.listed.box_of(t, i), self.listed.owner_of(t, i))
 
     def record_for(self, t: int, at, key: tuple) -> Chunk | None:
         """The record a read item names: chunk ``at`` when its box starts at ``key`` (DCP's

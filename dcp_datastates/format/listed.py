@@ -124,7 +124,8 @@ class Listed:
         if self._py is None and len(self.t) <= _BULK:
             u, first, count = np.unique(self._sorted, return_index=True, return_counts=True)
             self._py = (dict(zip(u.tolist(), zip(first.tolist(), (first + count).tolist()))), self._order.tolist(),
-                        self.cstart.tolist(), self.nd.tolist(), self.offs.tolist(), self.sizes.tolist())
+                        self.cstart.tolist(), self.nd.tolist(), self.offs.tolist(), self.sizes.tolist(),
+                        self.owner.tolist())
         return self._py
 
     def _box_list(self, ti: int) -> list[tuple[tuple, tuple]]:
@@ -136,7 +137,7 @@ class Listed:
                 offs, sizes = self._boxes(ti)
                 got = [(tuple(o), tuple(z)) for o, z in zip(offs.tolist(), sizes.tolist())]
             else:
-                bounds, order, cst, nd, offs, sizes = py
+                bounds, order, cst, nd, offs, sizes, _ = py
                 lo, hi = bounds.get(ti, (0, 0))
                 got = [(tuple(offs[cst[c]:cst[c] + nd[c]]), tuple(sizes[cst[c]:cst[c] + nd[c]])) for c in order[lo:hi]]
             if len(got) <= _SMALL:
@@ -162,8 +163,17 @@ class Listed:
         py = self._lists()
         if py is None:
             return self.box(c)[1]
-        _, _, cst, nd, _, sizes = py
+        _, _, cst, nd, _, sizes, _ = py
         return tuple(sizes[cst[c]:cst[c] + nd[c]])
+
+    def box_of(self, ti: int, i: int) -> tuple[tuple, tuple]:
+        """The box of tensor ``ti``'s chunk ``i``."""
+        return self._box_list(ti)[i] if self.count(ti) <= _SMALL else self.box(self.row(ti, i))
+
+    def owner_of(self, ti: int, i: int) -> int:
+        """The rank whose part holds tensor ``ti``'s chunk ``i`` (``INLINE``: the index)."""
+        py = self._lists()
+        return int(self.owner[self.row(ti, i)]) if py is None else py[6][self.row(ti, i)]
 
     def row(self, ti: int, i: int) -> int:
         """Column position of tensor ``ti``'s chunk ``i``."""
@@ -207,7 +217,7 @@ class Listed:
     def position(self, ti: int, offsets: tuple) -> int | None:
         py = self._lists()
         if py is not None:  # compare list slices: no box built
-            bounds, order, cst, nd, offs, _ = py
+            bounds, order, cst, nd, offs, _, _ = py
             lo, hi = bounds.get(ti, (0, 0))
             want = list(offsets)
             return next((i for i, c in enumerate(order[lo:hi]) if offs[cst[c]:cst[c] + nd[c]] == want), None)
