@@ -104,6 +104,9 @@ def test_mixed_node_local_copies_restart_with_fewer_ranks(tmp_path):
     base = str(tmp_path)
     run_ranks(2, workers.tiered_save_node_local, base)
     assert sorted(os.listdir(os.path.join(base, "node1", "step-5")))  # node 1 has its own copy
+    m = load_manifest(StorageTier(os.path.join(base, "node0", "step-5")))
+    r = next(i for i, t in enumerate(m.index.tensors) if t.fqn == "r")
+    assert m.index.held.has(r) and m.index.held.boxes.owner.tolist() == [1]  # written by rank 1, held
     shutil.rmtree(os.path.join(base, "node1"))  # node 1 is gone
     run_ranks(1, workers.tiered_restore_node_local, base)
 

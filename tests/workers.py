@@ -192,11 +192,18 @@ def load_expect_coverage_error(rank, world, ours_dir):
 
 # ----------------------------------------------------------------- tiers
 
-def _tier_state(rank):
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+def _tier_full():
     torch.manual_seed(5)
-    full = torch.randn(64, 1024)
-    return full, {"w": distribute_tensor(full, mesh, [Shard(0)]), "meta": {"step": 5}}
+    return torch.randn(64, 1024), torch.randn(128, 256)
+
+
+def _tier_state(rank):
+    """A sharded tensor, and a replicated one of 128 KiB: with 2 ranks its replica rule has rank
+    1 write it (crc32("r") is odd), so the index holds its record and rank 1's part its digests."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full, rep = _tier_full()
+    return full, {"w": distribute_tensor(full, mesh, [Shard(0)]), "r": distribute_tensor(rep, mesh, [Replicate()]),
+                  "meta": {"step": 5}}
 
 
 def tiered_save_node_local(rank, world, base):
@@ -213,12 +220,13 @@ def tiered_save_node_local(rank, world, base):
 def tiered_restore_node_local(rank, world, base):
     from dcp_datastates import Checkpointer
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(5)
-    full = torch.randn(64, 1024)
-    sd = {"w": distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)]), "meta": {"step": -1}}
+    full, rep = _tier_full()
+    sd = {"w": distribute_tensor(torch.zeros(64, 1024), mesh, [Shard(0)]),
+          "r": distribute_tensor(torch.zeros(128, 256), mesh, [Replicate()]), "meta": {"step": -1}}
     c = Checkpointer([os.path.join(base, f"node{rank}"), os.path.join(base, "pfs")], node_local=True)
     assert c.load(sd) == 5
     assert torch.equal(sd["w"].full_tensor(), full) and sd["meta"] == {"step": 5}
+    assert torch.equal(sd["r"].full_tensor(), rep)  # held record; digests from rank 1's part on the PFS
     served = c.last_restore["served"]
     assert served.get(c.step_path(0, 5), 0) > 0 and served.get(c.step_path(1, 5), 0) > 0, served
 
