@@ -168,6 +168,13 @@ def test_damaged_or_foreign_part_is_refused_and_a_good_copy_used(ruled, tmp_path
     with pytest.raises(ManifestError, match="metadata part") as e:
         _records(ck)
     assert name in str(e.value)
+    r = DataStatesReader(ck)  # a part that failed is not read again by the same reader
+    r.read_metadata()
+    with pytest.raises(ManifestError, match="metadata part"):
+        r.manifest.index.part(1)
+    r.manifest.index.loaders = []  # nothing left to read with: the kept failure is what answers
+    with pytest.raises(ManifestError, match="does not match the index"):
+        r.manifest.index.part(1)
     r = DataStatesReader(ck, fallback=[backup])
     r.read_metadata()
     for t in r.manifest.tensors.values():
@@ -244,6 +251,11 @@ def test_part_digests_are_read_with_the_data(ruled, tmp_path):
     with pytest.raises(ManifestError, match="block digests of metadata part") as e:
         mine[0].extent.sums[0]
     assert name in str(e.value) and reads[-1] == (name, ref.head, ref.size)
+    tried = len(reads)  # the same bad tail behind every other chunk of the part: not read again
+    for c in mine[1:]:
+        with pytest.raises(ManifestError, match="block digests of metadata part"):
+            c.extent.sums[0]
+    assert len(mine) > 1 and len(reads) == tried
     assert len(chunks) >= len(mine)
     r = DataStatesReader(ck, fallback=[backup])  # the tail comes from the backup, pinned by the head's digest
     r.read_metadata()

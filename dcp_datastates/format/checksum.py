@@ -48,12 +48,24 @@ class DigestTail:
         self.nbytes, self.digest, self._fetch = nbytes, digest, fetch
         self._lock = threading.Lock()
         self._data: bytes | None = None
+        self._error: Exception | None = None
 
-    def read(self, at: int, n: int) -> bytes:
+    def load(self) -> bytes:
+        """All the digests, fetched once (the fetcher checks size and digest); a fetch that
+        failed fails again without reading, so a bad tail costs one read, not one per extent."""
         with self._lock:
             if self._data is None:
-                self._data = self._fetch()  # the fetcher checks size and digest
-        return self._data[at:at + n]
+                if self._error is not None:
+                    raise self._error.with_traceback(None)
+                try:
+                    self._data = self._fetch()
+                except Exception as e:  # kept, and raised to this caller and every later one
+                    self._error = e
+                    raise
+            return self._data
+
+    def read(self, at: int, n: int) -> bytes:
+        return self.load()[at:at + n]
 
 
 class Digests(Sequence):

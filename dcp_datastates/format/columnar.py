@@ -140,6 +140,33 @@ def _starts(counts: np.ndarray) -> np.ndarray:
     return out
 
 
+def segment_columns(d: dict, counts: np.ndarray, files: list[tuple[str, int]], block_size: int,
+                    what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The segments of extents, ``counts[i]`` for extent ``i``, from columns ``seg_file`` (a
+    position in ``files``), ``seg_offset`` and ``seg_nbytes`` of ``d``: each inside its file,
+    every segment but an extent's last a whole number of checksum blocks.  Returns the three
+    columns and where each extent's segments start."""
+    ns = int(counts.sum())
+    fsizes = np.asarray([s for _, s in files] or [0], dtype=_I8)
+    sfile = int_column(d, "seg_file", ns, 0, max(0, len(files) - 1), what)
+    soff = int_column(d, "seg_offset", ns, 0, MAX_FILE_BYTES, what)
+    sn = int_column(d, "seg_nbytes", ns, 0, MAX_FILE_BYTES, what)
+    if ns and not files:
+        raise _Bad("extent refers to a file not listed in the manifest")
+    past = np.nonzero(soff + sn > fsizes[sfile])[0]
+    if len(past):
+        i = int(past[0])
+        raise _Bad(f"extent [{int(soff[i])}, {int(soff[i] + sn[i])}) runs past the end of "
+                   f"{files[int(sfile[i])][0]} ({files[int(sfile[i])][1]} bytes)")
+    start = _starts(counts)
+    if ns:
+        last = np.zeros(ns, dtype=bool)
+        last[(start + counts - 1)[counts > 0]] = True
+        if np.any(~last & (sn % block_size != 0)):
+            raise _Bad("a segment other than an extent's last ends inside a checksum block")
+    return sfile, soff, sn, start
+
+
 def decode_table(table, files: list[tuple[str, int]], block_size: int, special_chunk,
                  source: str = "<memory>", tail: DigestTail | None = None) -> dict[str, TensorEntry]:
     """Validate the columns in bulk; the tensors' records are built when first asked for.
@@ -197,29 +224,13 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
     ns = int(segc.sum())
     if ns > MAX_ENTRIES:
         raise _Bad("too many segments")
-    fsizes = np.asarray([s for _, s in files] or [0], dtype=_I8)
-    sfile = _ints(table, "seg_file", ns, 0, max(0, len(files) - 1))
-    soff = _ints(table, "seg_offset", ns)
-    sn = _ints(table, "seg_nbytes", ns)
-    if ns and not files:
-        raise _Bad("extent refers to a file not listed in the manifest")
-    past = np.nonzero(soff + sn > fsizes[sfile])[0]
-    if len(past):
-        i = int(past[0])
-        raise _Bad(f"extent [{int(soff[i])}, {int(soff[i] + sn[i])}) runs past the end of "
-                   f"{files[int(sfile[i])][0]} ({files[int(sfile[i])][1]} bytes)")
-    sstart = _starts(segc)
+    sfile, soff, sn, sstart = segment_columns(table, segc, files, block_size, "table field")
     held = np.concatenate([[0], np.cumsum(sn)])
     total = held[sstart + segc] - held[sstart]
     wrong = np.nonzero(plain & ((total != nbytes) | ((nbytes > 0) & (segc == 0))))[0]
     if len(wrong):
         c = int(wrong[0])
         raise _Bad(f"{names[int(chunk_t[c])]}: segments hold {int(total[c])} bytes, the chunk needs {int(nbytes[c])}")
-    if ns:
-        last = np.zeros(ns, dtype=bool)
-        last[(sstart + segc - 1)[segc > 0]] = True
-        if np.any(~last & (sn % block_size != 0)):
-            raise _Bad("a segment other than a chunk's last ends inside a checksum block")
     nsums = np.where(plain, np.maximum(1, -(-nbytes // block_size)), 0)
     sums = table.get("sums") if tail is None else tail
     if tail is not None and "sums" in table:

@@ -89,6 +89,7 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
                held: HeldColumns | None = None) -> dict:
     """The version 4 fields of the manifest body (``files``: the body's file list, in order)."""
     col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
+    fidx = {f: i for i, f in enumerate(files)}
     inline: dict[str, TensorEntry] = {}
     for c in explicit:
         if c.record is not None:
@@ -97,14 +98,14 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
     explicit = [c if c.record is None else ExplicitChunk(c.tensor, c.offsets, c.sizes, INLINE) for c in explicit]
     return {
         "usage": [usage[0], usage[1]],
-        "inline": encode_table(inline, {f: i for i, f in enumerate(files)}, _no_provider),
+        "inline": encode_table(inline, fidx, _no_provider),
         "meshes": [m.to_wire() for m in meshes],
         "tensor_list": _tensors_wire(tensors),
         "explicit": {"tensor": col([c.tensor for c in explicit]), "owner": col([c.owner for c in explicit]),
                      "offsets": col([x for c in explicit for x in c.offsets]),
                      "sizes": col([x for c in explicit for x in c.sizes])},
         "parts": [p.to_wire() for p in parts],
-        "held": (held or HeldColumns()).to_wire({f: i for i, f in enumerate(files)}),
+        "held": (held or HeldColumns()).to_wire(fidx),
     }
 
 
@@ -169,7 +170,7 @@ class IndexTable:
         self.loaders: list[Callable[[str, int, int], bytes]] = []
         self._lock = threading.Lock()
         self._tails_lock = threading.Lock()
-        self._loaded: dict[int, Manifest] = {}
+        self._loaded: dict[int, Manifest | ManifestError] = {}
         raw_meshes = body.get("meshes")
         if not isinstance(raw_meshes, list) or len(raw_meshes) > 1 << 16:
             raise _Bad("meshes must be a list")
@@ -304,29 +305,38 @@ class IndexTable:
         return chunk
 
     def part(self, rank: int) -> Manifest:
-        """Rank ``rank``'s part, read and checked once."""
+        """Rank ``rank``'s part, read and checked once; a part that failed fails again without
+        being read again (``verify`` asks once per chunk the part holds)."""
         with self._lock:
             got = self._loaded.get(rank)
+            if isinstance(got, ManifestError):
+                raise got.with_traceback(None)
             if got is not None:
                 return got
-            ref = self.parts.get(rank)
-            if ref is None:
-                raise ManifestError(f"rank {rank} has no metadata part", checkpoint=self.source)
-            data = self._read(ref, 0, ref.head, ref.digest, "metadata part")
-            m = self._decode(data, f"{self.source}/{ref.name}", lambda n, digest: self._own_tail(ref, n, digest))
-            if m.save_id != self.save_id or m.version != 3 or m.ranks != [rank]:
-                raise ManifestError(f"metadata part holds save {m.save_id} ranks {m.ranks[:4]}, not rank "
-                                    f"{rank} of save {self.save_id}", checkpoint=self.source, file=ref.name)
-            for name, size in m.files.items():
-                if self.files.get(name) != size:
-                    raise ManifestError(f"metadata part names file {name} ({size} bytes), which the "
-                                        "index does not list so", checkpoint=self.source, file=ref.name)
-            if any(self.homes.get(name) != home for name, home in m.homes.items()):
-                raise ManifestError("metadata part places a file in another checkpoint than the index does",
-                                    checkpoint=self.source, file=ref.name)
-            self._loaded[rank] = m
-            return m
+            try:
+                self._loaded[rank] = self._load_part(rank)
+            except ManifestError as e:
+                self._loaded[rank] = e
+                raise
+            return self._loaded[rank]
 
+    def _load_part(self, rank: int) -> Manifest:
+        ref = self.parts.get(rank)
+        if ref is None:
+            raise ManifestError(f"rank {rank} has no metadata part", checkpoint=self.source)
+        data = self._read(ref, 0, ref.head, ref.digest, "metadata part")
+        m = self._decode(data, f"{self.source}/{ref.name}", lambda n, digest: self._own_tail(ref, n, digest))
+        if m.save_id != self.save_id or m.version != 3 or m.ranks != [rank]:
+            raise ManifestError(f"metadata part holds save {m.save_id} ranks {m.ranks[:4]}, not rank "
+                                f"{rank} of save {self.save_id}", checkpoint=self.source, file=ref.name)
+        for name, size in m.files.items():
+            if self.files.get(name) != size:
+                raise ManifestError(f"metadata part names file {name} ({size} bytes), which the "
+                                    "index does not list so", checkpoint=self.source, file=ref.name)
+        if any(self.homes.get(name) != home for name, home in m.homes.items()):
+            raise ManifestError("metadata part places a file in another checkpoint than the index does",
+                                checkpoint=self.source, file=ref.name)
+        return m
 
     def _read(self, ref: PartRef, start: int, end: int, digest: bytes, what: str) -> bytes:
         why = "this index was decoded without a way to read its parts"

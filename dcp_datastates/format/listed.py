@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from .checksum import DIGEST_BYTES, DigestTail, Digests
-from .columnar import _SMALL, _disjoint, int_column
+from .columnar import _SMALL, _disjoint, _starts, int_column, segment_columns
 from .model import Chunk, Extent, Seg, _Bad, box_hits, check_tiling
 
 
@@ -84,10 +84,10 @@ class Listed:
         total = int(nd.sum())
         self.offs = int_column(raw, "offsets", total, 0, MAX_DIM, what)
         self.sizes = int_column(raw, "sizes", total, 0, MAX_DIM, what)
-        self.cstart = np.concatenate([np.zeros(1, _I8), np.cumsum(nd)[:-1]]) if len(t) else nd
+        self.cstart = _starts(nd)
         if total:
             tsz = np.array([x for ts in tensors for x in ts.size], dtype=_I8)
-            tstart = np.concatenate([np.zeros(1, _I8), np.cumsum(tnd)[:-1]])
+            tstart = _starts(tnd)
             chunk = np.repeat(np.arange(len(t)), nd)
             dim = np.arange(total) - self.cstart[chunk]
             if np.any(self.offs + self.sizes > tsz[tstart[t[chunk]] + dim]):
@@ -241,20 +241,7 @@ class Held:
         n = len(self.boxes.t)
         self.tail_at = int_column(raw, "tail_at", n, 0, MAX_PART_BYTES, "held")
         nsegs = int_column(raw, "nsegs", n, 0, 1 << 16, "held")
-        ns = int(nsegs.sum())
-        self.sfile = int_column(raw, "seg_file", ns, 0, max(0, len(files) - 1), "held")
-        self.soff = int_column(raw, "seg_offset", ns, 0, 1 << 50, "held")
-        self.sn = int_column(raw, "seg_nbytes", ns, 0, 1 << 50, "held")
-        if ns and not files:
-            raise _Bad("a held chunk names a file the index does not list")
-        fsize = np.asarray([z for _, z in files] or [0], dtype=_I8)
-        if np.any(self.soff + self.sn > fsize[self.sfile]):
-            raise _Bad("a held chunk's segment runs past the end of its file")
-        self.first = np.concatenate([np.zeros(1, _I8), np.cumsum(nsegs)[:-1]]) if n else nsegs
-        last = np.zeros(ns, dtype=bool)
-        last[(self.first + nsegs - 1)[nsegs > 0]] = True
-        if np.any(~last & (self.sn % block_size != 0)):
-            raise _Bad("a held chunk's segment other than its last ends inside a checksum block")
+        self.sfile, self.soff, self.sn, self.first = segment_columns(raw, nsegs, files, block_size, "held")
         self.nsegs, self.fnames, self.block_size = nsegs, [f for f, _ in files], block_size
         self._with = frozenset(np.unique(self.boxes.t).tolist())
         self._lists: tuple | None = None  # the columns as Python lists, made on first use
