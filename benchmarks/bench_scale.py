@@ -61,7 +61,8 @@ from dcp_datastates.format.records import ItemRecord  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
 from dcp_datastates.format.build import build_manifest  # noqa: E402
 from dcp_datastates.format.columnar import tail_offsets  # noqa: E402
-from dcp_datastates.format.index import PartRef, part_digest  # noqa: E402
+from dcp_datastates.format.index import part_digest  # noqa: E402
+from dcp_datastates.format.ranked import PartRef  # noqa: E402
 from dcp_datastates.format.names import part_file_name  # noqa: E402
 from dcp_datastates.format.records import PartRecord  # noqa: E402
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt  # noqa: E402
@@ -247,7 +248,8 @@ def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int
         listed = [(ts[ti].fqn, tuple(o), tuple(z), None if ts[ti].shape else exts[(ti, tuple(o))])
                   for ti, o, z in rows_of[r]]
         results.append([WriteResult(index=PART_INDEX, size_in_bytes=ref.size,
-                                    storage_data=PartRecord(r, ref, files, {}, listed, {}, held=held))])
+                                    storage_data=PartRecord(r, ref, files, {}, listed, {}, held=held,
+                                                            stripes={f: 0 for f in files}))])
     sdm = {t.fqn: TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), []) for t in ts}
     md = Metadata(state_dict_metadata=sdm, planner_data={RULES_KEY: table, **{t.fqn: t.fqn.split(".") for t in ts}})
     return md, results

@@ -48,9 +48,10 @@ from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
 from .format.manifest import paused_gc
 from .format.build import build_manifest
 from .format.columnar import tail_offsets
-from .format.index import ExplicitChunk, HeldColumns, IndexTensor, PartRef, index_wire, part_digest
+from .format.index import ExplicitChunk, HeldColumns, IndexTensor, index_wire, part_digest
+from .format.ranked import PartRef, RankFileColumns
 from .format.manifest import Chunk, Manifest, encode_index, encode_part
-from .format.names import part_file_name, rank_manifest_name
+from .format.names import data_file_stripe, part_file_name, rank_manifest_name
 from .format.records import ItemRecord, PartRecord, RankRecord
 from .format.rules import RuleTable
 from .planner import RULES_KEY, SMALL_ITEM_BYTES, Placed, lay_out, records_for
@@ -467,9 +468,10 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     ref = PartRef(grank, name, len(body), part_digest(head), len(head), part_digest(tail))
     w._part_file = {name: len(body)}
     w.last_stats["part_bytes"] = len(body)
+    stripes = {f: s for f in files if (s := data_file_stripe(f, grank, w.save_id)) is not None}
     return WriteResult(index=PART_INDEX, size_in_bytes=len(body),
                        storage_data=PartRecord(grank, ref, files, homes, explicit, values, usage,
-                                               dict(rank_rec.timings) if rank_rec else {}, held))
+                                               dict(rank_rec.timings) if rank_rec else {}, held, stripes))
 
 
 def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: str, rules: RuleTable,
@@ -479,20 +481,31 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     tensors = [IndexTensor(fqn, dtype_name(md.properties.dtype), tuple(md.size), rules.rules.get(fqn))
                for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     at = {t.fqn: i for i, t in enumerate(tensors)}
-    files, homes, values, parts, explicit, held, seen = {}, {}, {}, [], [], HeldColumns(), set()
-    owned, shared, add_held = 0, {}, held.add
+    files, named, homes, values, explicit, held, seen = {}, {}, {}, {}, [], HeldColumns(), set()
+    ranked = RankFileColumns()
+    owned, shared, add_held, add_data, parts = 0, {}, held.add, ranked.add_data, ranked.parts
     for rr in results:
         for wr in rr:
             rec = wr.storage_data
             if not isinstance(rec, PartRecord):
                 raise CheckpointError("a rank wrote no metadata part although the save planner gave "
                                       "sharding rules (are all ranks using DataStatesSavePlanner?)", checkpoint=path)
+            if rec.part.name != part_file_name(rec.rank, save_id):
+                raise CheckpointError(f"rank {rec.rank} wrote metadata part {rec.part.name!r}, not this save's",
+                                      checkpoint=path)
             parts.append(rec.part)
             owned += rec.usage[0]
             for home, n in rec.usage[1].items():
                 shared[home] = shared.get(home, 0) + n
             files.update(rec.files)
             files[rec.part.name] = rec.part.size
+            stripes = rec.stripes
+            for f, size in rec.files.items():  # its own data files by stripe, the others by name
+                s = stripes.get(f)
+                if s is None:
+                    named[f] = size
+                else:
+                    add_data(rec.rank, s, f, size)
             homes.update(rec.homes)
             values.update(rec.values)
             for fqn, offs, sizes, ext in rec.explicit:
@@ -507,9 +520,7 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     m = Manifest(save_id=save_id, world_size=world, ranks=sorted(p.rank for p in parts), files=files,
                  tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
                  created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
-    return m, encode_index(m, index_wire(list(rules.meshes), tensors, explicit, parts, list(files),
-                                              (owned, shared), held))
-
+    return m, encode_index(m, index_wire(list(rules.meshes), tensors, explicit, named, ranked, (owned, shared), held))
 
 def _planner_data(metadata: Metadata) -> dict:
     raw = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}

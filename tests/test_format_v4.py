@@ -21,6 +21,7 @@ from dcp_datastates.format import manifest as manifest_mod
 from dcp_datastates.format.columnar import encode_table
 from dcp_datastates.format.paths import paths_from_wire, paths_wire
 from dcp_datastates.format.model import _Bad
+from dcp_datastates.format.names import data_file_name, part_file_name
 from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.rules import Geometry, Mesh, ShardRule, salt
 from dcp_datastates.tiers import StorageTier
@@ -107,7 +108,23 @@ def _records(ck: str) -> None:
         t.chunks
 
 
-@pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "part-name", "owner", "two-rules",
+def _part_rows(body) -> np.ndarray:
+    return np.nonzero(np.frombuffer(body["rank_files"]["stripe"], "<i8") == -1)[0]
+
+
+def _bump(cols: dict, key: str, row: int, by: int) -> None:
+    a = np.frombuffer(cols[key], "<i8").copy()
+    a[row] += by
+    cols[key] = a.tobytes()
+
+
+def _ranked_name(body, row: int) -> str:
+    rank, stripe = (int(np.frombuffer(body["rank_files"][k], "<i8")[row]) for k in ("rank", "stripe"))
+    return part_file_name(rank, body["save_id"]) if stripe < 0 else data_file_name(rank, body["save_id"], stripe)
+
+
+@pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "save-id", "rank-file-twice",
+                                  "file-by-both", "index-ranks", "owner", "two-rules",
                                   "inline-missing", "inline-outside", "listed-overlap", "part-head-long",
                                   "part-head-short", "held-owner", "held-past-file", "held-bytes"])
 def test_hostile_index_is_refused(ruled, tmp_path, case):
@@ -120,10 +137,18 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
         elif case == "rule-dim":
             rule = body["tensor_list"]["rules"][0]
             rule[1] = [5] * len(rule[1])
-        elif case == "part-size":
-            body["parts"][0][2] += 1
-        elif case == "part-name":
-            body["parts"][0][1] = "../../etc/passwd"
+        elif case == "part-size":  # the part's row in rank_files: a size its head's tail length contradicts
+            _bump(body["rank_files"], "size", _part_rows(body)[0], 1)
+        elif case == "save-id":  # names are made from the save id: one that is not a plain id names nothing
+            body["save_id"] = "../../etc/x"
+        elif case == "rank-file-twice":
+            rf = body["rank_files"]
+            for k in rf:
+                rf[k] += rf[k][:8]
+        elif case == "file-by-both":  # a file named by rank also listed by name
+            body["files"].append([_ranked_name(body, 0), 1])
+        elif case == "index-ranks":
+            body["ranks"] = [0]
         elif case == "held-owner":  # a replicated box's record under a rank that is not its writer
             owner = np.frombuffer(body["held"]["owner"], "<i8")
             body["held"]["owner"] = ((owner + 1) % 4).astype("<i8").tobytes()
@@ -133,9 +158,10 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
             n = np.frombuffer(body["held"]["seg_nbytes"], "<i8")
             body["held"]["seg_nbytes"] = np.maximum(n - 4, 0).astype("<i8").tobytes()
         elif case == "part-head-long":  # a head that would run past the part
-            body["parts"][0][4] = body["parts"][0][2] + 1
+            size = int(np.frombuffer(body["rank_files"]["size"], "<i8")[_part_rows(body)[0]])
+            _bump(body["parts"], "head", 0, size + 1 - int(np.frombuffer(body["parts"]["head"], "<i8")[0]))
         elif case == "part-head-short":  # a head cut short: its digest cannot match
-            body["parts"][0][4] -= 1
+            _bump(body["parts"], "head", 0, -1)
         elif case == "owner":
             body["explicit"]["owner"] = np.full(len(body["explicit"]["owner"]) // 8, 7, "<i8").tobytes()
         elif case == "listed-overlap":  # "plain" listed twice over the same box (inline and in part 0)
@@ -153,6 +179,12 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
     with pytest.raises(ManifestError) as e:
         _records(ck)
     assert "checkpoint=" in str(e.value)
+    assert _REFUSED.get(case, "") in str(e.value)
+
+
+_REFUSED = {"save-id": "cannot name files", "rank-file-twice": "lists a rank's file twice",
+            "file-by-both": "also listed by name", "index-ranks": "its parts give them",
+            "part-head-long": "head is longer than the part"}
 
 
 def test_damaged_or_foreign_part_is_refused_and_a_good_copy_used(ruled, tmp_path):

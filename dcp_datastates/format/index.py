@@ -33,8 +33,9 @@ from ..errors import ManifestError
 from .checksum import DigestTail
 from .columnar import byte_column, decode_table, encode_table, int_column
 from .dtypes import dtype_from_name
-from .listed import INLINE, MAX_PART_BYTES, Held, HeldColumns, Listed
+from .listed import INLINE, Held, HeldColumns, Listed
 from .model import Chunk, Manifest, TensorEntry, _Bad
+from .ranked import PartRef, PartTable, RankFileColumns, RankFiles
 from .rules import Geometry, Mesh, ShardRule, salt
 
 INDEX_VERSION = 4
@@ -42,22 +43,6 @@ MAX_NDIM = 64
 MAX_DIM = 1 << 48
 MAX_RULES = 1 << 20
 _I8 = np.dtype("<i8")
-
-
-@dataclass(frozen=True, slots=True)
-class PartRef:
-    """A rank's metadata part, as the index names it: a file of ``size`` bytes whose first
-    ``head`` bytes are the manifest of its chunks (xxh3-128 ``digest``); the rest is the block
-    digests of those chunks, read with the data they check (the head gives their digest)."""
-    rank: int
-    name: str
-    size: int
-    digest: bytes  # xxh3-128 of the head, 16 bytes
-    head: int
-    tail_digest: bytes  # xxh3-128 of the rest (the block digests), 16 bytes
-
-    def to_wire(self) -> list:
-        return [self.rank, self.name, self.size, self.digest, self.head, self.tail_digest]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +70,13 @@ def part_digest(data: bytes) -> bytes:
 
 
 def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
-               parts: list[PartRef], files: list[str], usage: tuple[int, dict[str, int]],
+               files: dict[str, int], ranked: RankFileColumns, usage: tuple[int, dict[str, int]],
                held: HeldColumns | None = None) -> dict:
-    """The version 4 fields of the manifest body (``files``: the body's file list, in order)."""
+    """The version 4 fields of the manifest body: ``files`` those not named by rank (listed
+    first), ``ranked`` each rank's own data files and part (``ranked.py``)."""
     col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
-    fidx = {f: i for i, f in enumerate(files)}
+    order = [*files, *ranked.file_names()]
+    fidx = dict(zip(order, range(len(order))))
     inline: dict[str, TensorEntry] = {}
     for c in explicit:
         if c.record is not None:
@@ -97,6 +84,8 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
             inline.setdefault(t.fqn, TensorEntry(t.dtype, t.size, [])).chunks.append(c.record)
     explicit = [c if c.record is None else ExplicitChunk(c.tensor, c.offsets, c.sizes, INLINE) for c in explicit]
     return {
+        "files": [[name, size] for name, size in files.items()],
+        **ranked.to_wire(),
         "usage": [usage[0], usage[1]],
         "inline": encode_table(inline, fidx, _no_provider),
         "meshes": [m.to_wire() for m in meshes],
@@ -104,7 +93,6 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
         "explicit": {"tensor": col([c.tensor for c in explicit]), "owner": col([c.owner for c in explicit]),
                      "offsets": col([x for c in explicit for x in c.offsets]),
                      "sizes": col([x for c in explicit for x in c.sizes])},
-        "parts": [p.to_wire() for p in parts],
         "held": (held or HeldColumns()).to_wire(fidx),
     }
 
@@ -163,8 +151,9 @@ class IndexTable:
     """The decoded index: the source of its tensors' chunks (``TensorEntry``), loading the
     parts that hold their records on demand through ``loader`` (set by the tier that read it)."""
 
-    def __init__(self, body: dict, *, files: dict[str, int], homes: dict[str, str], world: int, save_id: str,
-                 source: str, block_size: int, decode: Callable[[bytes, str, Callable], Manifest]) -> None:
+    def __init__(self, body: dict, *, files: dict[str, int], ranked: RankFiles, homes: dict[str, str], world: int,
+                 save_id: str, source: str, block_size: int,
+                 decode: Callable[[bytes, str, Callable], Manifest]) -> None:
         self.source, self.save_id, self.files, self.homes, self._decode = source, save_id, files, homes, decode
         # readers of a part's bytes [start, end) by name, fastest tier first; set by the tier that read the index
         self.loaders: list[Callable[[str, int, int], bytes]] = []
@@ -175,9 +164,9 @@ class IndexTable:
         if not isinstance(raw_meshes, list) or len(raw_meshes) > 1 << 16:
             raise _Bad("meshes must be a list")
         self.meshes = [Mesh.from_wire(w, world) for w in raw_meshes]
-        self.parts = self._parts(body.get("parts"), world)
+        self.parts = PartTable(body.get("parts"), ranked, world)
         for m in self.meshes:  # every rank a rule can name has a part
-            missing = [r for r in m.ranks if r not in self.parts]
+            missing = self.parts.missing(m.ranks)
             if missing:
                 raise _Bad(f"mesh ranks {missing[:8]} have no metadata part")
         self.tensors: list[IndexTensor] = _tensors_from_wire(body.get("tensor_list"), self.meshes)
@@ -194,24 +183,6 @@ class IndexTable:
         self.inline = decode_table(body.get("inline"), list(files.items()), block_size, _no_special, source)
         if int((self.listed.owner == INLINE).sum()) != sum(e.count() for e in self.inline.values()):
             raise _Bad("the inline table does not hold exactly the chunks listed as inline")
-
-    def _parts(self, raw, world: int) -> dict[int, PartRef]:
-        if not isinstance(raw, list) or len(raw) > world:
-            raise _Bad("parts must be a list of at most one per rank")
-        out: dict[int, PartRef] = {}
-        for w in raw:
-            if not isinstance(w, list) or len(w) != 6 or not all(
-                    isinstance(x, int) and not isinstance(x, bool) for x in (w[0], w[2], w[4])) \
-                    or not all(isinstance(x, bytes) and len(x) == 16 for x in (w[3], w[5])):
-                raise _Bad("a part must be [rank, name, size, digest, head, tail digest]")
-            if not 0 <= w[0] < world or w[0] in out:
-                raise _Bad(f"part of rank {w[0]} is out of range or listed twice")
-            if self.files.get(w[1]) != w[2] or not 0 < w[2] <= MAX_PART_BYTES:
-                raise _Bad(f"part {w[1]!r} is not among the files with its size")
-            if not 0 < w[4] <= w[2]:
-                raise _Bad(f"part {w[1]!r}: its head of {w[4]} bytes is not within its {w[2]} bytes")
-            out[w[0]] = PartRef(*w)
-        return out
 
     # ------------------------------------------------------ TensorEntry's source
     def geom(self, t: int) -> Geometry | None:

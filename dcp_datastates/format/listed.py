@@ -15,11 +15,11 @@ import numpy as np
 from .checksum import DIGEST_BYTES, DigestTail, Digests
 from .columnar import _SMALL, _disjoint, _starts, int_column, segment_columns
 from .model import Chunk, Extent, Seg, _Bad, box_hits, check_tiling
+from .ranked import MAX_PART_BYTES, PartTable
 
 
 _I8 = np.dtype("<i8")
 _BULK = 1 << 17  # listed chunks converted to Python lists at once (see Listed._lists)
-MAX_PART_BYTES = 1 << 31
 MAX_DIM = 1 << 48
 INLINE = -1  # the owner of a chunk whose record is in the index's "inline" table
 
@@ -69,12 +69,12 @@ class Listed:
     """The chunks of tensors without a rule, as int64 columns validated in bulk (owners, boxes
     inside their tensors); a tensor's boxes are shown disjoint when it is first used."""
 
-    def __init__(self, raw, tensors: list, parts: dict, world: int,
+    def __init__(self, raw, tensors: list, parts: PartTable, world: int,
                  ruled: bool = False) -> None:
         what = "held" if ruled else "explicit"
         t = int_column(raw, "tensor", None, 0, max(0, len(tensors) - 1), what)
         owner = int_column(raw, "owner", len(t), 0 if ruled else INLINE, world - 1, what)
-        if any(int(o) not in parts for o in np.unique(owner).tolist() if o != INLINE):
+        if parts.missing(owner[owner != INLINE]):
             raise _Bad("an explicit chunk's owner has no metadata part")
         if len(t) and any((tensors[i].rule is None) == ruled for i in np.unique(t).tolist()):
             raise _Bad("a held chunk's tensor has no sharding rule" if ruled else
@@ -235,7 +235,7 @@ class Held:
     and per chunk its segments and where its block digests start in its owner's part tail.
     Segments are checked against the files in bulk; a record against its rule when used."""
 
-    def __init__(self, raw, tensors: list, parts: dict, world: int,
+    def __init__(self, raw, tensors: list, parts: PartTable, world: int,
                  files: list[tuple[str, int]], block_size: int) -> None:
         self.boxes = Listed(raw, tensors, parts, world, ruled=True)
         n = len(self.boxes.t)

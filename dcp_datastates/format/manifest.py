@@ -35,6 +35,7 @@ from .model import (  # noqa: F401 (the model is re-exported: most layers import
 from .dtypes import dtype_from_name
 from .index import INDEX_VERSION, IndexTable
 from .paths import paths_from_wire, paths_wire
+from .ranked import RankFiles
 from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 
 MAGIC = b"\xffDCP-DATASTATES\n"
@@ -119,8 +120,8 @@ def _encode(m: Manifest, version: int, index: dict | None = None, *, pack: bool 
         "planner_data": m.planner_data,
         "extra": m.extra,
     }
-    if index is not None:
-        body["files"] = [[name, size] for name, size in m.files.items()]
+    if index is not None:  # the index gives its files (those named by rank as columns) and ranks (its parts')
+        body["ranks"] = []
         body["paths"], body["planner_data"] = paths_wire(index["tensor_list"]["names"], m.planner_data)
         body.update(index)
     elif version >= 3:
@@ -521,6 +522,13 @@ def _from_body(body, source: str = "<memory>", tail=None) -> Manifest:
     else:
         for name, size in _req(body, "files", dict).items():
             files[check_file_name(name)] = _int(size, f"size of {name}")
+    ranked = None
+    if version >= INDEX_VERSION:  # after those listed by name, each rank's own files (ranked.py)
+        ranked = RankFiles(body.get("rank_files"), world, _save_id(body))
+        listed = len(files)
+        files.update(zip(ranked.names, ranked.size.tolist()))
+        if len(files) != listed + len(ranked.names):
+            raise _Bad("a file named by rank is also listed by name")
     homes: dict[str, str] = {}
     raw_homes = (body.get("homes") or {}) if version >= 2 else {}
     if not isinstance(raw_homes, dict):
@@ -532,11 +540,14 @@ def _from_body(body, source: str = "<memory>", tail=None) -> Manifest:
             raise _Bad(f"file {name!r} in another directory is not a data file (*.dsd)")
         homes[name] = check_file_name(home)
     index = None
-    if version >= INDEX_VERSION:
-        index = IndexTable(body, files=files, homes=homes, world=world, save_id=_save_id(body), source=source,
-                           block_size=block_size,
+    if ranked is not None:
+        index = IndexTable(body, files=files, ranked=ranked, homes=homes, world=world, save_id=_save_id(body),
+                           source=source, block_size=block_size,
                            decode=lambda data, where, tail: decode_manifest(data, source=where, tail=tail))
         tensors = {t.fqn: TensorEntry(t.dtype, t.size, source=(index, i)) for i, t in enumerate(index.tensors)}  # dtypes checked
+        if ranks:
+            raise _Bad("an index lists no ranks: its parts give them")
+        ranks = index.parts.ranks()
     elif version >= 3:
         tensors = decode_table(_req(body, "table", dict), list(files.items()), block_size,
                                lambda fqn, o, z, w: _special_chunk(fqn, o, z, w, files, block_size, version),

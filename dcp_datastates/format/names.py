@@ -32,6 +32,12 @@ def data_file_name(rank: int, save_id: str, stripe: int) -> str:
     return f"data-r{rank:05d}-{save_id}-{stripe:02d}.dsd"
 
 
+def data_file_stripe(name: str, rank: int, save_id: str) -> int | None:
+    """The stripe of ``name`` when it is ``rank``'s data file of save ``save_id``, else None."""
+    m = DATA_FILE.match(name)
+    return int(m.group(3)) if m and m.group(2) == save_id and int(m.group(1)) == rank else None
+
+
 def part_file_name(rank: int, save_id: str) -> str:
     return f"part-r{rank:05d}-{save_id}.dsm"
 

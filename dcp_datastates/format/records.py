@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .index import PartRef
+from .ranked import PartRef
 from .manifest import Extent, ValueEntry
 
 
@@ -60,3 +60,6 @@ class PartRecord:
     # replicated boxes this rank wrote for all replicas: key, offsets, sizes, extent, and where
     # the extent's block digests start in the part's tail; the index holds these records itself
     held: list[tuple[str, tuple[int, ...], tuple[int, ...], Extent, int]] = field(default_factory=list)
+    # the stripe of each of ``files`` that is this rank's own data file of this save (its name
+    # follows from rank, save and stripe, so the index stores only its size)
+    stripes: dict[str, int] = field(default_factory=dict)

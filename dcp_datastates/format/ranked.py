@@ -1,0 +1,153 @@
+"""Format 4's files named by rank: each rank's data files of the save and its metadata part.
+
+Their names follow from the rank, the stripe and the save id (``names.py``), so the index
+stores them as three int64 columns (``rank_files``: rank, stripe, size; stripe ``PART``: the
+rank's part) and its parts as columns beside them (``parts``: head size, head digest, tail
+digest, in the order of the part rows).  At 16,384 ranks that is 32,768 files: as
+``[name, size]`` pairs and ``[rank, name, size, digest, head, tail digest]`` lists they were
+most of the index, and decoding them one by one was most of a rank's time to read it.
+
+Columns are validated in bulk; a name is made only from a save id that is a plain hex id, so
+a crafted index cannot name a file outside the checkpoint.  A part's ``PartRef`` is made
+when first asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .columnar import MAX_FILE_BYTES, int_column
+from .model import _Bad
+from .names import SAVE_ID, data_file_name, part_file_name
+
+PART = -1  # the stripe of a rank's metadata part in ``rank_files``
+MAX_STRIPE = 99  # data file names hold two digits of stripe
+MAX_PART_BYTES = 1 << 31
+DIGEST = 16  # xxh3-128
+_I8 = np.dtype("<i8")
+
+
+@dataclass(frozen=True, slots=True)
+class PartRef:
+    """A rank's metadata part, as the index names it: a file of ``size`` bytes whose first
+    ``head`` bytes are the manifest of its chunks (xxh3-128 ``digest``); the rest is the block
+    digests of those chunks, read with the data they check (the head gives their digest)."""
+    rank: int
+    name: str
+    size: int
+    digest: bytes  # xxh3-128 of the head, 16 bytes
+    head: int
+    tail_digest: bytes  # xxh3-128 of the rest (the block digests), 16 bytes
+
+
+@dataclass(slots=True)
+class RankFileColumns:
+    """What the coordinator gathers for the index: each rank's own data files of this save
+    (rank, stripe, size) and its part; ``names`` in the order of the rows, parts last."""
+    rank: list[int] = field(default_factory=list)
+    stripe: list[int] = field(default_factory=list)
+    size: list[int] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    parts: list[PartRef] = field(default_factory=list)
+
+    def add_data(self, rank: int, stripe: int, name: str, size: int) -> None:
+        self.rank.append(rank)
+        self.stripe.append(stripe)
+        self.size.append(size)
+        self.names.append(name)
+
+    def to_wire(self) -> dict:
+        col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
+        ps = self.parts
+        return {"rank_files": {"rank": col(self.rank + [p.rank for p in ps]),
+                               "stripe": col(self.stripe + [PART] * len(ps)),
+                               "size": col(self.size + [p.size for p in ps])},
+                "parts": {"head": col([p.head for p in ps]), "digest": b"".join(p.digest for p in ps),
+                          "tail_digest": b"".join(p.tail_digest for p in ps)}}
+
+    def file_names(self) -> list[str]:
+        """The rows' names in wire order."""
+        return self.names + [p.name for p in self.parts]
+
+
+class RankFiles:
+    """The decoded ``rank_files`` columns: their names and sizes, and the parts among them."""
+
+    def __init__(self, raw, world: int, save_id: str) -> None:
+        rank = int_column(raw, "rank", None, 0, world - 1, "rank_files")
+        n = len(rank)
+        stripe = int_column(raw, "stripe", n, PART, MAX_STRIPE, "rank_files")
+        size = int_column(raw, "size", n, 0, MAX_FILE_BYTES, "rank_files")
+        if n and not SAVE_ID.match(save_id):
+            raise _Bad(f"save id {save_id!r} cannot name files")
+        if len(np.unique(rank * (MAX_STRIPE + 2) + (stripe - PART))) != n:
+            raise _Bad("rank_files lists a rank's file twice")
+        self.rank, self.stripe, self.size = rank, stripe, size
+        self.names = [part_file_name(r, save_id) if s == PART else data_file_name(r, save_id, s)
+                      for r, s in zip(rank.tolist(), stripe.tolist())]
+
+
+class PartTable:
+    """The parts of the index by rank (a ``Mapping`` of rank to ``PartRef`` for its readers),
+    from the part rows of ``rank_files`` and the ``parts`` columns beside them."""
+
+    def __init__(self, raw, files: RankFiles, world: int) -> None:
+        rows = np.nonzero(files.stripe == PART)[0]
+        n = len(rows)
+        size = files.size[rows]
+        head = int_column(raw, "head", n, 1, MAX_PART_BYTES, "parts")
+        if n and (int(size.min()) < 1 or int(size.max()) > MAX_PART_BYTES):
+            raise _Bad(f"a part's size is outside [1, {MAX_PART_BYTES}]")
+        if n and bool((head > size).any()):
+            raise _Bad("a part's head is longer than the part")
+        digests = [raw.get(k) if isinstance(raw, dict) else None for k in ("digest", "tail_digest")]
+        if not all(isinstance(d, bytes) and len(d) == n * DIGEST for d in digests):
+            raise _Bad(f"parts 'digest' and 'tail_digest' must be {DIGEST} bytes a part")
+        self._digest, self._tail = digests
+        self._ranks = files.rank[rows]
+        self._at = dict(zip(self._ranks.tolist(), range(n)))
+        self._size, self._head = size.tolist(), head.tolist()
+        self._names = [files.names[i] for i in rows.tolist()]
+        self._world = world
+        self._refs: dict[int, PartRef] = {}
+        self._has: np.ndarray | None = None
+
+    def __contains__(self, rank) -> bool:
+        return rank in self._at
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def __iter__(self):
+        return iter(self._at)
+
+    def get(self, rank: int) -> PartRef | None:
+        ref = self._refs.get(rank)
+        if ref is None:
+            i = self._at.get(rank)
+            if i is None:
+                return None
+            d = slice(i * DIGEST, (i + 1) * DIGEST)
+            ref = self._refs[rank] = PartRef(rank, self._names[i], self._size[i], self._digest[d], self._head[i],
+                                             self._tail[d])
+        return ref
+
+    def __getitem__(self, rank: int) -> PartRef:
+        ref = self.get(rank)
+        if ref is None:
+            raise KeyError(rank)
+        return ref
+
+    def ranks(self) -> list[int]:
+        """The ranks with a part, in order."""
+        return sorted(self._at)
+
+    def missing(self, ranks) -> list[int]:
+        """Those of ``ranks`` (in range of the world) that have no part."""
+        if self._has is None:
+            self._has = np.zeros(self._world, dtype=bool)
+            self._has[self._ranks] = True
+        want = np.asarray(ranks, dtype=_I8)
+        return np.unique(want[~self._has[want]]).tolist()
