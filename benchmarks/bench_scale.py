@@ -61,7 +61,6 @@ from dcp_datastates.format.records import ItemRecord  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
 from dcp_datastates.format.build import build_manifest  # noqa: E402
 from dcp_datastates.format.columnar import tail_offsets  # noqa: E402
-from dcp_datastates.format.index import part_digest  # noqa: E402
 from dcp_datastates.format.ranked import PartRef  # noqa: E402
 from dcp_datastates.format.names import part_file_name  # noqa: E402
 from dcp_datastates.format.records import PartRecord  # noqa: E402
@@ -239,12 +238,12 @@ def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int
             if r in need:
                 with open(os.path.join(path, pname), "wb") as f:
                     f.write(head + tail)
-            ref = PartRef(r, pname, len(head) + len(tail), part_digest(head), len(head), part_digest(tail))
+            ref = PartRef(r, pname, len(head) + len(tail), len(head))
             held = [(ts[ti].fqn, tuple(o), tuple(z), exts[(ti, tuple(o))], tail_at[(ti, tuple(o))])
                     for ti, o, z in rows if geoms[ti] is not None and geoms[ti].replicas() > 1]
         else:  # never read by the measured loads (sizes of a part with 1,000 records)
             files = {data_file_name(r, SAVE_ID, 0): per}
-            ref = PartRef(r, pname, 36000, os.urandom(16), 20000, os.urandom(16))
+            ref = PartRef(r, pname, 36000, 20000)
         listed = [(ts[ti].fqn, tuple(o), tuple(z), None if ts[ti].shape else exts[(ti, tuple(o))])
                   for ti, o, z in rows_of[r]]
         results.append([WriteResult(index=PART_INDEX, size_in_bytes=ref.size,

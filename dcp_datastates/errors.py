@@ -26,6 +26,7 @@ class CheckpointError(Exception):
         if where:
             parts.append("[" + ", ".join(where) + "]")
         super().__init__(" ".join(parts))
+        self.reason = message  # the message without where
         self.checkpoint = checkpoint
         self.file = file
         self.key = key
@@ -37,7 +38,7 @@ class CheckpointError(Exception):
 def _rebuild(cls, text):
     obj = cls.__new__(cls)
     Exception.__init__(obj, text)
-    obj.checkpoint = obj.file = obj.key = None
+    obj.reason, obj.checkpoint, obj.file, obj.key = text, None, None, None
     return obj
 
 

@@ -48,7 +48,7 @@ from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
 from .format.manifest import paused_gc
 from .format.build import build_manifest
 from .format.columnar import tail_offsets
-from .format.index import ExplicitChunk, HeldColumns, IndexTensor, index_wire, part_digest
+from .format.index import ExplicitChunk, HeldColumns, IndexTensor, index_wire
 from .format.ranked import PartRef, RankFileColumns
 from .format.manifest import Chunk, Manifest, encode_index, encode_part
 from .format.names import data_file_stripe, part_file_name, rank_manifest_name
@@ -465,7 +465,7 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     body = head + tail
     name = part_file_name(grank, w.save_id)
     w.tier.commit_bytes(name, body, sync=w.sync_files)
-    ref = PartRef(grank, name, len(body), part_digest(head), len(head), part_digest(tail))
+    ref = PartRef(grank, name, len(body), len(head))
     w._part_file = {name: len(body)}
     w.last_stats["part_bytes"] = len(body)
     stripes = {f: s for f in files if (s := data_file_stripe(f, grank, w.save_id)) is not None}

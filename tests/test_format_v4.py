@@ -22,6 +22,7 @@ from dcp_datastates.format.columnar import encode_table
 from dcp_datastates.format.paths import paths_from_wire, paths_wire
 from dcp_datastates.format.model import _Bad
 from dcp_datastates.format.names import data_file_name, part_file_name
+from dcp_datastates.format.ranked import open_tail, seal_tail
 from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.rules import Geometry, Mesh, ShardRule, salt
 from dcp_datastates.tiers import StorageTier
@@ -205,16 +206,39 @@ def test_damaged_or_foreign_part_is_refused_and_a_good_copy_used(ruled, tmp_path
     with pytest.raises(ManifestError, match="metadata part"):
         r.manifest.index.part(1)
     r.manifest.index.loaders = []  # nothing left to read with: the kept failure is what answers
-    with pytest.raises(ManifestError, match="does not match the index"):
+    with pytest.raises(ManifestError, match="refused: manifest checksum mismatch"):
         r.manifest.index.part(1)
     r = DataStatesReader(ck, fallback=[backup])
     r.read_metadata()
     for t in r.manifest.tensors.values():
         t.chunks  # rank 1's part comes from the backup tier, pinned by the index's digest
-    # another save's part under this save's name: refused by the digest
+    # another rank's part under this rank's name, the index giving its sizes: refused, it names its rank
     shutil.copy(os.path.join(ck, _part_name(ck, 2)), os.path.join(ck, name))
-    with pytest.raises(ManifestError, match="metadata part"):
+
+    def as_rank_2(body):
+        rows = _part_rows(body)
+        ranks = np.frombuffer(body["rank_files"]["rank"], "<i8")
+        for k, cols, pos in (("size", body["rank_files"], rows), ("head", body["parts"], range(len(rows)))):
+            a = np.frombuffer(cols[k], "<i8").copy()
+            at = {int(ranks[r]): i for i, r in zip(pos, rows)}
+            a[at[1]] = a[at[2]]
+            cols[k] = a.tobytes()
+    rewrite_manifest(ck, as_rank_2, version=4)
+    with pytest.raises(ManifestError, match="metadata part .*not rank 1 of save"):
         _records(ck)
+
+
+def test_part_tail_names_its_save_and_rank():
+    """A part's tail is used only for the save and rank its footer names, and only whole."""
+    digests = os.urandom(64)
+    tail = seal_tail(digests, "0123456789ab", 2)
+    assert open_tail(tail, "0123456789ab", 2) == digests
+    for sid, rank, data, why in [("0123456789ab", 1, tail, "save 0123456789ab rank 2"),
+                                 ("ba9876543210", 2, tail, "save 0123456789ab rank 2"),
+                                 ("0123456789ab", 2, bytes([tail[0] ^ 1]) + tail[1:], "do not match their footer"),
+                                 ("0123456789ab", 2, tail[-10:], "shorter than its footer")]:
+        with pytest.raises(_Bad, match=why):
+            open_tail(data, sid, rank)
 
 
 def test_replica_that_writes_a_box():

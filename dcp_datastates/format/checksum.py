@@ -40,12 +40,12 @@ def block_checksums(buf, block_size: int = BLOCK_SIZE) -> list[bytes]:
 
 class DigestTail:
     """Block digests kept out of a manifest, in the tail of its file (format 4's metadata
-    parts): ``nbytes`` of them whose xxh3-128 is ``digest``.  ``fetch()`` reads them (from any
-    copy of the file); they are read on the first use of any of them, which is when the data
-    they check is read, and used only when they match ``digest``."""
+    parts): ``nbytes`` of them.  ``fetch()`` reads and checks them (from any copy of the
+    file); they are read on the first use of any of them, which is when the data they check
+    is read."""
 
-    def __init__(self, nbytes: int, digest: bytes, fetch: Callable[[], bytes]) -> None:
-        self.nbytes, self.digest, self._fetch = nbytes, digest, fetch
+    def __init__(self, nbytes: int, fetch: Callable[[], bytes]) -> None:
+        self.nbytes, self._fetch = nbytes, fetch
         self._lock = threading.Lock()
         self._data: bytes | None = None
         self._error: Exception | None = None

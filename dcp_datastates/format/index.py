@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import xxhash
 
 from ..errors import ManifestError
 from .checksum import DigestTail
@@ -35,7 +34,7 @@ from .columnar import byte_column, decode_table, encode_table, int_column
 from .dtypes import dtype_from_name
 from .listed import INLINE, Held, HeldColumns, Listed
 from .model import Chunk, Manifest, TensorEntry, _Bad
-from .ranked import PartRef, PartTable, RankFileColumns, RankFiles
+from .ranked import PartRef, PartTable, RankFileColumns, RankFiles, open_tail
 from .rules import Geometry, Mesh, ShardRule, salt
 
 INDEX_VERSION = 4
@@ -63,10 +62,6 @@ class ExplicitChunk:
     sizes: tuple[int, ...]
     owner: int
     record: Chunk | None = None
-
-
-def part_digest(data: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(data)
 
 
 def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
@@ -295,11 +290,7 @@ class IndexTable:
         ref = self.parts.get(rank)
         if ref is None:
             raise ManifestError(f"rank {rank} has no metadata part", checkpoint=self.source)
-        data = self._read(ref, 0, ref.head, ref.digest, "metadata part")
-        m = self._decode(data, f"{self.source}/{ref.name}", lambda n, digest: self._own_tail(ref, n, digest))
-        if m.save_id != self.save_id or m.version != 3 or m.ranks != [rank]:
-            raise ManifestError(f"metadata part holds save {m.save_id} ranks {m.ranks[:4]}, not rank "
-                                f"{rank} of save {self.save_id}", checkpoint=self.source, file=ref.name)
+        m = self._read(ref, 0, ref.head, lambda data: self._own_head(ref, data), "metadata part")
         for name, size in m.files.items():
             if self.files.get(name) != size:
                 raise ManifestError(f"metadata part names file {name} ({size} bytes), which the "
@@ -309,19 +300,27 @@ class IndexTable:
                                 checkpoint=self.source, file=ref.name)
         return m
 
-    def _read(self, ref: PartRef, start: int, end: int, digest: bytes, what: str) -> bytes:
+    def _own_head(self, ref: PartRef, data: bytes) -> Manifest:
+        """The part's head, decoded: a version 3 manifest of this save and this rank alone."""
+        m = self._decode(data, f"{self.source}/{ref.name}", lambda n, digest: self._own_tail(ref, n))
+        if m.save_id != self.save_id or m.version != 3 or m.ranks != [ref.rank]:
+            raise _Bad(f"it holds save {m.save_id} ranks {m.ranks[:4]}, not rank {ref.rank} of save {self.save_id}")
+        return m
+
+    def _read(self, ref: PartRef, start: int, end: int, accept: Callable[[bytes], object], what: str):
+        """``accept`` of bytes [start, end) of part ``ref``, from the first tier whose copy it
+        accepts (a part checks itself and names its save and rank: any tier's copy will do)."""
         why = "this index was decoded without a way to read its parts"
-        for load in self.loaders:  # the digest pins the content: any tier's copy will do
+        for load in self.loaders:
             try:
                 got = load(ref.name, start, end)
-            except (OSError, ManifestError) as e:
-                why = f"unreadable: {e}"
-                continue
-            if len(got) == end - start and part_digest(got) == digest:
-                return got
-            why = "does not match the index (damaged, or from another save)"
-        raise ManifestError(f"{what} {why}; restore it from another tier or re-save",
-                            checkpoint=self.source, file=ref.name)
+                if len(got) != end - start:
+                    raise _Bad(f"{len(got)} bytes where the index gives {end - start}")
+                return accept(got)
+            except (OSError, ManifestError, _Bad) as e:  # this copy will not do: the next tier's may
+                why = f"refused: {getattr(e, 'reason', e)}"
+        advice = "" if "re-save" in why else "; restore it from another tier or re-save"
+        raise ManifestError(f"{what} {why}{advice}", checkpoint=self.source, file=ref.name)
 
     def tail(self, rank: int) -> DigestTail:
         """The block digests of rank ``rank``'s part (the file after its head), read once, when
@@ -333,15 +332,16 @@ class IndexTable:
             got = self._tails.get(rank)
             if got is None:
                 ref = self.parts[rank]
-                got = self._tails[rank] = DigestTail(ref.size - ref.head, ref.tail_digest, lambda: self._read(
-                    ref, ref.head, ref.size, ref.tail_digest, "block digests of metadata part"))
+                got = self._tails[rank] = DigestTail(ref.digests, lambda: self._read(
+                    ref, ref.head, ref.size, lambda data: open_tail(data, self.save_id, rank),
+                    "block digests of metadata part"))
             return got
 
-    def _own_tail(self, ref: PartRef, n: int, digest: bytes) -> DigestTail:
-        """The tail a part's head announces: the one the index gives it."""
-        if ref.head + n != ref.size or digest != ref.tail_digest:
+    def _own_tail(self, ref: PartRef, n: int) -> DigestTail:
+        """The tail a part's head announces: ``n`` bytes of digests, the rest of the part."""
+        if n != ref.digests:
             raise _Bad(f"its block digests ({n} bytes after a {ref.head}-byte head) are not the "
-                       f"{ref.size - ref.head} bytes the index gives")
+                       f"{ref.digests} bytes the index leaves them")
         return self.tail(ref.rank)
 
 

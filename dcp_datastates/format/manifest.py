@@ -35,7 +35,7 @@ from .model import (  # noqa: F401 (the model is re-exported: most layers import
 from .dtypes import dtype_from_name
 from .index import INDEX_VERSION, IndexTable
 from .paths import paths_from_wire, paths_wire
-from .ranked import RankFiles
+from .ranked import RankFiles, seal_tail
 from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 
 MAGIC = b"\xffDCP-DATASTATES\n"
@@ -90,12 +90,13 @@ def encode_index(m: Manifest, index: dict) -> bytes:
 
 def encode_part(m: Manifest) -> tuple[bytes, bytes]:
     """A format 4 metadata part: the version 3 manifest of ``m``, packed, whose block digests
-    are not in its table but follow it in the file (the tail: ``sums_tail`` gives its length
-    and xxh3-128).  Returns (head, tail); the file is head + tail.  A reader that plans a load
-    reads the head; the tail is read with the data it checks."""
+    are not in its table but follow it in the file (the tail: ``sums_tail`` gives their length
+    and xxh3-128; a footer names their save and rank, ``ranked.seal_tail``).  Returns (head,
+    tail); the file is head + tail.  A reader that plans a load reads the head; the tail is read
+    with the data it checks."""
     with paused_gc():
         tail: list[bytes] = []
-        return _encode(m, FORMAT_VERSION, pack=True, tail=tail), tail[0]
+        return _encode(m, FORMAT_VERSION, pack=True, tail=tail), seal_tail(tail[0], m.save_id, m.ranks[0])
 
 
 _HEADER_FIELDS = ("format", "version", "save_id", "created_unix")  # first, and never packed

@@ -2,21 +2,25 @@
 
 Their names follow from the rank, the stripe and the save id (``names.py``), so the index
 stores them as three int64 columns (``rank_files``: rank, stripe, size; stripe ``PART``: the
-rank's part) and its parts as columns beside them (``parts``: head size, head digest, tail
-digest, in the order of the part rows).  At 16,384 ranks that is 32,768 files: as
-``[name, size]`` pairs and ``[rank, name, size, digest, head, tail digest]`` lists they were
-most of the index, and decoding them one by one was most of a rank's time to read it.
+rank's part) and the length of each part's head beside them (``parts``).  At 16,384 ranks that
+is 32,768 files: as ``[name, size]`` pairs and ``[rank, name, size, digest, head, tail
+digest]`` lists they were most of the index, and decoding them one by one most of a rank's
+time to read it; the two digests a part alone were half the index's bytes.
 
-Columns are validated in bulk; a name is made only from a save id that is a plain hex id, so
-a crafted index cannot name a file outside the checkpoint.  A part's ``PartRef`` is made
-when first asked for.
+A part vouches for itself instead: its head is a packed manifest with its own trailer, save id
+and rank; its tail ends in a footer (``FOOTER``) with the save id, the rank and the xxh3-128
+of the block digests before it.  Columns are validated in bulk; a name is made only from a
+save id that is a plain hex id, so a crafted index cannot name a file outside the checkpoint.
+A part's ``PartRef`` is made when first asked for.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from .columnar import MAX_FILE_BYTES, int_column
 from .model import _Bad
@@ -25,21 +29,48 @@ from .names import SAVE_ID, data_file_name, part_file_name
 PART = -1  # the stripe of a rank's metadata part in ``rank_files``
 MAX_STRIPE = 99  # data file names hold two digits of stripe
 MAX_PART_BYTES = 1 << 31
-DIGEST = 16  # xxh3-128
 _I8 = np.dtype("<i8")
+# the end of a part's tail: the save id, the rank, and the xxh3-128 of the block digests before it
+FOOTER = struct.Struct("<12sQ16s")
 
 
 @dataclass(frozen=True, slots=True)
 class PartRef:
     """A rank's metadata part, as the index names it: a file of ``size`` bytes whose first
-    ``head`` bytes are the manifest of its chunks (xxh3-128 ``digest``); the rest is the block
-    digests of those chunks, read with the data they check (the head gives their digest)."""
+    ``head`` bytes are the manifest of its chunks; the rest (its tail) is the block digests of
+    those chunks, read with the data they check, and a footer.  Each of the two checks itself
+    and names its save and rank (the head its packed manifest with trailer, the tail its footer)."""
     rank: int
     name: str
     size: int
-    digest: bytes  # xxh3-128 of the head, 16 bytes
     head: int
-    tail_digest: bytes  # xxh3-128 of the rest (the block digests), 16 bytes
+
+    @property
+    def digests(self) -> int:
+        """The bytes of block digests in the tail."""
+        return self.size - self.head - FOOTER.size
+
+
+def seal_tail(digests: bytes, save_id: str, rank: int) -> bytes:
+    """A part's tail: its block digests and the footer that names their save and rank."""
+    sid = save_id.encode()
+    if len(sid) != 12:
+        raise ValueError(f"save id {save_id!r} is not 12 characters")
+    return digests + FOOTER.pack(sid, rank, xxhash.xxh3_128_digest(digests))
+
+
+def open_tail(data: bytes, save_id: str, rank: int) -> bytes:
+    """The block digests of a part's tail, when its footer names this save and rank and
+    matches them."""
+    if len(data) < FOOTER.size:
+        raise _Bad("its tail is shorter than its footer")
+    sid, r, digest = FOOTER.unpack_from(data, len(data) - FOOTER.size)
+    if sid != save_id.encode() or r != rank:
+        raise _Bad(f"its tail holds the block digests of save {sid.decode(errors='replace')} rank {r}")
+    digests = data[:len(data) - FOOTER.size]
+    if xxhash.xxh3_128_digest(digests) != digest:
+        raise _Bad("its block digests do not match their footer")
+    return digests
 
 
 @dataclass(slots=True)
@@ -64,8 +95,7 @@ class RankFileColumns:
         return {"rank_files": {"rank": col(self.rank + [p.rank for p in ps]),
                                "stripe": col(self.stripe + [PART] * len(ps)),
                                "size": col(self.size + [p.size for p in ps])},
-                "parts": {"head": col([p.head for p in ps]), "digest": b"".join(p.digest for p in ps),
-                          "tail_digest": b"".join(p.tail_digest for p in ps)}}
+                "parts": {"head": col([p.head for p in ps])}}
 
     def file_names(self) -> list[str]:
         """The rows' names in wire order."""
@@ -100,12 +130,8 @@ class PartTable:
         head = int_column(raw, "head", n, 1, MAX_PART_BYTES, "parts")
         if n and (int(size.min()) < 1 or int(size.max()) > MAX_PART_BYTES):
             raise _Bad(f"a part's size is outside [1, {MAX_PART_BYTES}]")
-        if n and bool((head > size).any()):
-            raise _Bad("a part's head is longer than the part")
-        digests = [raw.get(k) if isinstance(raw, dict) else None for k in ("digest", "tail_digest")]
-        if not all(isinstance(d, bytes) and len(d) == n * DIGEST for d in digests):
-            raise _Bad(f"parts 'digest' and 'tail_digest' must be {DIGEST} bytes a part")
-        self._digest, self._tail = digests
+        if n and bool((head + FOOTER.size > size).any()):
+            raise _Bad("a part's head is longer than the part less its tail's footer")
         self._ranks = files.rank[rows]
         self._at = dict(zip(self._ranks.tolist(), range(n)))
         self._size, self._head = size.tolist(), head.tolist()
@@ -129,9 +155,7 @@ class PartTable:
             i = self._at.get(rank)
             if i is None:
                 return None
-            d = slice(i * DIGEST, (i + 1) * DIGEST)
-            ref = self._refs[rank] = PartRef(rank, self._names[i], self._size[i], self._digest[d], self._head[i],
-                                             self._tail[d])
+            ref = self._refs[rank] = PartRef(rank, self._names[i], self._size[i], self._head[i])
         return ref
 
     def __getitem__(self, rank: int) -> PartRef:
