@@ -113,6 +113,10 @@ def _part_rows(body) -> np.ndarray:
     return np.nonzero(np.frombuffer(body["rank_files"]["stripe"], "<i8") == -1)[0]
 
 
+def _ranks(body) -> np.ndarray:
+    return np.cumsum(np.frombuffer(body["rank_files"]["rank"], "<i8"))  # stored as steps
+
+
 def _bump(cols: dict, key: str, row: int, by: int) -> None:
     a = np.frombuffer(cols[key], "<i8").copy()
     a[row] += by
@@ -120,12 +124,12 @@ def _bump(cols: dict, key: str, row: int, by: int) -> None:
 
 
 def _ranked_name(body, row: int) -> str:
-    rank, stripe = (int(np.frombuffer(body["rank_files"][k], "<i8")[row]) for k in ("rank", "stripe"))
+    rank, stripe = int(_ranks(body)[row]), int(np.frombuffer(body["rank_files"]["stripe"], "<i8")[row])
     return part_file_name(rank, body["save_id"]) if stripe < 0 else data_file_name(rank, body["save_id"], stripe)
 
 
 @pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "save-id", "rank-file-twice",
-                                  "file-by-both", "index-ranks", "owner", "two-rules",
+                                  "file-by-both", "index-ranks", "rank-step-out", "owner", "two-rules",
                                   "inline-missing", "inline-outside", "listed-overlap", "part-head-long",
                                   "part-head-short", "held-owner", "held-past-file", "held-bytes"])
 def test_hostile_index_is_refused(ruled, tmp_path, case):
@@ -148,6 +152,9 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
                 rf[k] += rf[k][:8]
         elif case == "file-by-both":  # a file named by rank also listed by name
             body["files"].append([_ranked_name(body, 0), 1])
+        elif case == "rank-step-out":  # steps that each lie in range but add up outside the world
+            rf = body["rank_files"]
+            rf["rank"] = np.full(len(rf["rank"]) // 8, 3, "<i8").tobytes()
         elif case == "index-ranks":
             body["ranks"] = [0]
         elif case == "held-owner":  # a replicated box's record under a rank that is not its writer
@@ -185,6 +192,7 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
 
 _REFUSED = {"save-id": "cannot name files", "rank-file-twice": "lists a rank's file twice",
             "file-by-both": "also listed by name", "index-ranks": "its parts give them",
+            "rank-step-out": "names a rank outside",
             "part-head-long": "head is longer than the part"}
 
 
@@ -217,7 +225,7 @@ def test_damaged_or_foreign_part_is_refused_and_a_good_copy_used(ruled, tmp_path
 
     def as_rank_2(body):
         rows = _part_rows(body)
-        ranks = np.frombuffer(body["rank_files"]["rank"], "<i8")
+        ranks = _ranks(body)
         for k, cols, pos in (("size", body["rank_files"], rows), ("head", body["parts"], range(len(rows)))):
             a = np.frombuffer(cols[k], "<i8").copy()
             at = {int(ranks[r]): i for i, r in zip(pos, rows)}

@@ -1,8 +1,8 @@
 """Format 4's files named by rank: each rank's data files of the save and its metadata part.
 
 Their names follow from the rank, the stripe and the save id (``names.py``), so the index
-stores them as three int64 columns (``rank_files``: rank, stripe, size; stripe ``PART``: the
-rank's part) and the length of each part's head beside them (``parts``).  At 16,384 ranks that
+stores them as three int64 columns (``rank_files``: rank, as the step from the row before,
+stripe, size; stripe ``PART``: the rank's part) and the length of each part's head beside them (``parts``).  At 16,384 ranks that
 is 32,768 files: as ``[name, size]`` pairs and ``[rank, name, size, digest, head, tail
 digest]`` lists they were most of the index, and decoding them one by one most of a rank's
 time to read it; the two digests a part alone were half the index's bytes.
@@ -92,7 +92,8 @@ class RankFileColumns:
     def to_wire(self) -> dict:
         col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
         ps = self.parts
-        return {"rank_files": {"rank": col(self.rank + [p.rank for p in ps]),
+        rank = np.asarray(self.rank + [p.rank for p in ps], dtype=_I8)
+        return {"rank_files": {"rank": np.diff(rank, prepend=0).astype(_I8).tobytes(),  # steps: they pack to little
                                "stripe": col(self.stripe + [PART] * len(ps)),
                                "size": col(self.size + [p.size for p in ps])},
                 "parts": {"head": col([p.head for p in ps])}}
@@ -106,8 +107,11 @@ class RankFiles:
     """The decoded ``rank_files`` columns: their names and sizes, and the parts among them."""
 
     def __init__(self, raw, world: int, save_id: str) -> None:
-        rank = int_column(raw, "rank", None, 0, world - 1, "rank_files")
+        step = int_column(raw, "rank", None, 1 - world, world - 1, "rank_files")  # each row's rank less the last's
+        rank = np.cumsum(step)
         n = len(rank)
+        if n and (int(rank.min()) < 0 or int(rank.max()) >= world):
+            raise _Bad(f"rank_files names a rank outside [0, {world})")
         stripe = int_column(raw, "stripe", n, PART, MAX_STRIPE, "rank_files")
         size = int_column(raw, "size", n, 0, MAX_FILE_BYTES, "rank_files")
         if n and not SAVE_ID.match(save_id):
