@@ -239,7 +239,7 @@ def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int
                 with open(os.path.join(path, pname), "wb") as f:
                     f.write(head + tail)
             ref = PartRef(r, pname, len(head) + len(tail), len(head))
-            held = [(ts[ti].fqn, tuple(o), tuple(z), exts[(ti, tuple(o))], tail_at[(ti, tuple(o))])
+            held = [(ts[ti].fqn, geoms[ti].index_of(tuple(o)), exts[(ti, tuple(o))], tail_at[(ti, tuple(o))])
                     for ti, o, z in rows if geoms[ti] is not None and geoms[ti].replicas() > 1]
         else:  # never read by the measured loads (sizes of a part with 1,000 records)
             files = {data_file_name(r, SAVE_ID, 0): per}

@@ -51,6 +51,7 @@ from .format.columnar import tail_offsets
 from .format.index import ExplicitChunk, HeldColumns, IndexTensor, index_wire
 from .format.ranked import PartRef, RankFileColumns
 from .format.manifest import Chunk, Manifest, encode_index, encode_part
+from .format.model import _Bad
 from .format.names import data_file_stripe, part_file_name, rank_manifest_name
 from .format.records import ItemRecord, PartRecord, RankRecord
 from .format.rules import RuleTable
@@ -459,8 +460,8 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     values, part.values = part.values, {}
     usage = part.usage()
     tail_at = tail_offsets(part.tensors)
-    held = [(fqn, offs, tuple(rec.sizes), rec.extent, tail_at[(fqn, offs)]) for fqn, offs, rec in chunks
-            if offs is not None and w._rules.replicas(fqn) > 1 and rec.kind == "tensor"]
+    held = [(fqn, w._rules.chunk_of(fqn, shapes[fqn][1], offs), rec.extent, tail_at[(fqn, offs)])
+            for fqn, offs, rec in chunks if offs is not None and w._rules.replicas(fqn) > 1 and rec.kind == "tensor"]
     head, tail = encode_part(part)
     body = head + tail
     name = part_file_name(grank, w.save_id)
@@ -513,14 +514,18 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                     seen.add((fqn, offs))
                     explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank,
                                                   None if ext is None else Chunk(offs, sizes, ext)))
-            for fqn, offs, sizes, ext, tail_at in rec.held:
-                add_held(at[fqn], offs, sizes, rec.rank, ext, tail_at)
+            for fqn, chunk, ext, tail_at in rec.held:
+                add_held(at[fqn], chunk, ext, tail_at)
     world = max([dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                  *(p.rank + 1 for p in parts)])
     m = Manifest(save_id=save_id, world_size=world, ranks=sorted(p.rank for p in parts), files=files,
                  tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
                  created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
-    return m, encode_index(m, index_wire(list(rules.meshes), tensors, explicit, named, ranked, (owned, shared), held))
+    try:
+        wire = index_wire(list(rules.meshes), tensors, explicit, named, ranked, (owned, shared), held)
+    except _Bad as e:
+        raise CheckpointError(f"the ranks' records do not make an index: {e}", checkpoint=path) from None
+    return m, encode_index(m, wire)
 
 def _planner_data(metadata: Metadata) -> dict:
     raw = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}

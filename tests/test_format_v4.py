@@ -23,6 +23,9 @@ from dcp_datastates.format.paths import paths_from_wire, paths_wire
 from dcp_datastates.format.model import _Bad
 from dcp_datastates.format.names import data_file_name, part_file_name
 from dcp_datastates.format.ranked import open_tail, seal_tail
+from dcp_datastates.format.listed import HeldColumns
+from dcp_datastates.format.model import Extent, Seg
+from dcp_datastates.format.checksum import Digests
 from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.rules import Geometry, Mesh, ShardRule, salt
 from dcp_datastates.tiers import StorageTier
@@ -131,7 +134,7 @@ def _ranked_name(body, row: int) -> str:
 @pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "save-id", "rank-file-twice",
                                   "file-by-both", "index-ranks", "rank-step-out", "owner", "two-rules",
                                   "inline-missing", "inline-outside", "listed-overlap", "part-head-long",
-                                  "part-head-short", "held-owner", "held-past-file", "held-bytes"])
+                                  "part-head-short", "held-twice", "held-missing", "held-past-file", "held-bytes"])
 def test_hostile_index_is_refused(ruled, tmp_path, case):
     ck = str(tmp_path / "ck")
     shutil.copytree(ruled, ck)
@@ -157,9 +160,14 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
             rf["rank"] = np.full(len(rf["rank"]) // 8, 3, "<i8").tobytes()
         elif case == "index-ranks":
             body["ranks"] = [0]
-        elif case == "held-owner":  # a replicated box's record under a rank that is not its writer
-            owner = np.frombuffer(body["held"]["owner"], "<i8")
-            body["held"]["owner"] = ((owner + 1) % 4).astype("<i8").tobytes()
+        elif case == "held-twice":  # two records of one replicated box
+            h = body["held"]
+            for k in ("tensor", "chunk", "tail_at", "nsegs", "seg_file", "seg_offset", "seg_nbytes"):
+                h[k] = h[k][:8] + h[k]
+        elif case == "held-missing":  # a replicated box without its record
+            h = body["held"]
+            for k in ("tensor", "chunk", "tail_at", "nsegs", "seg_file", "seg_offset", "seg_nbytes"):
+                h[k] = h[k][8:]
         elif case == "held-past-file":
             body["held"]["seg_offset"] = np.full(len(body["held"]["seg_offset"]) // 8, 1 << 40, "<i8").tobytes()
         elif case == "held-bytes":  # a record that holds fewer bytes than its box
@@ -192,7 +200,7 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
 
 _REFUSED = {"save-id": "cannot name files", "rank-file-twice": "lists a rank's file twice",
             "file-by-both": "also listed by name", "index-ranks": "its parts give them",
-            "rank-step-out": "names a rank outside",
+            "rank-step-out": "names a rank outside", "held-twice": "each once", "held-missing": "no held chunk",
             "part-head-long": "head is longer than the part"}
 
 
@@ -234,6 +242,22 @@ def test_damaged_or_foreign_part_is_refused_and_a_good_copy_used(ruled, tmp_path
     rewrite_manifest(ck, as_rank_2, version=4)
     with pytest.raises(ManifestError, match="metadata part .*not rank 1 of save"):
         _records(ck)
+
+
+def test_held_records_are_sorted_and_each_box_once():
+    """The coordinator writes held records in (tensor, chunk) order, each record's segments with
+    it, and refuses two records of one box instead of committing an index no rank can read."""
+    h = HeldColumns()
+    seg = lambda off, n: Seg("f", off, n)  # noqa: E731
+    for t, c, segs in [(1, 0, [seg(0, 8)]), (0, 2, [seg(8, 4096), seg(4104, 8)]), (0, 1, [seg(5000, 8)])]:
+        h.add(t, c, Extent(segs, sum(g.nbytes for g in segs), Digests(bytes(16))), 16 * c)
+    w = h.to_wire({"f": 0})
+    col = lambda k: np.frombuffer(w[k], "<i8").tolist()  # noqa: E731
+    assert (col("tensor"), col("chunk"), col("nsegs"), col("tail_at")) == ([0, 0, 1], [1, 2, 0], [1, 2, 1], [16, 32, 0])
+    assert col("seg_offset") == [5000, 8, 4104, 0] and col("seg_nbytes") == [8, 4096, 8, 8]
+    h.add(0, 1, Extent([seg(0, 8)], 8, Digests(bytes(16))), 0)
+    with pytest.raises(_Bad, match="two ranks"):
+        h.to_wire({"f": 0})
 
 
 def test_part_tail_names_its_save_and_rank():

@@ -167,7 +167,7 @@ class IndexTable:
         self.tensors: list[IndexTensor] = _tensors_from_wire(body.get("tensor_list"), self.meshes)
         self._geoms: dict[int, Geometry | None] = {}
         self.listed = Listed(body.get("explicit"), self.tensors, self.parts, world)
-        self.held = Held(body.get("held"), self.tensors, self.parts, world, list(files.items()), block_size)
+        self.held = Held(body.get("held"), self.tensors, world, list(files.items()), block_size)
         self._tails: dict[int, DigestTail] = {}
         raw_usage = body.get("usage")
         if not (isinstance(raw_usage, list) and len(raw_usage) == 2 and isinstance(raw_usage[0], int)
@@ -222,7 +222,7 @@ class IndexTable:
         g = self.geom(t)
         if g is not None:
             o, z = g.box(i)
-            return self._record(t, o, z, g.owner(i), g)
+            return self._record(t, o, z, g.owner(i), g, i)
         self.check(t)
         return self._record(t, *self.listed.box_of(t, i), self.listed.owner_of(t, i))
 
@@ -237,7 +237,7 @@ class IndexTable:
         if i is None:
             return None
         o, z = g.box(i)
-        return self._record(t, o, z, g.owner(i), g)
+        return self._record(t, o, z, g.owner(i), g, i)
 
     def find(self, t: int, offsets: tuple) -> Chunk | None:
         g = self.geom(t)
@@ -252,11 +252,14 @@ class IndexTable:
         return [self.chunk_at(t, i) for i in range(self.count(t))]
 
     # ------------------------------------------------------------------ parts
-    def _record(self, t: int, offsets: tuple, sizes: tuple, owner: int, g: Geometry | None = None) -> Chunk:
+    def _record(self, t: int, offsets: tuple, sizes: tuple, owner: int, g: Geometry | None = None,
+                i: int = -1) -> Chunk:
+        """The record of tensor ``t``'s box (chunk ``i`` of rule ``g``, or listed), from the
+        index (held or inline) or from ``owner``'s part."""
         fqn = self.tensors[t].fqn
         if g is not None and self.held.has(t):  # a replicated box: its record is in the index
             try:
-                return self.held.chunk(t, offsets, sizes, owner, self.tail, math.prod(sizes) * g.itemsize)
+                return self.held.chunk_of(t, i, offsets, sizes, owner, self.tail, math.prod(sizes) * g.itemsize)
             except _Bad as e:
                 raise ManifestError(f"invalid manifest: {e}", checkpoint=self.source, key=fqn) from None
         entry = self.inline.get(fqn) if owner == INLINE else self.part(owner).tensors.get(fqn)

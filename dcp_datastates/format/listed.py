@@ -7,6 +7,7 @@ or as Python lists made once for tables of up to ``_BULK`` chunks.  ``tensors`` 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,23 +28,20 @@ INLINE = -1  # the owner of a chunk whose record is in the index's "inline" tabl
 @dataclass(slots=True)
 class HeldColumns:
     """Records of replicated boxes, which the index holds (a rank loading one reads no part),
-    gathered column by column as the coordinator adds each rank's: the box, the writer's rank,
-    the extent's segments, and where its block digests start in that rank's part's tail."""
+    gathered column by column as the coordinator adds each rank's: the tensor, the box's chunk
+    number under the tensor's rule (which gives the box and its writer), where the box's block
+    digests start in the writer's part tail, and the extent's segments."""
     tensor: list[int] = field(default_factory=list)
-    owner: list[int] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
+    chunk: list[int] = field(default_factory=list)
     tail_at: list[int] = field(default_factory=list)
     nsegs: list[int] = field(default_factory=list)
     seg_file: list[str] = field(default_factory=list)
     seg_offset: list[int] = field(default_factory=list)
     seg_nbytes: list[int] = field(default_factory=list)
 
-    def add(self, tensor: int, offsets: tuple, sizes: tuple, owner: int, extent: Extent, tail_at: int) -> None:
+    def add(self, tensor: int, chunk: int, extent: Extent, tail_at: int) -> None:
         self.tensor.append(tensor)
-        self.owner.append(owner)
-        self.offsets += offsets
-        self.sizes += sizes
+        self.chunk.append(chunk)
         self.tail_at.append(tail_at)
         segs = extent.segs
         self.nsegs.append(len(segs))
@@ -58,27 +56,36 @@ class HeldColumns:
         self.seg_nbytes += [g.nbytes for g in segs]
 
     def to_wire(self, fidx: dict[str, int]) -> dict:
-        col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
-        return {"tensor": col(self.tensor), "owner": col(self.owner), "offsets": col(self.offsets),
-                "sizes": col(self.sizes), "tail_at": col(self.tail_at), "nsegs": col(self.nsegs),
-                "seg_file": col([fidx[f] for f in self.seg_file]), "seg_offset": col(self.seg_offset),
-                "seg_nbytes": col(self.seg_nbytes)}
+        """The columns in (tensor, chunk) order, as the reader looks records up; raises
+        ``_Bad`` where two ranks sent the same box (the save must not commit)."""
+        tensor, chunk = np.asarray(self.tensor, dtype=_I8), np.asarray(self.chunk, dtype=_I8)
+        order = np.lexsort((chunk, tensor))
+        if len(order) > 1 and not np.all(np.diff(tensor[order] * (1 << 24) + chunk[order]) > 0):
+            raise _Bad("two ranks sent the record of one replicated box")
+        nsegs = np.asarray(self.nsegs, dtype=_I8)
+        first = _starts(nsegs)
+        segs = np.concatenate([np.arange(first[i], first[i] + nsegs[i]) for i in order.tolist()]) \
+            if len(order) and int(nsegs.max()) > 1 else first[order]
+        sfile = np.asarray([fidx[f] for f in self.seg_file], dtype=_I8)
+        return {"tensor": tensor[order].tobytes(), "chunk": chunk[order].tobytes(),
+                "tail_at": np.asarray(self.tail_at, dtype=_I8)[order].tobytes(), "nsegs": nsegs[order].tobytes(),
+                "seg_file": sfile[segs].tobytes(),
+                "seg_offset": np.asarray(self.seg_offset, dtype=_I8)[segs].tobytes(),
+                "seg_nbytes": np.asarray(self.seg_nbytes, dtype=_I8)[segs].tobytes()}
 
 
 class Listed:
     """The chunks of tensors without a rule, as int64 columns validated in bulk (owners, boxes
     inside their tensors); a tensor's boxes are shown disjoint when it is first used."""
 
-    def __init__(self, raw, tensors: list, parts: PartTable, world: int,
-                 ruled: bool = False) -> None:
-        what = "held" if ruled else "explicit"
+    def __init__(self, raw, tensors: list, parts: PartTable, world: int) -> None:
+        what = "explicit"
         t = int_column(raw, "tensor", None, 0, max(0, len(tensors) - 1), what)
-        owner = int_column(raw, "owner", len(t), 0 if ruled else INLINE, world - 1, what)
+        owner = int_column(raw, "owner", len(t), INLINE, world - 1, what)
         if parts.missing(owner[owner != INLINE]):
             raise _Bad("an explicit chunk's owner has no metadata part")
-        if len(t) and any((tensors[i].rule is None) == ruled for i in np.unique(t).tolist()):
-            raise _Bad("a held chunk's tensor has no sharding rule" if ruled else
-                       "a tensor with a sharding rule also lists explicit chunks")
+        if len(t) and any(tensors[i].rule is not None for i in np.unique(t).tolist()):
+            raise _Bad("a tensor with a sharding rule also lists explicit chunks")
         tnd = np.array([len(x.size) for x in tensors], dtype=_I8)
         nd = tnd[t] if len(t) else np.zeros(0, _I8)
         total = int(nd.sum())
@@ -231,38 +238,54 @@ class Listed:
 
 
 class Held:
-    """The records of replicated boxes that the index holds: boxes as ``Listed`` columns,
-    and per chunk its segments and where its block digests start in its owner's part tail.
-    Segments are checked against the files in bulk; a record against its rule when used."""
+    """The records of replicated boxes that the index holds, in (tensor, chunk) order: per
+    record its chunk number under the tensor's rule, its segments, and where its block digests
+    start in the writer's part tail.  The rule gives the box and its writer; segments are
+    checked against the files in bulk, a record against its box when used."""
 
-    def __init__(self, raw, tensors: list, parts: PartTable, world: int,
-                 files: list[tuple[str, int]], block_size: int) -> None:
-        self.boxes = Listed(raw, tensors, parts, world, ruled=True)
-        n = len(self.boxes.t)
+    def __init__(self, raw, tensors: list, world: int, files: list[tuple[str, int]], block_size: int) -> None:
+        t = int_column(raw, "tensor", None, 0, max(0, len(tensors) - 1), "held")
+        n = len(t)
+        chunk = int_column(raw, "chunk", n, 0, world - 1, "held")  # a rule has at most a chunk per rank
+        if n > 1 and not np.all(np.diff(t * (1 << 24) + chunk) > 0):
+            raise _Bad("held records are not in (tensor, chunk) order, each once")
+        with_ = np.unique(t).tolist()
+        if any(tensors[i].rule is None for i in with_):
+            raise _Bad("a held chunk's tensor has no sharding rule")
         self.tail_at = int_column(raw, "tail_at", n, 0, MAX_PART_BYTES, "held")
         nsegs = int_column(raw, "nsegs", n, 0, 1 << 16, "held")
         self.sfile, self.soff, self.sn, self.first = segment_columns(raw, nsegs, files, block_size, "held")
-        self.nsegs, self.fnames, self.block_size = nsegs, [f for f, _ in files], block_size
-        self._with = frozenset(np.unique(self.boxes.t).tolist())
+        self.t, self.chunk, self.nsegs = t, chunk, nsegs
+        self.fnames, self.block_size = [f for f, _ in files], block_size
+        self._with = frozenset(with_)
         self._lists: tuple | None = None  # the columns as Python lists, made on first use
 
     def has(self, t: int) -> bool:
         return t in self._with
 
-    def chunk(self, t: int, offsets: tuple, sizes: tuple, owner: int, tail: Callable[[int], DigestTail],
-              nbytes: int) -> Chunk:
-        """The held record of tensor ``t``'s box at ``offsets``: it must have the rule's sizes,
-        be owned by the rule's writer, and hold exactly the box's ``nbytes``."""
-        i = self.boxes.position(t, offsets)
-        if i is None:
-            raise _Bad(f"no held chunk at {list(offsets)}")
+    def _row(self, t: int, i: int) -> int | None:
         if self._lists is None:
-            self._lists = tuple(a.tolist() for a in (self.boxes.owner, self.tail_at, self.first, self.nsegs,
-                                                     self.sfile, self.soff, self.sn))
-        owners, tail_at, first, nsegs, sfile, soff, sn = self._lists
-        c = self.boxes.row(t, i)
-        if owners[c] != owner or self.boxes.sizes_of(c) != tuple(sizes):
-            raise _Bad(f"the held chunk at {list(offsets)} is not the box its rule gives (size, writer)")
+            u, lo = np.unique(self.t, return_index=True)
+            self._lists = (dict(zip(u.tolist(), lo.tolist())), self.chunk.tolist(), self.t.tolist(),
+                           *(a.tolist() for a in (self.tail_at, self.first, self.nsegs, self.sfile, self.soff,
+                                                  self.sn)))
+        lo, chunk, ts = self._lists[0].get(t), self._lists[1], self._lists[2]
+        if lo is None:
+            return None
+        c = lo + i  # records of every box of a tensor (the usual case): chunk i is the tensor's i-th
+        if c < len(chunk) and ts[c] == t and chunk[c] == i:
+            return c
+        c = bisect_left(chunk, i, lo, bisect_left(ts, t + 1, lo))
+        return c if c < len(chunk) and ts[c] == t and chunk[c] == i else None
+
+    def chunk_of(self, t: int, i: int, offsets: tuple, sizes: tuple, owner: int,
+                 tail: Callable[[int], DigestTail], nbytes: int) -> Chunk:
+        """The held record of tensor ``t``'s chunk ``i`` (box ``offsets``, ``sizes``, written by
+        ``owner``): it must hold exactly the box's ``nbytes``, its digests in the writer's tail."""
+        c = self._row(t, i)
+        if c is None:
+            raise _Bad(f"no held chunk at {list(offsets)}")
+        _, _, _, tail_at, first, nsegs, sfile, soff, sn = self._lists
         a, k = first[c], nsegs[c]
         if k == 1:  # most records: one segment
             segs, held = [Seg(self.fnames[sfile[a]], soff[a], sn[a])], sn[a]

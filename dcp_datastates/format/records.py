@@ -57,9 +57,10 @@ class PartRecord:
     values: dict[str, ValueEntry]
     usage: tuple[int, dict[str, int]] = (0, {})  # bytes in own files, bytes shared by home (``Manifest.usage``)
     timings: dict[str, float] = field(default_factory=dict)
-    # replicated boxes this rank wrote for all replicas: key, offsets, sizes, extent, and where
-    # the extent's block digests start in the part's tail; the index holds these records itself
-    held: list[tuple[str, tuple[int, ...], tuple[int, ...], Extent, int]] = field(default_factory=list)
+    # replicated boxes this rank wrote for all replicas: key, the box's chunk number under the
+    # tensor's rule, extent, and where the extent's block digests start in the part's tail; the
+    # index holds these records itself
+    held: list[tuple[str, int, Extent, int]] = field(default_factory=list)
     # the stripe of each of ``files`` that is this rank's own data file of this save (its name
     # follows from rank, save and stripe, so the index stores only its size)
     stripes: dict[str, int] = field(default_factory=dict)

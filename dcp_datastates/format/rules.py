@@ -286,6 +286,14 @@ class RuleTable:
             return 1
         return math.prod(s for s, d in zip(self.meshes[rule.mesh].shape, rule.dims) if d < 0)
 
+    def chunk_of(self, fqn: str, size: tuple[int, ...], offsets: tuple[int, ...]) -> int:
+        """The number of the chunk at ``offsets`` of tensor ``fqn`` (of ``size``) under its rule."""
+        rule = self.rules[fqn]
+        i = Geometry(size, self.meshes[rule.mesh], rule, 0, 1).index_of(tuple(offsets))
+        if i is None:
+            raise _Bad(f"tensor {fqn!r} has no chunk at {list(offsets)} under its sharding rule")
+        return i
+
     @classmethod
     def of(cls, meshes: list[Mesh], rules: dict[str, ShardRule]) -> "RuleTable":
         h = xxhash.xxh3_128()
