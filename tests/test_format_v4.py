@@ -92,6 +92,19 @@ def test_rules_save_once_and_reshard(ruled):
     run_ranks(2, workers.rules_load, ours, False)
 
 
+def test_a_box_that_is_one_listed_chunk_is_found_directly(ruled):
+    """A rank whose box is exactly one listed chunk (a same-size restart of a tensor without a
+    rule) gets that chunk alone, as the sweep over every chunk finds it; other boxes are swept."""
+    index = load_manifest(StorageTier(ruled)).index
+    t = next(i for i, x in enumerate(index.tensors) if x.fqn == "twice")
+    assert index.tensors[t].rule is None and index.listed.count(t) == 4
+    for i in range(4):
+        o, z = index.box_at(t, i)
+        assert index.overlapping(t, [(o, z)]) == index.listed.overlapping(t, [(o, z)]) == [i]
+        wide = (o, (z[0] * 2, z[1]))  # starts at a chunk, but spans the next one too
+        assert index.overlapping(t, [wide]) == index.listed.overlapping(t, [wide]) == ([i, i + 1] if i < 3 else [i])
+
+
 @pytest.mark.parametrize("save_world,load_world", [(3, 2), (2, 3)])
 def test_fsdp2_with_rules_reshards(tmp_path, save_world, load_world):
     ours, ref = str(tmp_path / "ours"), str(tmp_path / "ref")

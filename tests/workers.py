@@ -497,18 +497,19 @@ def _rules_full():
     torch.manual_seed(5)
     return {"row": torch.randn(10, 6), "tiny": torch.randn(3, 2), "col": torch.randn(5, 7),
             "rep": torch.randn(4, 6), "hsdp": torch.randn(9, 4), "grid": torch.randn(5, 6),
-            "plain": torch.arange(5.0)}
+            "plain": torch.arange(5.0), "twice": torch.randn(16, 3)}
 
 
 def rules_save(rank, world, ours_dir):
     """1-D and 2-D meshes with Shard, Replicate, uneven and empty shards, an HSDP layout
-    (replicated over one mesh dimension, sharded over the other) and a plain tensor."""
+    (replicated over one mesh dimension, sharded over the other), a tensor whose dimension 0
+    both mesh dimensions shard (no rule: its chunks are listed) and a plain tensor."""
     full = _rules_full()
     mesh1 = init_device_mesh("cpu", (world,))
     mesh2 = init_device_mesh("cpu", (2, world // 2))
     place = {"row": (mesh1, [Shard(0)]), "tiny": (mesh1, [Shard(0)]), "col": (mesh1, [Shard(1)]),
              "rep": (mesh1, [Replicate()]), "hsdp": (mesh2, [Replicate(), Shard(0)]),
-             "grid": (mesh2, [Shard(1), Shard(0)])}
+             "grid": (mesh2, [Shard(1), Shard(0)]), "twice": (mesh2, [Shard(0), Shard(0)])}
     sd = {k: distribute_tensor(full[k], *place[k]) if k in place else full[k] for k in full}
     dcp.save(sd, storage_writer=DataStatesWriter(ours_dir), planner=DataStatesSavePlanner())
 

@@ -208,6 +208,10 @@ class IndexTable:
         self.check(t)
         if not self.tensors[t].size:  # a 0-d tensor (an Adam step): its one chunk
             return list(range(min(1, self.listed.count(t))))
+        if len(boxes) == 1 and all(boxes[0][1]):  # a box that is one listed chunk (a same-size restart):
+            i = self.listed.position(t, boxes[0][0])  # the chunks are disjoint, so no other overlaps it
+            if i is not None and self.listed.box_of(t, i) == boxes[0]:
+                return [i]
         return self.listed.overlapping(t, boxes)
 
     def check(self, t: int) -> None:

@@ -28,8 +28,19 @@ _RANK_MANIFEST = re.compile(r"^\.manifest\.rank-(\d{5})(?:\.([0-9a-f]{12}))?$")
 _MARKER = re.compile(r"^\.(?:uploaded|failed)\.rank-(\d{5})\.([0-9a-f]{12})$")
 
 
+_DATA_NAME = "data-r%05d-%s-%02d.dsd"
+_PART_NAME = "part-r%05d-%s.dsm"
+
+
 def data_file_name(rank: int, save_id: str, stripe: int) -> str:
-    return f"data-r{rank:05d}-{save_id}-{stripe:02d}.dsd"
+    return _DATA_NAME % (rank, save_id, stripe)
+
+
+def rank_file_names(ranks: list[int], stripes: list[int], save_id: str) -> list[str]:
+    """Many ranks' file names at once: ``data_file_name``, or ``part_file_name`` where the
+    stripe is negative (format 4's index makes 32,768 of them at 16,384 ranks)."""
+    data, part = _DATA_NAME, _PART_NAME
+    return [part % (r, save_id) if s < 0 else data % (r, save_id, s) for r, s in zip(ranks, stripes)]
 
 
 def data_file_stripe(name: str, rank: int, save_id: str) -> int | None:
@@ -39,7 +50,7 @@ def data_file_stripe(name: str, rank: int, save_id: str) -> int | None:
 
 
 def part_file_name(rank: int, save_id: str) -> str:
-    return f"part-r{rank:05d}-{save_id}.dsm"
+    return _PART_NAME % (rank, save_id)
 
 
 def data_file_save_id(name: str) -> str | None:

@@ -24,7 +24,7 @@ import xxhash
 
 from .columnar import MAX_FILE_BYTES, int_column
 from .model import _Bad
-from .names import SAVE_ID, data_file_name, part_file_name
+from .names import SAVE_ID, rank_file_names
 
 PART = -1  # the stripe of a rank's metadata part in ``rank_files``
 MAX_STRIPE = 99  # data file names hold two digits of stripe
@@ -119,8 +119,7 @@ class RankFiles:
         if len(np.unique(rank * (MAX_STRIPE + 2) + (stripe - PART))) != n:
             raise _Bad("rank_files lists a rank's file twice")
         self.rank, self.stripe, self.size = rank, stripe, size
-        self.names = [part_file_name(r, save_id) if s == PART else data_file_name(r, save_id, s)
-                      for r, s in zip(rank.tolist(), stripe.tolist())]
+        self.names = rank_file_names(rank.tolist(), stripe.tolist(), save_id)
 
 
 class PartTable:
