@@ -175,6 +175,12 @@ class Listed:
 
     def box_of(self, ti: int, i: int) -> tuple[tuple, tuple]:
         """The box of tensor ``ti``'s chunk ``i``."""
+        py = self._lists()
+        if py is not None:  # one box from the lists, not the tensor's every box
+            bounds, order, cst, nd, offs, sizes, _ = py
+            c = order[bounds[ti][0] + i]
+            a, k = cst[c], nd[c]
+            return tuple(offs[a:a + k]), tuple(sizes[a:a + k])
         return self._box_list(ti)[i] if self.count(ti) <= _SMALL else self.box(self.row(ti, i))
 
     def owner_of(self, ti: int, i: int) -> int:
@@ -200,8 +206,8 @@ class Listed:
     def check(self, ti: int, fqn: str) -> None:
         if ti in self._checked:
             return
-        rows = self.rows(ti)
-        if len(rows) > 1 and ti not in self._stacked_tensors():
+        if self.count(ti) > 1 and ti not in self._stacked_tensors():
+            rows = self.rows(ti)
             offs, sizes = self._boxes(ti)
             live = np.all(sizes > 0, axis=1)
             if not _disjoint(offs[live], sizes[live]):
