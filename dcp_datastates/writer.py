@@ -482,24 +482,25 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     tensors = [IndexTensor(fqn, dtype_name(md.properties.dtype), tuple(md.size), rules.rules.get(fqn))
                for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     at = {t.fqn: i for i, t in enumerate(tensors)}
-    files, named, homes, values, explicit, held, seen = {}, {}, {}, {}, [], HeldColumns(), set()
+    named, homes, values, explicit, held, seen = {}, {}, {}, [], HeldColumns(), set()
     ranked = RankFileColumns()
-    owned, shared, add_held, add_data, parts = 0, {}, held.add, ranked.add_data, ranked.parts
-    for rr in results:
+    owned, shared, add_data, parts, held_of = 0, {}, ranked.add_data, ranked.parts, []
+    suffix = part_file_name(0, save_id)[len("part-r00000"):]
+    for rr in results:  # once per rank (16,384 times at scale): most of a rank's fields are empty
         for wr in rr:
             rec = wr.storage_data
             if not isinstance(rec, PartRecord):
                 raise CheckpointError("a rank wrote no metadata part although the save planner gave "
                                       "sharding rules (are all ranks using DataStatesSavePlanner?)", checkpoint=path)
-            if rec.part.name != part_file_name(rec.rank, save_id):
-                raise CheckpointError(f"rank {rec.rank} wrote metadata part {rec.part.name!r}, not this save's",
+            part = rec.part
+            if not part.name.endswith(suffix):  # the rank's own name for it: the index makes it from rank and save
+                raise CheckpointError(f"rank {rec.rank} wrote metadata part {part.name!r}, not this save's",
                                       checkpoint=path)
-            parts.append(rec.part)
+            parts.append(part)
             owned += rec.usage[0]
-            for home, n in rec.usage[1].items():
-                shared[home] = shared.get(home, 0) + n
-            files.update(rec.files)
-            files[rec.part.name] = rec.part.size
+            if rec.usage[1]:
+                for home, n in rec.usage[1].items():
+                    shared[home] = shared.get(home, 0) + n
             stripes = rec.stripes
             for f, size in rec.files.items():  # its own data files by stripe, the others by name
                 s = stripes.get(f)
@@ -507,15 +508,19 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                     named[f] = size
                 else:
                     add_data(rec.rank, s, f, size)
-            homes.update(rec.homes)
-            values.update(rec.values)
+            if rec.homes:
+                homes.update(rec.homes)
+            if rec.values:
+                values.update(rec.values)
             for fqn, offs, sizes, ext in rec.explicit:
                 if (fqn, offs) not in seen:  # a replicated item written by several ranks: keep one
                     seen.add((fqn, offs))
                     explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank,
                                                   None if ext is None else Chunk(offs, sizes, ext)))
-            for fqn, chunk, ext, tail_at in rec.held:
-                add_held(at[fqn], chunk, ext, tail_at)
+            if rec.held:
+                held_of.append(rec.held)
+    held.add_all(held_of, at)
+    files = {**named, **dict(zip(ranked.file_names(), ranked.size + [p.size for p in parts]))}
     world = max([dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                  *(p.rank + 1 for p in parts)])
     m = Manifest(save_id=save_id, world_size=world, ranks=sorted(p.rank for p in parts), files=files,

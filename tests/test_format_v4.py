@@ -13,23 +13,26 @@ import xxhash
 import numpy as np
 import pytest
 
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import Replicate, Shard
 
 from dcp_datastates import DataStatesReader
-from dcp_datastates.errors import ManifestError
+from dcp_datastates.errors import CheckpointError, ManifestError
 from dcp_datastates.format import manifest as manifest_mod
-from dcp_datastates.format.columnar import encode_table
-from dcp_datastates.format.paths import paths_from_wire, paths_wire
-from dcp_datastates.format.model import _Bad
-from dcp_datastates.format.names import data_file_name, part_file_name
-from dcp_datastates.format.ranked import open_tail, seal_tail
-from dcp_datastates.format.listed import HeldColumns
-from dcp_datastates.format.model import Extent, Seg
 from dcp_datastates.format.checksum import Digests
+from dcp_datastates.format.columnar import encode_table
+from dcp_datastates.format.listed import HeldColumns
 from dcp_datastates.format.manifest import MAGIC, decode_manifest
-from dcp_datastates.format.rules import Geometry, Mesh, ShardRule, salt
+from dcp_datastates.format.model import Extent, Seg, _Bad
+from dcp_datastates.format.names import data_file_name, part_file_name
+from dcp_datastates.format.paths import paths_from_wire, paths_wire
+from dcp_datastates.format.ranked import PartRef, open_tail, seal_tail
+from dcp_datastates.format.records import PartRecord
+from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest
+from dcp_datastates.writer import PART_INDEX, _index_for
 from tests import workers
 from tests.dist import run_ranks
 from tests.manifest_tools import rewrite_manifest
@@ -262,15 +265,26 @@ def test_held_records_are_sorted_and_each_box_once():
     it, and refuses two records of one box instead of committing an index no rank can read."""
     h = HeldColumns()
     seg = lambda off, n: Seg("f", off, n)  # noqa: E731
-    for t, c, segs in [(1, 0, [seg(0, 8)]), (0, 2, [seg(8, 4096), seg(4104, 8)]), (0, 1, [seg(5000, 8)])]:
-        h.add(t, c, Extent(segs, sum(g.nbytes for g in segs), Digests(bytes(16))), 16 * c)
+    ext = lambda *segs: Extent(list(segs), sum(g.nbytes for g in segs), Digests(bytes(16)))  # noqa: E731
+    h.add_all([[("b", 0, ext(seg(0, 8)), 0)], [("a", 2, ext(seg(8, 4096), seg(4104, 8)), 32),
+                                                ("a", 1, ext(seg(5000, 8)), 16)]], {"a": 0, "b": 1})
     w = h.to_wire({"f": 0})
     col = lambda k: np.frombuffer(w[k], "<i8").tolist()  # noqa: E731
     assert (col("tensor"), col("chunk"), col("nsegs"), col("tail_at")) == ([0, 0, 1], [1, 2, 0], [1, 2, 1], [16, 32, 0])
     assert col("seg_offset") == [5000, 8, 4104, 0] and col("seg_nbytes") == [8, 4096, 8, 8]
-    h.add(0, 1, Extent([seg(0, 8)], 8, Digests(bytes(16))), 0)
+    h.add_all([[("a", 1, ext(seg(0, 8)), 0)]], {"a": 0})
     with pytest.raises(_Bad, match="two ranks"):
         h.to_wire({"f": 0})
+
+
+def test_coordinator_refuses_a_part_of_another_save():
+    """A rank's part record naming another save's part (a rank left over from an earlier save)
+    fails the commit: the index would name this save's part of that rank, which is not there."""
+    ref = PartRef(0, part_file_name(0, "aaaaaaaaaaaa"), 100, 50)
+    results = [[WriteResult(index=PART_INDEX, size_in_bytes=100, storage_data=PartRecord(0, ref, {}, {}, [], {}))]]
+    with pytest.raises(CheckpointError, match="not this save's"):
+        _index_for(Metadata(state_dict_metadata={}), results, "bbbbbbbbbbbb", RuleTable.of([], {}), "/ck")
+    _index_for(Metadata(state_dict_metadata={}), results, "aaaaaaaaaaaa", RuleTable.of([], {}), "/ck")
 
 
 def test_part_tail_names_its_save_and_rank():

@@ -39,21 +39,22 @@ class HeldColumns:
     seg_offset: list[int] = field(default_factory=list)
     seg_nbytes: list[int] = field(default_factory=list)
 
-    def add(self, tensor: int, chunk: int, extent: Extent, tail_at: int) -> None:
-        self.tensor.append(tensor)
-        self.chunk.append(chunk)
-        self.tail_at.append(tail_at)
-        segs = extent.segs
-        self.nsegs.append(len(segs))
-        if len(segs) == 1:
-            g = segs[0]
-            self.seg_file.append(g.file)
-            self.seg_offset.append(g.offset)
-            self.seg_nbytes.append(g.nbytes)
-            return
-        self.seg_file += [g.file for g in segs]
-        self.seg_offset += [g.offset for g in segs]
-        self.seg_nbytes += [g.nbytes for g in segs]
+    def add_all(self, records: list[list[tuple[str, int, Extent, int]]], at: dict[str, int]) -> None:
+        """Every rank's records (``PartRecord.held``: key, chunk, extent, tail offset), with
+        ``at`` giving each key's tensor number: one loop for all of them."""
+        tensor, chunk, tail_at, nsegs = self.tensor.append, self.chunk.append, self.tail_at.append, self.nsegs.append
+        sfile, soff, sn = self.seg_file.append, self.seg_offset.append, self.seg_nbytes.append
+        for recs in records:
+            for fqn, c, extent, t_at in recs:
+                tensor(at[fqn])
+                chunk(c)
+                tail_at(t_at)
+                segs = extent.segs
+                nsegs(len(segs))
+                for g in segs:
+                    sfile(g.file)
+                    soff(g.offset)
+                    sn(g.nbytes)
 
     def to_wire(self, fidx: dict[str, int]) -> dict:
         """The columns in (tensor, chunk) order, as the reader looks records up; raises
