@@ -1,6 +1,7 @@
 """Format version 4: sharding rules and per-rank metadata parts, on real gloo ranks."""
 
 import itertools
+import math
 import os
 import random
 import shutil
@@ -298,6 +299,26 @@ def test_part_tail_names_its_save_and_rank():
                                  ("0123456789ab", 2, tail[-10:], "shorter than its footer")]:
         with pytest.raises(_Bad, match=why):
             open_tail(data, sid, rank)
+
+
+def test_owner_is_the_rank_at_the_writers_coordinate():
+    """``Geometry.owner`` (by strides where all boxes are alike) names the mesh rank at
+    ``writer``'s coordinate for every chunk, over random meshes, rules and sizes."""
+    rng = random.Random(7)
+    for _ in range(300):
+        shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        ranks = rng.sample(range(200), math.prod(shape))
+        ndim = rng.randint(1, 3)
+        free = list(range(ndim))
+        rng.shuffle(free)
+        dims = tuple(free.pop() if free and rng.random() < 0.6 else -1 for _ in shape)
+        size = tuple(rng.choice([0, 1, 3, 8, 64, 1 << 14]) for _ in range(ndim))
+        g = Geometry(size, Mesh.of(shape, ranks), ShardRule(0, dims), rng.randrange(1 << 32), rng.choice([1, 4]))
+        for i in range(g.count()):
+            flat = 0
+            for n, c in zip(shape, g.writer(i)):
+                flat = flat * n + c
+            assert g.owner(i) == ranks[flat], (shape, dims, size, i)
 
 
 def test_replica_that_writes_a_box():

@@ -18,6 +18,7 @@ for all of them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import zlib
@@ -29,6 +30,7 @@ from .model import _Bad
 
 MAX_MESH_DIMS = 8
 SMALL_BOX_BYTES = 64 << 10  # a replicated box this small is written by the first replica
+_ALL_LARGE, _ALL_SMALL, _MIXED = 1, 0, 2  # a rule's boxes against SMALL_BOX_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,18 +134,12 @@ class Geometry:
     """The chunks of one tensor under a rule: boxes, overlap, owner ranks, by arithmetic."""
 
     __slots__ = ("size", "mesh", "dims", "salt", "itemsize", "_sharded", "_replicated", "_count", "_replicas",
-                 "_last")
+                 "_strides", "_big", "_last")
 
     def __init__(self, size: tuple[int, ...], mesh: Mesh, rule: ShardRule, salt_: int, itemsize: int) -> None:
         self.size, self.mesh, self.dims, self.salt, self.itemsize = size, mesh, rule.dims, salt_, itemsize
-        self._sharded = [m for m, d in enumerate(rule.dims) if d >= 0]
-        self._replicated = [m for m, d in enumerate(rule.dims) if d < 0]
-        self._count = 1
-        for m in self._sharded:
-            self._count *= mesh.shape[m]
-        self._replicas = 1
-        for m in self._replicated:
-            self._replicas *= mesh.shape[m]
+        self._sharded, self._replicated, self._count, self._replicas, self._strides = _layout(mesh.shape, rule.dims)
+        self._big: int | None = None  # _ALL_LARGE, _ALL_SMALL or _MIXED (``_alike``), found on first use
         self._last: tuple = (-1, None)  # planning and reading ask for one chunk's box several times
 
     def count(self) -> int:
@@ -200,13 +196,36 @@ class Geometry:
         return tuple(coord)
 
     def owner(self, i: int) -> int:
-        """The global rank whose part holds chunk ``i``."""
-        if self._replicas == 1 and len(self.mesh.shape) == 1:  # FSDP: chunk i is rank i's
+        """The global rank whose part holds chunk ``i``: the mesh rank at ``writer(i)``, by
+        strides where all boxes are alike (an even split), else through ``writer``."""
+        shape = self.mesh.shape
+        if self._replicas == 1 and len(shape) == 1:  # FSDP: chunk i is rank i's
             return self.mesh.ranks[i]
-        flat = 0
-        for s, c in zip(self.mesh.shape, self.writer(i)):
-            flat = flat * s + c
+        if self._big is None:
+            self._big = self._alike()
+        if self._big == _MIXED and self._replicas > 1:  # boxes of different sizes: the general way
+            flat = 0
+            for n, c in zip(shape, self.writer(i)):
+                flat = flat * n + c
+            return self.mesh.ranks[flat]
+        flat, j, strides = 0, i, self._strides
+        for m in reversed(self._sharded):
+            n = shape[m]
+            flat += (j % n) * strides[m]
+            j //= n
+        if self._replicas > 1 and self._big == _ALL_LARGE:  # replica (salt + i) mod replicas wrote it
+            k = (self.salt + i) % self._replicas
+            for m in reversed(self._replicated):
+                flat += (k % shape[m]) * strides[m]
+                k //= shape[m]
         return self.mesh.ranks[flat]
+
+    def _alike(self) -> int:
+        """Whether every box is larger than ``SMALL_BOX_BYTES``, none is, or it differs by box
+        (an uneven split: the last shards are shorter)."""
+        if any(self.size[self.dims[m]] % self.mesh.shape[m] for m in self._sharded) or not self._count:
+            return _MIXED
+        return _ALL_LARGE if math.prod(self.box(0)[1]) * self.itemsize > SMALL_BOX_BYTES else _ALL_SMALL
 
     def index_of(self, offsets: tuple) -> int | None:
         """The chunk stored at ``offsets`` (an empty one: the first such), or None."""
@@ -252,6 +271,17 @@ class Geometry:
                     i = i * self.mesh.shape[m] + c
                 hits.add(i)
         return sorted(hits)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple:
+    """What a rule's geometry needs of its mesh's shape, made once per (shape, dims): the sharded
+    and the replicated mesh dimensions, the chunk count, the replica count and the row-major
+    stride of each mesh dimension."""
+    sharded = [m for m, d in enumerate(dims) if d >= 0]
+    replicated = [m for m, d in enumerate(dims) if d < 0]
+    strides = [math.prod(shape[m + 1:]) for m in range(len(shape))]
+    return sharded, replicated, math.prod(shape[m] for m in sharded), math.prod(shape[m] for m in replicated), strides
 
 
 def _candidates(size: int, n: int, off: int):
