@@ -6,17 +6,19 @@ and every rank reads all of them.  Version 4 splits it:
 * the **index** (``.metadata``, written by the coordinator) holds what grows in tensors +
   ranks: each tensor's dtype and size and either its sharding rule (``rules.py``) or, for
   tensors without one, its chunks' boxes and the rank that wrote each; the meshes; the values;
-  every file with its size; and each rank's **part** with its size and xxh3-128 digest;
+  the records of replicated boxes (``listed.py``); every file with its size, and each rank's
+  **part** with the length of its head (as columns, ``ranked.py``);
 * a **part** (``part-rNNNNN-<save>.dsm``, written by its rank with its data files) is a
   version 3 manifest of that rank's chunks, where their bytes are (the head), followed by
-  their block digests (the tail).
+  their block digests and a footer naming its save and rank (the tail).
 
 A rank reads the index and the heads of the parts of the ranks whose chunks it loads: its own
-for a same-size restart, a few when resharded.  A head is accepted only with the digest the
-index gives it, the same save id, and files that the index lists with the same sizes; a chunk
-is taken from it only where its box is the one the rule or the index says.  A part's tail is
-read when the first of its chunks' data is, and used only with the digest its head gives.
-Both the index and the heads are packed (zlib) after their header fields.
+for a same-size restart, a few when resharded.  A head is accepted only when it decodes (its
+trailer included), names this save and this rank, and lists files that the index lists with
+the same sizes; a chunk is taken from it only where its box is the one the rule or the index
+says.  A part's tail is read when the first of its chunks' data is, and used only when its
+footer names this save and rank and matches its digests.  Both the index and the heads are
+packed (zlib) after their header fields.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 Their names follow from the rank, the stripe and the save id (``names.py``), so the index
 stores them as three int64 columns (``rank_files``: rank, as the step from the row before,
-stripe, size; stripe ``PART``: the rank's part) and the length of each part's head beside them (``parts``).  At 16,384 ranks that
-is 32,768 files: as ``[name, size]`` pairs and ``[rank, name, size, digest, head, tail
-digest]`` lists they were most of the index, and decoding them one by one most of a rank's
-time to read it; the two digests a part alone were half the index's bytes.
+stripe, size; stripe ``PART``: the rank's part) and the length of each part's head beside
+them (``parts``).  At 16,384 ranks that is 32,768 files: as ``[name, size]`` pairs and
+``[rank, name, size, digest, head, tail digest]`` lists they were most of the index, and
+decoding them one by one most of a rank's time to read it; the two digests a part alone were
+half the index's bytes.
 
 A part vouches for itself instead: its head is a packed manifest with its own trailer, save id
 and rank; its tail ends in a footer (``FOOTER``) with the save id, the rank and the xxh3-128
