@@ -520,7 +520,8 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
             if rec.held:
                 held_of.append(rec.held)
     held.add_all(held_of, at)
-    files = {**named, **dict(zip(ranked.file_names(), ranked.size + [p.size for p in parts]))}
+    files = dict(named)
+    files.update(zip(ranked.file_names(), ranked.size + [p.size for p in parts]))
     world = max([dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                  *(p.rank + 1 for p in parts)])
     m = Manifest(save_id=save_id, world_size=world, ranks=sorted(p.rank for p in parts), files=files,
@@ -531,6 +532,7 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     except _Bad as e:
         raise CheckpointError(f"the ranks' records do not make an index: {e}", checkpoint=path) from None
     return m, encode_index(m, wire)
+
 
 def _planner_data(metadata: Metadata) -> dict:
     raw = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}

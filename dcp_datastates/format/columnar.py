@@ -42,7 +42,8 @@ MAX_FILE_BYTES = 1 << 50
 _I8 = np.dtype("<i8")
 
 
-def _col(values: list[int]) -> bytes:
+def int_bytes(values) -> bytes:
+    """A column of ints as little-endian int64 bytes (what ``int_column`` reads back)."""
     return np.asarray(values, dtype=_I8).tobytes()
 
 
@@ -83,9 +84,10 @@ def encode_table(tensors: dict[str, TensorEntry], file_index: dict[str, int], sp
                     sums_a(join_digests(ext.sums))
             ci += 1
     return {"names": list(tensors), "dtypes": list(dtypes), "dtype": bytes(dcode), "ndim": bytes(ndim),
-            "size": _col(size), "nchunks": _col(nchunks), "offsets": _col(offsets), "sizes": _col(sizes),
-            "nsegs": _col(nsegs), "seg_file": _col(seg_file), "seg_offset": _col(seg_offset),
-            "seg_nbytes": _col(seg_nbytes), "sums": b"".join(sums), "special": special}
+            "size": int_bytes(size), "nchunks": int_bytes(nchunks), "offsets": int_bytes(offsets),
+            "sizes": int_bytes(sizes), "nsegs": int_bytes(nsegs), "seg_file": int_bytes(seg_file),
+            "seg_offset": int_bytes(seg_offset), "seg_nbytes": int_bytes(seg_nbytes), "sums": b"".join(sums),
+            "special": special}
 
 
 def tail_offsets(tensors: dict[str, TensorEntry]) -> dict[tuple[str, tuple], int]:
@@ -294,7 +296,7 @@ class Table:
         self.offs, self.sizes, self.numel, self.nbytes, self.nsegs = offs, sizes, numel, nbytes, nsegs
         self.sfile, self.soff, self.sn, self.sums, self.nsums = sfile, soff, sn, sums, nsums
         self.special: dict[int, Chunk] = {}
-        self.fnames = [f for f, _ in files]
+        self.files = files  # (name, size) by the position segments give
         self.source = source
         self._rows_cache: dict[int, np.ndarray] = {}
         self._small_boxes: dict[int, list] = {}
@@ -344,9 +346,9 @@ class Table:
             return self.special[c]
         s0 = int(self.first_seg[c])
         if n == 1:  # most chunks: no slices
-            segs = [Seg(self.fnames[int(self.sfile[s0])], int(self.soff[s0]), int(self.sn[s0]))]
+            segs = [Seg(self.files[int(self.sfile[s0])][0], int(self.soff[s0]), int(self.sn[s0]))]
         else:
-            segs = [Seg(self.fnames[int(f)], int(off), int(k)) for f, off, k in
+            segs = [Seg(self.files[int(f)][0], int(off), int(k)) for f, off, k in
                     zip(self.sfile[s0:s0 + n].tolist(), self.soff[s0:s0 + n].tolist(), self.sn[s0:s0 + n].tolist())]
         d, k = int(self.first_sum[c]), int(self.nsums[c]) * DIGEST_BYTES
         sums = Digests.tail(self.sums, d, k) if isinstance(self.sums, DigestTail) else Digests(self.sums[d:d + k])

@@ -28,11 +28,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from ..errors import ManifestError
 from .checksum import DigestTail
-from .columnar import byte_column, decode_table, encode_table, int_column
+from .columnar import byte_column, decode_table, encode_table, int_bytes, int_column
 from .dtypes import dtype_from_name
 from .listed import INLINE, Held, HeldColumns, Listed
 from .model import Chunk, Manifest, TensorEntry, _Bad
@@ -43,7 +41,6 @@ INDEX_VERSION = 4
 MAX_NDIM = 64
 MAX_DIM = 1 << 48
 MAX_RULES = 1 << 20
-_I8 = np.dtype("<i8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +68,6 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
                held: HeldColumns | None = None) -> dict:
     """The version 4 fields of the manifest body: ``files`` those not named by rank (listed
     first), ``ranked`` each rank's own data files and part (``ranked.py``)."""
-    col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
     order = [*files, *ranked.file_names()]
     fidx = dict(zip(order, range(len(order))))
     inline: dict[str, TensorEntry] = {}
@@ -87,9 +83,10 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
         "inline": encode_table(inline, fidx, _no_provider),
         "meshes": [m.to_wire() for m in meshes],
         "tensor_list": _tensors_wire(tensors),
-        "explicit": {"tensor": col([c.tensor for c in explicit]), "owner": col([c.owner for c in explicit]),
-                     "offsets": col([x for c in explicit for x in c.offsets]),
-                     "sizes": col([x for c in explicit for x in c.sizes])},
+        "explicit": {"tensor": int_bytes([c.tensor for c in explicit]),
+                     "owner": int_bytes([c.owner for c in explicit]),
+                     "offsets": int_bytes([x for c in explicit for x in c.offsets]),
+                     "sizes": int_bytes([x for c in explicit for x in c.sizes])},
         "held": (held or HeldColumns()).to_wire(fidx),
     }
 
@@ -106,8 +103,8 @@ def _tensors_wire(tensors: list[IndexTensor]) -> dict:
         size.extend(t.size)
         rcode.append(-1 if t.rule is None else rules.setdefault(t.rule, len(rules)))
     return {"names": [t.fqn for t in tensors], "dtypes": list(dtypes), "dtype": bytes(dcode), "ndim": bytes(ndim),
-            "size": np.asarray(size, dtype=_I8).tobytes(), "rules": [r.to_wire() for r in rules],
-            "rule": np.asarray(rcode, dtype=_I8).tobytes()}
+            "size": int_bytes(size), "rules": [r.to_wire() for r in rules],
+            "rule": int_bytes(rcode)}
 
 
 def _tensors_from_wire(raw, meshes: list[Mesh]) -> list[IndexTensor]:
@@ -169,7 +166,8 @@ class IndexTable:
         self.tensors: list[IndexTensor] = _tensors_from_wire(body.get("tensor_list"), self.meshes)
         self._geoms: dict[int, Geometry | None] = {}
         self.listed = Listed(body.get("explicit"), self.tensors, self.parts, world)
-        self.held = Held(body.get("held"), self.tensors, world, list(files.items()), block_size)
+        positions = list(files.items())  # what segments' file numbers name
+        self.held = Held(body.get("held"), self.tensors, world, positions, block_size)
         self._tails: dict[int, DigestTail] = {}
         raw_usage = body.get("usage")
         if not (isinstance(raw_usage, list) and len(raw_usage) == 2 and isinstance(raw_usage[0], int)
@@ -177,7 +175,7 @@ class IndexTable:
                 and all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in raw_usage[1].items())):
             raise _Bad("usage must be [owned bytes, {home: shared bytes}]")
         self.usage: tuple[int, dict[str, int]] = (raw_usage[0], dict(raw_usage[1]))
-        self.inline = decode_table(body.get("inline"), list(files.items()), block_size, _no_special, source)
+        self.inline = decode_table(body.get("inline"), positions, block_size, _no_special, source)
         if int((self.listed.owner == INLINE).sum()) != sum(e.count() for e in self.inline.values()):
             raise _Bad("the inline table does not hold exactly the chunks listed as inline")
 

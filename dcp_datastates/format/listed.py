@@ -263,7 +263,7 @@ class Held:
         nsegs = int_column(raw, "nsegs", n, 0, 1 << 16, "held")
         self.sfile, self.soff, self.sn, self.first = segment_columns(raw, nsegs, files, block_size, "held")
         self.t, self.chunk, self.nsegs = t, chunk, nsegs
-        self.fnames, self.block_size = [f for f, _ in files], block_size
+        self.files, self.block_size = files, block_size
         self._with = frozenset(with_)
         self._lists: tuple | None = None  # the columns as Python lists, made on first use
 
@@ -295,9 +295,9 @@ class Held:
         _, _, _, tail_at, first, nsegs, sfile, soff, sn = self._lists
         a, k = first[c], nsegs[c]
         if k == 1:  # most records: one segment
-            segs, held = [Seg(self.fnames[sfile[a]], soff[a], sn[a])], sn[a]
+            segs, held = [Seg(self.files[sfile[a]][0], soff[a], sn[a])], sn[a]
         else:
-            segs = [Seg(self.fnames[sfile[j]], soff[j], sn[j]) for j in range(a, a + k)]
+            segs = [Seg(self.files[sfile[j]][0], soff[j], sn[j]) for j in range(a, a + k)]
             held = sum(sn[a:a + k])
         if held != nbytes:
             raise _Bad(f"the held chunk at {list(offsets)} holds {held} bytes, its box {nbytes}")

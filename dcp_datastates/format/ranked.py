@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from .columnar import MAX_FILE_BYTES, int_column
+from .columnar import MAX_FILE_BYTES, int_bytes, int_column
 from .model import _Bad
 from .names import SAVE_ID, rank_file_names
 
@@ -91,13 +91,12 @@ class RankFileColumns:
         self.names.append(name)
 
     def to_wire(self) -> dict:
-        col = lambda v: np.asarray(v, dtype=_I8).tobytes()  # noqa: E731
         ps = self.parts
         rank = np.asarray(self.rank + [p.rank for p in ps], dtype=_I8)
-        return {"rank_files": {"rank": np.diff(rank, prepend=0).astype(_I8).tobytes(),  # steps: they pack to little
-                               "stripe": col(self.stripe + [PART] * len(ps)),
-                               "size": col(self.size + [p.size for p in ps])},
-                "parts": {"head": col([p.head for p in ps])}}
+        return {"rank_files": {"rank": int_bytes(np.diff(rank, prepend=0)),  # steps: they pack to little
+                               "stripe": int_bytes(self.stripe + [PART] * len(ps)),
+                               "size": int_bytes(self.size + [p.size for p in ps])},
+                "parts": {"head": int_bytes([p.head for p in ps])}}
 
     def file_names(self) -> list[str]:
         """The rows' names in wire order."""

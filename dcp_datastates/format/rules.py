@@ -312,9 +312,7 @@ class RuleTable:
     def replicas(self, fqn: str) -> int:
         """How many ranks hold each box of tensor ``fqn`` (1: it has no rule, or is not replicated)."""
         rule = self.rules.get(fqn)
-        if rule is None:
-            return 1
-        return math.prod(s for s, d in zip(self.meshes[rule.mesh].shape, rule.dims) if d < 0)
+        return 1 if rule is None else _layout(self.meshes[rule.mesh].shape, rule.dims)[3]
 
     def chunk_of(self, fqn: str, size: tuple[int, ...], offsets: tuple[int, ...]) -> int:
         """The number of the chunk at ``offsets`` of tensor ``fqn`` (of ``size``) under its rule."""
