@@ -18,6 +18,7 @@ the typed records (``format/records.py``) that the coordinator builds the manife
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -207,21 +208,21 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
     def _plan(self) -> LoadPlan:
         full = self.metadata
         narrowed: dict = {}
-        direct: dict[str, ReadItem] = {}
+        direct: dict[str, list[ReadItem]] = {}
         for fqn, obj in self.state_dict.items():
             tmd = full.state_dict_metadata.get(fqn) if full is not None else None
             if not isinstance(obj, torch.Tensor) or not isinstance(tmd, TensorStorageMetadata) \
-                    or not isinstance(tmd.chunks, ChunkMetadataView):
-                continue
+                    or not isinstance(tmd.chunks, ChunkMetadataView) or obj.size() != tmd.size:
+                continue  # DCP's planner plans it (and refuses a tensor of another size)
             item = _whole_read(fqn, obj, tmd)
             if item is not None:
-                direct[fqn] = item
+                direct[fqn] = [item]
                 continue
             boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)]
             keep = tmd.chunks.entry.overlapping(boxes)
-            item = _exact_read(fqn, tmd, boxes, keep)
-            if item is not None:
-                direct[fqn] = item
+            items = _box_reads(fqn, tmd, boxes, keep)
+            if items is not None:
+                direct[fqn] = items
                 continue
             narrowed[fqn] = narrow(tmd, boxes, keep)
         if not narrowed and not direct:
@@ -237,7 +238,7 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
             self.metadata = full
             if self.state_dict is rest:
                 self.state_dict = sd
-        return dataclasses.replace(plan, items=[*direct.values(), *plan.items])
+        return dataclasses.replace(plan, items=[*itertools.chain.from_iterable(direct.values()), *plan.items])
 
     def load_value(self, read_item, value) -> None:
         """Set a decoded non-tensor value (the reader calls this instead of ``load_bytes``)."""
@@ -264,26 +265,49 @@ def _whole_read(fqn: str, obj: torch.Tensor, tmd: TensorStorageMetadata) -> Read
                     lengths=torch.Size(sizes))
 
 
-def _exact_read(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
-                keep: list[int]) -> ReadItem | None:
-    """The read of a rank's one box that is exactly one saved chunk (a same-size restart of a
-    sharded tensor), as DCP's planner would make it; None for anything else."""
-    if len(boxes) != 1 or len(keep) != 1 or not all(boxes[0][1]) or tmd.chunks.entry.box(keep[0]) != boxes[0]:
+def _box_reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
+               keep: list[int]) -> list[ReadItem] | None:
+    """The reads of a rank's ``boxes`` from the saved chunks ``keep`` (by number: those that
+    overlap the boxes), the items DCP's resharding makes, without its sweep over every chunk;
+    each names its saved chunk by number, so the reader finds the record without a search.
+    None where a box is empty (DCP's own handling applies)."""
+    entry = tmd.chunks.entry
+    if len(boxes) == 1 and len(keep) == 1 and all(boxes[0][1]) and entry.box(keep[0]) == boxes[0]:
+        offsets, sizes = boxes[0]  # the box is one saved chunk (a same-size restart)
+        zeros = torch.Size([0] * len(sizes))
+        return [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0), dest_offsets=zeros,
+                         storage_index=MetadataIndex(fqn, offsets, keep[0]), storage_offsets=zeros,
+                         lengths=torch.Size(sizes))]
+    if not all(all(z) for _, z in boxes):
         return None
-    offsets, sizes = torch.Size(boxes[0][0]), torch.Size(boxes[0][1])
-    zeros = torch.Size([0] * len(sizes))
-    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0), dest_offsets=zeros,
-                    storage_index=MetadataIndex(fqn, offsets, keep[0]), storage_offsets=zeros, lengths=sizes)
+    saved = [(i, *entry.box(i)) for i in keep]
+    items = []
+    for li, (lo, lz) in enumerate(boxes):
+        dest = MetadataIndex(fqn, lo, li)
+        for i, so, sz in saved:
+            s_off, d_off, n = [], [], []
+            for a, x, b, y in zip(so, sz, lo, lz):  # saved offset and size, local offset and size
+                start, end = max(a, b), min(a + x, b + y)
+                if end <= start:
+                    break
+                s_off.append(start - a)
+                d_off.append(start - b)
+                n.append(end - start)
+            else:
+                items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest, dest_offsets=torch.Size(d_off),
+                                      storage_index=MetadataIndex(fqn, so, i), storage_offsets=torch.Size(s_off),
+                                      lengths=torch.Size(n)))
+    return items
 
 
 def plan_reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]]) -> list[ReadItem]:
     """The reads of one tensor's ``boxes`` as ``DataStatesLoadPlanner`` plans them (for tools
-    and benchmarks that plan without a state dict): one exact chunk directly, else DCP's
-    resharding against the overlapping chunks only."""
+    and benchmarks that plan without a state dict): the reads of the overlapping chunks
+    directly, else (an empty box) DCP's resharding against the overlapping chunks only."""
     keep = tmd.chunks.entry.overlapping(boxes)
-    item = _exact_read(fqn, tmd, boxes, keep)
-    if item is not None:
-        return [item]
+    items = _box_reads(fqn, tmd, boxes, keep)
+    if items is not None:
+        return items
     local = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in boxes]
     return create_read_items_for_chunk_list(fqn, narrow(tmd, boxes, keep), local)
 

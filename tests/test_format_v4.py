@@ -13,12 +13,16 @@ import xxhash
 
 import numpy as np
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import Replicate, Shard
 
-from dcp_datastates import DataStatesReader
+from dcp_datastates import DataStatesLoadPlanner, DataStatesReader
 from dcp_datastates.errors import CheckpointError, ManifestError
 from dcp_datastates.format import manifest as manifest_mod
 from dcp_datastates.format.checksum import Digests
@@ -30,6 +34,7 @@ from dcp_datastates.format.names import data_file_name, part_file_name
 from dcp_datastates.format.paths import paths_from_wire, paths_wire
 from dcp_datastates.format.ranked import PartRef, open_tail, seal_tail
 from dcp_datastates.format.records import PartRecord
+from dcp_datastates.planner import plan_reads
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest
@@ -107,6 +112,43 @@ def test_a_box_that_is_one_listed_chunk_is_found_directly(ruled):
         assert index.overlapping(t, [(o, z)]) == index.listed.overlapping(t, [(o, z)]) == [i]
         wide = (o, (z[0] * 2, z[1]))  # starts at a chunk, but spans the next one too
         assert index.overlapping(t, [wide]) == index.listed.overlapping(t, [wide]) == ([i, i + 1] if i < 3 else [i])
+
+
+def test_a_tensor_the_size_of_one_chunk_is_a_size_mismatch(ruled):
+    """A tensor whose shape is one saved chunk's box (the first rows of a sharded tensor) is
+    refused as DCP's planner refuses it, not filled from that chunk."""
+    out = {"row": torch.zeros(3, 6)}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(out, storage_reader=DataStatesReader(ruled), planner=DataStatesLoadPlanner(), no_dist=True)
+    assert "Size mismatch" in str(ei.value.failures[0]) and "row" in str(ei.value.failures[0])
+    assert not out["row"].any()
+
+
+def test_planned_reads_are_dcps(ruled):
+    """Our plan of any boxes (one or several, across chunks, of rules and listed tensors) reads
+    what DCP's resharding reads over every chunk, item for item."""
+    md = DataStatesReader(ruled).read_metadata()
+    rng = random.Random(3)
+
+    def key(ri):
+        return (ri.dest_index.offset, ri.dest_index.index, ri.dest_offsets, ri.storage_index.offset,
+                ri.storage_offsets, ri.lengths)
+
+    for fqn, tmd in md.state_dict_metadata.items():
+        if not hasattr(tmd, "chunks"):
+            continue
+        size = tuple(tmd.size)
+        for _ in range(60):
+            boxes = []
+            for _ in range(rng.randint(1, 3)):
+                lo = [rng.randint(0, s - 1) for s in size]
+                boxes.append((tuple(lo), tuple(rng.randint(1, s - a) for s, a in zip(size, lo))))
+            local = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in boxes]
+            want = sorted(create_read_items_for_chunk_list(fqn, tmd, local), key=key)
+            got = sorted(plan_reads(fqn, tmd, boxes), key=key)
+            assert [key(x) for x in got] == [key(x) for x in want], (fqn, boxes)
+            for ri in got:  # the chunk number each names is the saved chunk at its offsets
+                assert tuple(tmd.chunks[ri.storage_index.index].offsets) == tuple(ri.storage_index.offset)
 
 
 @pytest.mark.parametrize("save_world,load_world", [(3, 2), (2, 3)])
