@@ -32,7 +32,7 @@ from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.model import Extent, Seg, _Bad
 from dcp_datastates.format.names import data_file_name, part_file_name
 from dcp_datastates.format.paths import paths_from_wire, paths_wire
-from dcp_datastates.format.ranked import PartRef, open_tail, seal_tail
+from dcp_datastates.format.ranked import FileMap, PartRef, RankFileColumns, RankFiles, open_tail, seal_tail
 from dcp_datastates.format.records import PartRecord
 from dcp_datastates.planner import plan_reads
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt
@@ -318,6 +318,31 @@ def test_held_records_are_sorted_and_each_box_once():
     h.add_all([[("a", 1, ext(seg(0, 8)), 0)]], {"a": 0})
     with pytest.raises(_Bad, match="two ranks"):
         h.to_wire({"f": 0})
+
+
+def test_file_map_names_rank_files_only_when_asked():
+    """An index's files by name: rank files found by reading the name (one spelling only, this
+    save only), named files as given; walking it gives every name and size in order."""
+    sid, other = "0123456789ab", "ba9876543210"
+    cols = RankFileColumns()
+    for r in (3, 0, 7):
+        cols.add_data(r, 0, data_file_name(r, sid, 0), 100 + r)
+    cols.add_data(7, 2, data_file_name(7, sid, 2), 50)
+    cols.parts = [PartRef(r, part_file_name(r, sid), 4000 + r, 100) for r in (0, 3, 7)]
+    ranked = RankFiles(cols.to_wire()["rank_files"], 8, sid)
+    old = data_file_name(1, other, 0)  # an earlier save's file, which an incremental save refers to
+    files = FileMap({old: 9}, ranked)
+    want = {old: 9, **dict(zip(cols.file_names(), cols.size + [p.size for p in cols.parts]))}
+    assert dict(files.items()) == want and list(files) == list(want) and len(files) == 8 and files == want
+    assert files[data_file_name(7, sid, 2)] == 50 and files[part_file_name(3, sid)] == 4003 and files[old] == 9
+    for absent in (data_file_name(7, sid, 1), data_file_name(7, other, 0), part_file_name(5, sid),
+                   "part-r000003-" + sid + ".dsm", part_file_name(3, sid) + ".part", "x", data_file_name(2, sid, 0)):
+        assert absent not in files and files.get(absent) is None, absent
+    positions = files.positions()
+    assert [positions[i] for i in range(len(positions))] == list(want.items())
+    assert positions.sizes().tolist() == list(want.values())
+    with pytest.raises(_Bad, match="also listed by name"):
+        FileMap({part_file_name(0, sid): 4000}, ranked)
 
 
 def test_coordinator_refuses_a_part_of_another_save():

@@ -28,6 +28,9 @@ full specification.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Callable
+
 import numpy as np
 
 from .checksum import DIGEST_BYTES, DigestTail, Digests, join_digests
@@ -142,14 +145,45 @@ def _starts(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-def segment_columns(d: dict, counts: np.ndarray, files: list[tuple[str, int]], block_size: int,
+class FileList(Sequence):
+    """A manifest's files by position, as segments number them: ``(name, size)`` pairs, the
+    ``listed`` ones first, then ``more_sizes`` whose names ``name_of(j)`` makes when asked
+    (format 4's rank files: 32,768 at 16,384 ranks, of which a rank uses a few)."""
+
+    __slots__ = ("_listed", "_more", "_name_of")
+
+    def __init__(self, listed: list[tuple[str, int]], more_sizes: np.ndarray | None = None,
+                 name_of: Callable[[int], str] | None = None) -> None:
+        self._listed = listed
+        self._more = np.zeros(0, dtype=_I8) if more_sizes is None else more_sizes
+        self._name_of = name_of
+
+    def __len__(self) -> int:
+        return len(self._listed) + len(self._more)
+
+    def __getitem__(self, i: int) -> tuple[str, int]:
+        n = len(self._listed)
+        if i < n:
+            return self._listed[i]
+        j = i - n
+        if j >= len(self._more):
+            raise IndexError(i)
+        return self._name_of(j), int(self._more[j])
+
+    def sizes(self) -> np.ndarray:
+        """Every file's size, by position."""
+        return np.concatenate([np.asarray([s for _, s in self._listed], dtype=_I8), self._more])
+
+
+def segment_columns(d: dict, counts: np.ndarray, files: Sequence[tuple[str, int]], block_size: int,
                     what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The segments of extents, ``counts[i]`` for extent ``i``, from columns ``seg_file`` (a
     position in ``files``), ``seg_offset`` and ``seg_nbytes`` of ``d``: each inside its file,
     every segment but an extent's last a whole number of checksum blocks.  Returns the three
     columns and where each extent's segments start."""
     ns = int(counts.sum())
-    fsizes = np.asarray([s for _, s in files] or [0], dtype=_I8)
+    fsizes = files.sizes() if isinstance(files, FileList) else np.asarray([s for _, s in files], dtype=_I8)
+    fsizes = fsizes if len(fsizes) else np.zeros(1, dtype=_I8)
     sfile = int_column(d, "seg_file", ns, 0, max(0, len(files) - 1), what)
     soff = int_column(d, "seg_offset", ns, 0, MAX_FILE_BYTES, what)
     sn = int_column(d, "seg_nbytes", ns, 0, MAX_FILE_BYTES, what)

@@ -34,7 +34,7 @@ from .columnar import byte_column, decode_table, encode_table, int_bytes, int_co
 from .dtypes import dtype_from_name
 from .listed import INLINE, Held, HeldColumns, Listed
 from .model import Chunk, Manifest, TensorEntry, _Bad
-from .ranked import PartRef, PartTable, RankFileColumns, RankFiles, open_tail
+from .ranked import FileMap, PartRef, PartTable, RankFileColumns, RankFiles, open_tail
 from .rules import Geometry, Mesh, ShardRule, salt
 
 INDEX_VERSION = 4
@@ -145,7 +145,7 @@ class IndexTable:
     """The decoded index: the source of its tensors' chunks (``TensorEntry``), loading the
     parts that hold their records on demand through ``loader`` (set by the tier that read it)."""
 
-    def __init__(self, body: dict, *, files: dict[str, int], ranked: RankFiles, homes: dict[str, str], world: int,
+    def __init__(self, body: dict, *, files: FileMap, ranked: RankFiles, homes: dict[str, str], world: int,
                  save_id: str, source: str, block_size: int,
                  decode: Callable[[bytes, str, Callable], Manifest]) -> None:
         self.source, self.save_id, self.files, self.homes, self._decode = source, save_id, files, homes, decode
@@ -166,7 +166,7 @@ class IndexTable:
         self.tensors: list[IndexTensor] = _tensors_from_wire(body.get("tensor_list"), self.meshes)
         self._geoms: dict[int, Geometry | None] = {}
         self.listed = Listed(body.get("explicit"), self.tensors, self.parts, world)
-        positions = list(files.items())  # what segments' file numbers name
+        positions = files.positions()  # what segments' file numbers name
         self.held = Held(body.get("held"), self.tensors, world, positions, block_size)
         self._tails: dict[int, DigestTail] = {}
         raw_usage = body.get("usage")

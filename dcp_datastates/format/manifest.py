@@ -35,7 +35,7 @@ from .model import (  # noqa: F401 (the model is re-exported: most layers import
 from .dtypes import dtype_from_name
 from .index import INDEX_VERSION, IndexTable
 from .paths import paths_from_wire, paths_wire
-from .ranked import RankFiles, seal_tail
+from .ranked import FileMap, RankFiles, seal_tail
 from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 
 MAGIC = b"\xffDCP-DATASTATES\n"
@@ -527,10 +527,7 @@ def _from_body(body, source: str = "<memory>", tail=None) -> Manifest:
     ranked = None
     if version >= INDEX_VERSION:  # after those listed by name, each rank's own files (ranked.py)
         ranked = RankFiles(body.get("rank_files"), world, _save_id(body))
-        listed = len(files)
-        files.update(zip(ranked.names, ranked.size.tolist()))
-        if len(files) != listed + len(ranked.names):
-            raise _Bad("a file named by rank is also listed by name")
+        files = FileMap(files, ranked)
     homes: dict[str, str] = {}
     raw_homes = (body.get("homes") or {}) if version >= 2 else {}
     if not isinstance(raw_homes, dict):

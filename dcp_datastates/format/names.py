@@ -36,6 +36,24 @@ def data_file_name(rank: int, save_id: str, stripe: int) -> str:
     return _DATA_NAME % (rank, save_id, stripe)
 
 
+def rank_file_name(rank: int, stripe: int, save_id: str) -> str:
+    """``data_file_name``, or ``part_file_name`` where the stripe is negative."""
+    return _PART_NAME % (rank, save_id) if stripe < 0 else _DATA_NAME % (rank, save_id, stripe)
+
+
+def rank_file_of(name: str) -> tuple[int, int, str] | None:
+    """(rank, stripe, save id) of a name ``rank_file_name`` makes (stripe -1: a part), else None."""
+    m = DATA_FILE.match(name)
+    if m:
+        got = int(m.group(1)), int(m.group(3)), m.group(2)
+    else:
+        m = PART_FILE.match(name)
+        if not m:
+            return None
+        got = int(m.group(1)), -1, m.group(2)
+    return got if rank_file_name(*got) == name else None  # only the one spelling of each
+
+
 def rank_file_names(ranks: list[int], stripes: list[int], save_id: str) -> list[str]:
     """Many ranks' file names at once: ``data_file_name``, or ``part_file_name`` where the
     stripe is negative (format 4's index makes 32,768 of them at 16,384 ranks)."""

@@ -18,14 +18,15 @@ A part's ``PartRef`` is made when first asked for.
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
-from .columnar import MAX_FILE_BYTES, int_bytes, int_column
+from .columnar import MAX_FILE_BYTES, FileList, int_bytes, int_column
 from .model import _Bad
-from .names import SAVE_ID, rank_file_names
+from .names import SAVE_ID, rank_file_name, rank_file_names, rank_file_of
 
 PART = -1  # the stripe of a rank's metadata part in ``rank_files``
 MAX_STRIPE = 99  # data file names hold two digits of stripe
@@ -104,7 +105,8 @@ class RankFileColumns:
 
 
 class RankFiles:
-    """The decoded ``rank_files`` columns: their names and sizes, and the parts among them."""
+    """The decoded ``rank_files`` columns: each row's rank, stripe and size, and its name, made
+    when asked for (a rank reads a few of the 32,768 at 16,384 ranks)."""
 
     def __init__(self, raw, world: int, save_id: str) -> None:
         step = int_column(raw, "rank", None, 1 - world, world - 1, "rank_files")  # each row's rank less the last's
@@ -116,10 +118,73 @@ class RankFiles:
         size = int_column(raw, "size", n, 0, MAX_FILE_BYTES, "rank_files")
         if n and not SAVE_ID.match(save_id):
             raise _Bad(f"save id {save_id!r} cannot name files")
-        if len(np.unique(rank * (MAX_STRIPE + 2) + (stripe - PART))) != n:
+        key = rank * (MAX_STRIPE + 2) + (stripe - PART)  # one number per (rank, stripe)
+        self._order = np.argsort(key, kind="stable")
+        self._sorted = key[self._order]
+        if n > 1 and bool((self._sorted[1:] == self._sorted[:-1]).any()):
             raise _Bad("rank_files lists a rank's file twice")
-        self.rank, self.stripe, self.size = rank, stripe, size
-        self.names = rank_file_names(rank.tolist(), stripe.tolist(), save_id)
+        self.rank, self.stripe, self.size, self.save_id = rank, stripe, size, save_id
+        self._names: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def name(self, row: int) -> str:
+        got = self._names.get(row)
+        if got is None:
+            got = self._names[row] = rank_file_name(int(self.rank[row]), int(self.stripe[row]), self.save_id)
+        return got
+
+    def names(self) -> list[str]:
+        """Every row's name, in order."""
+        return rank_file_names(self.rank.tolist(), self.stripe.tolist(), self.save_id)
+
+    def row_of(self, name: str) -> int | None:
+        """The row that names ``name``, else None."""
+        got = rank_file_of(name)
+        if got is None or got[2] != self.save_id or not len(self.rank):
+            return None
+        key = got[0] * (MAX_STRIPE + 2) + (got[1] - PART)
+        i = int(np.searchsorted(self._sorted, key))
+        return int(self._order[i]) if i < len(self._sorted) and int(self._sorted[i]) == key else None
+
+
+class FileMap(Mapping):
+    """``Manifest.files`` of an index: the files listed by name, then each rank's own files,
+    whose names are made only when the map is walked; a name is found by reading it."""
+
+    __slots__ = ("_named", "_ranked")
+
+    def __init__(self, named: dict[str, int], ranked: RankFiles) -> None:
+        if any(ranked.row_of(name) is not None for name in named):
+            raise _Bad("a file named by rank is also listed by name")
+        self._named, self._ranked = named, ranked
+
+    def __getitem__(self, name: str) -> int:
+        size = self._named.get(name)
+        if size is not None:
+            return size
+        row = self._ranked.row_of(name) if isinstance(name, str) else None
+        if row is None:
+            raise KeyError(name)
+        return int(self._ranked.size[row])
+
+    def __iter__(self):
+        yield from self._named
+        yield from self._ranked.names()
+
+    def __len__(self) -> int:
+        return len(self._named) + len(self._ranked)
+
+    def items(self):  # noqa: D102 (a walk without looking each name up again)
+        return [*self._named.items(), *zip(self._ranked.names(), self._ranked.size.tolist())]
+
+    def values(self):  # noqa: D102
+        return [*self._named.values(), *self._ranked.size.tolist()]
+
+    def positions(self) -> FileList:
+        """The files by position, as the index's segments number them (named ones first)."""
+        return FileList(list(self._named.items()), self._ranked.size, self._ranked.name)
 
 
 class PartTable:
@@ -138,7 +203,7 @@ class PartTable:
         self._ranks = files.rank[rows]
         self._at = dict(zip(self._ranks.tolist(), range(n)))
         self._size, self._head = size.tolist(), head.tolist()
-        self._names = [files.names[i] for i in rows.tolist()]
+        self._rows, self._files = rows.tolist(), files
         self._world = world
         self._refs: dict[int, PartRef] = {}
         self._has: np.ndarray | None = None
@@ -158,7 +223,7 @@ class PartTable:
             i = self._at.get(rank)
             if i is None:
                 return None
-            ref = self._refs[rank] = PartRef(rank, self._names[i], self._size[i], self._head[i])
+            ref = self._refs[rank] = PartRef(rank, self._files.name(self._rows[i]), self._size[i], self._head[i])
         return ref
 
     def __getitem__(self, rank: int) -> PartRef:
