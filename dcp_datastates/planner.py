@@ -219,8 +219,7 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
                 direct[fqn] = [item]
                 continue
             boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)]
-            keep = tmd.chunks.entry.overlapping(boxes)
-            items = _box_reads(fqn, tmd, boxes, keep)
+            items, keep = _reads(fqn, tmd, boxes)
             if items is not None:
                 direct[fqn] = items
                 continue
@@ -265,21 +264,24 @@ def _whole_read(fqn: str, obj: torch.Tensor, tmd: TensorStorageMetadata) -> Read
                     lengths=torch.Size(sizes))
 
 
-def _box_reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
-               keep: list[int]) -> list[ReadItem] | None:
-    """The reads of a rank's ``boxes`` from the saved chunks ``keep`` (by number: those that
-    overlap the boxes), the items DCP's resharding makes, without its sweep over every chunk;
-    each names its saved chunk by number, so the reader finds the record without a search.
-    None where a box is empty (DCP's own handling applies)."""
+def _reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]]) \
+        -> tuple[list[ReadItem] | None, list[int] | None]:
+    """The reads of a rank's ``boxes`` from the saved chunks that overlap them, the items DCP's
+    resharding makes, without its sweep over every chunk; each names its saved chunk by number,
+    so the reader finds the record without a search.  ``(None, overlapping)`` where a box is
+    empty (DCP's own handling then applies to the overlapping chunks)."""
     entry = tmd.chunks.entry
-    if len(boxes) == 1 and len(keep) == 1 and all(boxes[0][1]) and entry.box(keep[0]) == boxes[0]:
-        offsets, sizes = boxes[0]  # the box is one saved chunk (a same-size restart)
-        zeros = torch.Size([0] * len(sizes))
-        return [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0), dest_offsets=zeros,
-                         storage_index=MetadataIndex(fqn, offsets, keep[0]), storage_offsets=zeros,
-                         lengths=torch.Size(sizes))]
+    if len(boxes) == 1 and all(boxes[0][1]):
+        i = entry.exact(boxes[0])
+        if i is not None:  # the box is one saved chunk (a same-size restart)
+            offsets, sizes = boxes[0]
+            zeros = torch.Size([0] * len(sizes))
+            return [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0), dest_offsets=zeros,
+                             storage_index=MetadataIndex(fqn, offsets, i), storage_offsets=zeros,
+                             lengths=torch.Size(sizes))], None
+    keep = entry.overlapping(boxes)
     if not all(all(z) for _, z in boxes):
-        return None
+        return None, keep
     saved = [(i, *entry.box(i)) for i in keep]
     items = []
     for li, (lo, lz) in enumerate(boxes):
@@ -297,15 +299,14 @@ def _box_reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tu
                 items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest, dest_offsets=torch.Size(d_off),
                                       storage_index=MetadataIndex(fqn, so, i), storage_offsets=torch.Size(s_off),
                                       lengths=torch.Size(n)))
-    return items
+    return items, keep
 
 
 def plan_reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]]) -> list[ReadItem]:
     """The reads of one tensor's ``boxes`` as ``DataStatesLoadPlanner`` plans them (for tools
     and benchmarks that plan without a state dict): the reads of the overlapping chunks
     directly, else (an empty box) DCP's resharding against the overlapping chunks only."""
-    keep = tmd.chunks.entry.overlapping(boxes)
-    items = _box_reads(fqn, tmd, boxes, keep)
+    items, keep = _reads(fqn, tmd, boxes)
     if items is not None:
         return items
     local = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in boxes]

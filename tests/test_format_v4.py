@@ -66,6 +66,8 @@ def test_rules_give_dtensors_boxes():
         for coord in itertools.product(*map(range, shape)):
             local, offset = utils._compute_local_shape_and_global_offset(size, shape, list(coord), placements)
             assert g.box(g.chunk_of(coord)) == (tuple(offset), tuple(local)), (size, shape, dims, coord)
+            if all(local):  # a non-empty box is found exactly (a same-size restart)
+                assert g.exact(tuple(offset), tuple(local)) == g.chunk_of(coord)
         q = [(a, rng.randint(0, s - a)) for s in size for a in [rng.randint(0, max(0, s - 1))]]
         qo, qs = tuple(a for a, _ in q), tuple(b for _, b in q)
         sweep = [i for i in range(g.count()) if all(g.box(i)[1]) and all(qs) and
@@ -149,6 +151,20 @@ def test_planned_reads_are_dcps(ruled):
             assert [key(x) for x in got] == [key(x) for x in want], (fqn, boxes)
             for ri in got:  # the chunk number each names is the saved chunk at its offsets
                 assert tuple(tmd.chunks[ri.storage_index.index].offsets) == tuple(ri.storage_index.offset)
+        for i, c in enumerate(tmd.chunks):  # a box that is one saved chunk (a same-size restart)
+            box = (tuple(c.offsets), tuple(c.sizes))
+            if all(box[1]):
+                local = [ChunkStorageMetadata(c.offsets, c.sizes)]
+                want = create_read_items_for_chunk_list(fqn, tmd, local)
+                got = plan_reads(fqn, tmd, [box])
+                assert [key(x) for x in got] == [key(x) for x in want] and got[0].storage_index.index == i, (fqn, box)
+    m = load_manifest(StorageTier(ruled))
+    for r in range(4):  # a part's records (a version 3 table): the exact box found, a shifted one not
+        for fqn, entry in m.index.part(r).tensors.items():
+            for i, (o, z) in enumerate(entry.boxes()):
+                assert entry.exact((o, z)) == i, (r, fqn, o, z)
+                if o:
+                    assert entry.exact(((o[0] + 1, *o[1:]), z)) is None
 
 
 @pytest.mark.parametrize("save_world,load_world", [(3, 2), (2, 3)])

@@ -170,6 +170,11 @@ class FileList(Sequence):
             raise IndexError(i)
         return self._name_of(j), int(self._more[j])
 
+    def name(self, i: int) -> str:
+        """The name of the file at position ``i``."""
+        n = len(self._listed)
+        return self._listed[i][0] if i < n else self._name_of(i - n)
+
     def sizes(self) -> np.ndarray:
         """Every file's size, by position."""
         return np.concatenate([np.asarray([s for _, s in self._listed], dtype=_I8), self._more])
@@ -475,6 +480,13 @@ class Table:
         if len(offs) > 1 and not _disjoint(offs, sizes):
             self.records(t)  # not shown disjoint over the columns: the full sweep decides (raises)
         self._checked.add(t)
+
+    def exact(self, t: int, box: tuple[tuple, tuple]) -> int | None:
+        """Position (in record order) of tensor ``t``'s chunk whose box is exactly ``box``, else None."""
+        if int(self.nchunks[t]) == 1:
+            return 0 if self.box(int(self.first_chunk[t]), t) == box else None
+        keep = self.overlapping(t, [box])  # boxes are disjoint: the exact one overlaps it alone
+        return keep[0] if len(keep) == 1 and self.box_at(t, keep[0]) == box else None
 
     def find(self, t: int, offsets: tuple) -> Chunk | None:
         if int(self.nchunks[t]) == 1:  # most tensors of a rank's part: compare the one box

@@ -201,6 +201,15 @@ class IndexTable:
         g = self.geom(t)
         return g.boxes() if g is not None else [self.listed.box(c) for c in self.listed.rows(t).tolist()]
 
+    def exact(self, t: int, box: tuple[tuple, tuple]) -> int | None:
+        """The chunk whose box is exactly ``box`` (a same-size restart), else None."""
+        g = self.geom(t)
+        if g is not None:
+            return g.exact(*box)
+        self.check(t)
+        i = self.listed.position(t, box[0])
+        return i if i is not None and self.listed.box_of(t, i) == box else None
+
     def overlapping(self, t: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
         g = self.geom(t)
         if g is not None:
@@ -338,11 +347,16 @@ class IndexTable:
         with self._tails_lock:
             got = self._tails.get(rank)
             if got is None:
-                ref = self.parts[rank]
-                got = self._tails[rank] = DigestTail(ref.digests, lambda: self._read(
-                    ref, ref.head, ref.size, lambda data: open_tail(data, self.save_id, rank),
-                    "block digests of metadata part"))
+                nbytes = self.parts.digests(rank)
+                if nbytes is None:
+                    raise KeyError(rank)
+                got = self._tails[rank] = DigestTail(nbytes, lambda: self._read_tail(rank))
             return got
+
+    def _read_tail(self, rank: int) -> bytes:
+        ref = self.parts[rank]
+        return self._read(ref, ref.head, ref.size, lambda data: open_tail(data, self.save_id, rank),
+                          "block digests of metadata part")
 
     def _own_tail(self, ref: PartRef, n: int) -> DigestTail:
         """The tail a part's head announces: ``n`` bytes of digests, the rest of the part."""

@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from .checksum import DIGEST_BYTES, DigestTail, Digests
-from .columnar import _SMALL, _disjoint, _starts, int_column, segment_columns
+from .columnar import _SMALL, FileList, _disjoint, _starts, int_column, segment_columns
 from .model import Chunk, Extent, Seg, _Bad, box_hits, check_tiling
 from .ranked import MAX_PART_BYTES, PartTable
 
@@ -250,7 +250,7 @@ class Held:
     start in the writer's part tail.  The rule gives the box and its writer; segments are
     checked against the files in bulk, a record against its box when used."""
 
-    def __init__(self, raw, tensors: list, world: int, files: list[tuple[str, int]], block_size: int) -> None:
+    def __init__(self, raw, tensors: list, world: int, files: FileList, block_size: int) -> None:
         t = int_column(raw, "tensor", None, 0, max(0, len(tensors) - 1), "held")
         n = len(t)
         chunk = int_column(raw, "chunk", n, 0, world - 1, "held")  # a rule has at most a chunk per rank
@@ -294,10 +294,11 @@ class Held:
             raise _Bad(f"no held chunk at {list(offsets)}")
         _, _, _, tail_at, first, nsegs, sfile, soff, sn = self._lists
         a, k = first[c], nsegs[c]
+        name = self.files.name
         if k == 1:  # most records: one segment
-            segs, held = [Seg(self.files[sfile[a]][0], soff[a], sn[a])], sn[a]
+            segs, held = [Seg(name(sfile[a]), soff[a], sn[a])], sn[a]
         else:
-            segs = [Seg(self.files[sfile[j]][0], soff[j], sn[j]) for j in range(a, a + k)]
+            segs = [Seg(name(sfile[j]), soff[j], sn[j]) for j in range(a, a + k)]
             held = sum(sn[a:a + k])
         if held != nbytes:
             raise _Bad(f"the held chunk at {list(offsets)} holds {held} bytes, its box {nbytes}")

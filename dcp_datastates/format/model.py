@@ -202,6 +202,13 @@ class TensorEntry:
             return table.box_list(row)
         return [(c.offsets, c.sizes) for c in self._chunks]
 
+    def exact(self, box: tuple[tuple, tuple]) -> int | None:
+        """Position of the record whose box is exactly ``box`` ((offsets, sizes)), else None."""
+        if self._chunks is None:
+            table, row = self._source
+            return table.exact(row, box)
+        return next((i for i, c in enumerate(self._chunks) if (c.offsets, c.sizes) == box), None)
+
     def overlapping(self, boxes: list[tuple[tuple, tuple]]) -> list[int]:
         """Positions of the records that overlap any of ``boxes`` ((offsets, sizes))."""
         if self._chunks is None:

@@ -226,6 +226,12 @@ class PartTable:
             ref = self._refs[rank] = PartRef(rank, self._files.name(self._rows[i]), self._size[i], self._head[i])
         return ref
 
+    def digests(self, rank: int) -> int | None:
+        """The bytes of block digests in rank ``rank``'s part tail (None: it has no part),
+        without making its ``PartRef``."""
+        i = self._at.get(rank)
+        return None if i is None else self._size[i] - self._head[i] - FOOTER.size
+
     def __getitem__(self, rank: int) -> PartRef:
         ref = self.get(rank)
         if ref is None:

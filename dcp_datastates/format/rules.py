@@ -221,11 +221,18 @@ class Geometry:
         return self.mesh.ranks[flat]
 
     def _alike(self) -> int:
-        """Whether every box is larger than ``SMALL_BOX_BYTES``, none is, or it differs by box
-        (an uneven split: the last shards are shorter)."""
-        if any(self.size[self.dims[m]] % self.mesh.shape[m] for m in self._sharded) or not self._count:
-            return _MIXED
-        return _ALL_LARGE if math.prod(self.box(0)[1]) * self.itemsize > SMALL_BOX_BYTES else _ALL_SMALL
+        return _alike(self.size, self.mesh.shape, self.dims, self.itemsize)
+
+    def exact(self, offsets: tuple, sizes: tuple) -> int | None:
+        """The chunk whose box is exactly (``offsets``, ``sizes``), else None."""
+        if len(self._sharded) == 1 and len(offsets) == len(self.size):  # one sharded mesh dimension (FSDP, HSDP)
+            m = self._sharded[0]
+            d, n = self.dims[m], self.mesh.shape[m]
+            full = -(-self.size[d] // n)
+            i = offsets[d] // full if full else n
+        else:
+            i = self.index_of(offsets)
+        return i if i is not None and i < self._count and self.box(i) == (offsets, sizes) else None
 
     def index_of(self, offsets: tuple) -> int | None:
         """The chunk stored at ``offsets`` (an empty one: the first such), or None."""
@@ -282,6 +289,19 @@ def _layout(shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple:
     replicated = [m for m, d in enumerate(dims) if d < 0]
     strides = [math.prod(shape[m + 1:]) for m in range(len(shape))]
     return sharded, replicated, math.prod(shape[m] for m in sharded), math.prod(shape[m] for m in replicated), strides
+
+
+@functools.lru_cache(maxsize=4096)
+def _alike(size: tuple[int, ...], shape: tuple[int, ...], dims: tuple[int, ...], itemsize: int) -> int:
+    """Whether every box of a rule is larger than ``SMALL_BOX_BYTES``, none is, or it differs
+    by box (an uneven split: the last shards are shorter); made once per shape and layout."""
+    sharded, _, count, _, _ = _layout(shape, dims)
+    if any(size[dims[m]] % shape[m] for m in sharded) or not count:
+        return _MIXED
+    box = list(size)
+    for m in sharded:
+        box[dims[m]] //= shape[m]
+    return _ALL_LARGE if math.prod(box) * itemsize > SMALL_BOX_BYTES else _ALL_SMALL
 
 
 def _candidates(size: int, n: int, off: int):
