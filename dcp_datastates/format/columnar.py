@@ -380,18 +380,18 @@ class Table:
     def chunk(self, c: int, t: int, box: tuple | None = None) -> Chunk:
         """The record of chunk ``c`` (a row of the table) of tensor ``t`` (``box``: its box, when known)."""
         o, z = self.box(c, t) if box is None else box
-        n = int(self.nsegs[c])
+        n = self.nsegs.item(c)  # .item: a Python int without a numpy scalar on the way
         if n < 0:
             return self.special[c]
-        s0 = int(self.first_seg[c])
+        s0 = self.first_seg.item(c)
         if n == 1:  # most chunks: no slices
-            segs = [Seg(self.files[int(self.sfile[s0])][0], int(self.soff[s0]), int(self.sn[s0]))]
+            segs = [Seg(self.files[self.sfile.item(s0)][0], self.soff.item(s0), self.sn.item(s0))]
         else:
             segs = [Seg(self.files[int(f)][0], int(off), int(k)) for f, off, k in
                     zip(self.sfile[s0:s0 + n].tolist(), self.soff[s0:s0 + n].tolist(), self.sn[s0:s0 + n].tolist())]
-        d, k = int(self.first_sum[c]), int(self.nsums[c]) * DIGEST_BYTES
+        d, k = self.first_sum.item(c), self.nsums.item(c) * DIGEST_BYTES
         sums = Digests.tail(self.sums, d, k) if isinstance(self.sums, DigestTail) else Digests(self.sums[d:d + k])
-        return Chunk(o, z, Extent(segs, int(self.nbytes[c]), sums))
+        return Chunk(o, z, Extent(segs, self.nbytes.item(c), sums))
 
     def rows(self, t: int) -> np.ndarray:
         """Table rows of tensor ``t``'s chunks in record order (empty chunks folded into the
@@ -433,7 +433,7 @@ class Table:
 
     def box(self, c: int, t: int) -> tuple[tuple, tuple]:
         """(offsets, sizes) of chunk ``c`` (a row of the table) of tensor ``t``."""
-        nd, a = int(self.ndim[t]), int(self.chunk_dim[c])
+        nd, a = self.ndim.item(t), self.chunk_dim.item(c)
         return tuple(self.offs[a:a + nd].tolist()), tuple(self.sizes[a:a + nd].tolist())
 
     def _invalid(self, e: Exception) -> ManifestError:
@@ -489,8 +489,8 @@ class Table:
         return keep[0] if len(keep) == 1 and self.box_at(t, keep[0]) == box else None
 
     def find(self, t: int, offsets: tuple) -> Chunk | None:
-        if int(self.nchunks[t]) == 1:  # most tensors of a rank's part: compare the one box
-            c = int(self.first_chunk[t])
+        if self.nchunks.item(t) == 1:  # most tensors of a rank's part: compare the one box
+            c = self.first_chunk.item(t)
             box = self.box(c, t)
             return self.chunk(c, t, box) if box[0] == tuple(offsets) else None
         self.check(t)

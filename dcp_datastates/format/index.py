@@ -244,7 +244,9 @@ class IndexTable:
         planners number the chunks they were given; a narrowed plan numbers its own list),
         else the chunk stored at ``key``; one lookup of the rule for both."""
         g = self.geom(t)
-        if g is None:
+        if g is None:  # listed: chunk ``at`` when its box starts at ``key`` (our planner numbers them so)
+            if isinstance(at, int) and 0 <= at < self.listed.count(t) and self.listed.box_of(t, at)[0] == key:
+                return self.chunk_at(t, at)
             return self.find(t, key)
         i = at if isinstance(at, int) and 0 <= at < g.count() and g.box(at)[0] == key else g.index_of(key)
         if i is None:
@@ -289,6 +291,9 @@ class IndexTable:
     def part(self, rank: int) -> Manifest:
         """Rank ``rank``'s part, read and checked once; a part that failed fails again without
         being read again (``verify`` asks once per chunk the part holds)."""
+        got = self._loaded.get(rank)  # once loaded, a part stays: no lock to find it again
+        if isinstance(got, Manifest):
+            return got
         with self._lock:
             got = self._loaded.get(rank)
             if isinstance(got, ManifestError):
