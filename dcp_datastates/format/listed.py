@@ -65,8 +65,11 @@ class HeldColumns:
             raise _Bad("two ranks sent the record of one replicated box")
         nsegs = np.asarray(self.nsegs, dtype=_I8)
         first = _starts(nsegs)
-        segs = np.concatenate([np.arange(first[i], first[i] + nsegs[i]) for i in order.tolist()]) \
-            if len(order) and int(nsegs.max()) > 1 else first[order]
+        if len(order) and int(nsegs.max()) > 1:  # each record's segments, records in order
+            k = nsegs[order]
+            segs = np.repeat(first[order] - _starts(k), k) + np.arange(int(k.sum()), dtype=_I8)
+        else:
+            segs = first[order]
         sfile = np.asarray([fidx[f] for f in self.seg_file], dtype=_I8)
         return {"tensor": tensor[order].tobytes(), "chunk": chunk[order].tobytes(),
                 "tail_at": np.asarray(self.tail_at, dtype=_I8)[order].tobytes(), "nsegs": nsegs[order].tobytes(),

@@ -225,14 +225,17 @@ class Geometry:
 
     def exact(self, offsets: tuple, sizes: tuple) -> int | None:
         """The chunk whose box is exactly (``offsets``, ``sizes``), else None."""
-        if len(self._sharded) == 1 and len(offsets) == len(self.size):  # one sharded mesh dimension (FSDP, HSDP)
-            m = self._sharded[0]
+        if len(offsets) != len(self.size):
+            return None
+        i = 0
+        for m in self._sharded:  # the shard each offset falls in, by arithmetic; the box decides
             d, n = self.dims[m], self.mesh.shape[m]
             full = -(-self.size[d] // n)
-            i = offsets[d] // full if full else n
-        else:
-            i = self.index_of(offsets)
-        return i if i is not None and i < self._count and self.box(i) == (offsets, sizes) else None
+            c = offsets[d] // full if full else n
+            if c >= n:
+                return None
+            i = i * n + c
+        return i if self.box(i) == (offsets, sizes) else None
 
     def index_of(self, offsets: tuple) -> int | None:
         """The chunk stored at ``offsets`` (an empty one: the first such), or None."""
