@@ -12,6 +12,7 @@ DCP's load through its own planner).  Medians of ``--reps`` rounds; ratios are m
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -24,6 +25,7 @@ from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWr
 
 
 def _timed(fn) -> float:
+    gc.collect()  # each timed call, either system's, starts without the last one's garbage
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0

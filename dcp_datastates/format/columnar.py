@@ -288,8 +288,9 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
         c = int(key)
         t = int(chunk_t[c])
         table.special[c] = special_chunk(names[t], *table.box(c, t), wire)
-    return {fqn: TensorEntry(dnames[int(dcode[t])], table.size(t), None, source=(table, t))
-            for t, fqn in enumerate(names)}
+    dims, first = gsize.tolist(), table.first_dim.tolist()  # every tensor's size from two lists, not per tensor arrays
+    return {fqn: TensorEntry(dnames[d], tuple(dims[a:a + k]), None, source=(table, t))
+            for t, (fqn, d, a, k) in enumerate(zip(names, dcode.tolist(), first, ndim.tolist()))}
 
 
 _SMALL = 32  # tensors with at most this many chunks are checked and searched in plain Python
