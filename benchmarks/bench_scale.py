@@ -61,7 +61,8 @@ from dcp_datastates.format.records import ItemRecord  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
 from dcp_datastates.format.build import build_manifest  # noqa: E402
 from dcp_datastates.format.columnar import tail_offsets  # noqa: E402
-from dcp_datastates.format.ranked import PartRef  # noqa: E402
+from dcp_datastates.format.listed import HeldRecord  # noqa: E402
+from dcp_datastates.format.ranked import OwnFile, PartRef  # noqa: E402
 from dcp_datastates.format.names import part_file_name  # noqa: E402
 from dcp_datastates.format.records import PartRecord  # noqa: E402
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt  # noqa: E402
@@ -231,7 +232,7 @@ def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int
     results, per = [], max(1, sum(math.prod(t.shape) * t.dtype.itemsize for t in ts) // n)
     for r in range(n):
         pname = part_file_name(r, SAVE_ID)
-        exts, held = {}, []
+        exts, held = {}, ()
         if r in need or r in held_of:  # a part the loads read, or whose held records the index takes
             rows = _ours_writes(ts, geoms, layout, n, r) if r in need else held_of[r] + rows_of[r]
             head, tail, files, exts, tail_at = _part(ts, rows, r, n)
@@ -239,16 +240,17 @@ def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int
                 with open(os.path.join(path, pname), "wb") as f:
                     f.write(head + tail)
             ref = PartRef(r, pname, len(head) + len(tail), len(head))
-            held = [(ts[ti].fqn, geoms[ti].index_of(tuple(o)), exts[(ti, tuple(o))], tail_at[(ti, tuple(o))])
-                    for ti, o, z in rows if geoms[ti] is not None and geoms[ti].replicas() > 1]
+            held = tuple(HeldRecord.of(ts[ti].fqn, geoms[ti].index_of(tuple(o)), exts[(ti, tuple(o))],
+                                       tail_at[(ti, tuple(o))])
+                         for ti, o, z in rows if geoms[ti] is not None and geoms[ti].replicas() > 1)
         else:  # never read by the measured loads (sizes of a part with 1,000 records)
             files = {data_file_name(r, SAVE_ID, 0): per}
             ref = PartRef(r, pname, 36000, 20000)
         listed = [(ts[ti].fqn, tuple(o), tuple(z), None if ts[ti].shape else exts[(ti, tuple(o))])
                   for ti, o, z in rows_of[r]]
         results.append([WriteResult(index=PART_INDEX, size_in_bytes=ref.size,
-                                    storage_data=PartRecord(r, ref, files, {}, listed, {}, held=held,
-                                                            stripes={f: 0 for f in files}))])
+                                    storage_data=PartRecord(r, ref, {}, {}, listed, {}, held=held, own=tuple(
+                                        OwnFile(r, 0, size, f) for f, size in files.items())))])
     sdm = {t.fqn: TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), []) for t in ts}
     md = Metadata(state_dict_metadata=sdm, planner_data={RULES_KEY: table, **{t.fqn: t.fqn.split(".") for t in ts}})
     return md, results

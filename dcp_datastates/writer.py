@@ -49,7 +49,8 @@ from .format.manifest import paused_gc
 from .format.build import build_manifest
 from .format.columnar import tail_offsets
 from .format.index import ExplicitChunk, HeldColumns, IndexTensor, index_wire
-from .format.ranked import PartRef, RankFileColumns
+from .format.listed import HeldRecord
+from .format.ranked import OwnFile, PartRef, RankFileColumns
 from .format.manifest import Chunk, Manifest, encode_index, encode_part
 from .format.model import _Bad
 from .format.names import data_file_stripe, part_file_name, rank_manifest_name
@@ -460,8 +461,9 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     values, part.values = part.values, {}
     usage = part.usage()
     tail_at = tail_offsets(part.tensors)
-    held = [(fqn, w._rules.chunk_of(fqn, shapes[fqn][1], offs), rec.extent, tail_at[(fqn, offs)])
-            for fqn, offs, rec in chunks if offs is not None and w._rules.replicas(fqn) > 1 and rec.kind == "tensor"]
+    held = tuple(HeldRecord.of(fqn, w._rules.chunk_of(fqn, shapes[fqn][1], offs), rec.extent, tail_at[(fqn, offs)])
+                 for fqn, offs, rec in chunks
+                 if offs is not None and w._rules.replicas(fqn) > 1 and rec.kind == "tensor")
     head, tail = encode_part(part)
     body = head + tail
     name = part_file_name(grank, w.save_id)
@@ -469,10 +471,12 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     ref = PartRef(grank, name, len(body), len(head))
     w._part_file = {name: len(body)}
     w.last_stats["part_bytes"] = len(body)
-    stripes = {f: s for f in files if (s := data_file_stripe(f, grank, w.save_id)) is not None}
+    stripes = {f: data_file_stripe(f, grank, w.save_id) for f in files}
+    own = tuple(OwnFile(grank, s, files[f], f) for f, s in stripes.items() if s is not None)
+    others = {f: size for f, size in files.items() if stripes[f] is None}
     return WriteResult(index=PART_INDEX, size_in_bytes=len(body),
-                       storage_data=PartRecord(grank, ref, files, homes, explicit, values, usage,
-                                               dict(rank_rec.timings) if rank_rec else {}, held, stripes))
+                       storage_data=PartRecord(grank, ref, others, homes, explicit, values, usage,
+                                               dict(rank_rec.timings) if rank_rec else {}, held, own))
 
 
 def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: str, rules: RuleTable,
@@ -482,11 +486,9 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     tensors = [IndexTensor(fqn, dtype_name(md.properties.dtype), tuple(md.size), rules.rules.get(fqn))
                for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     at = {t.fqn: i for i, t in enumerate(tensors)}
-    named, homes, values, explicit, held, seen = {}, {}, {}, [], HeldColumns(), set()
-    ranked = RankFileColumns()
-    owned, shared, add_data, parts, held_of = 0, {}, ranked.add_data, ranked.parts, []
     suffix = part_file_name(0, save_id)[len("part-r00000"):]
-    for rr in results:  # once per rank (16,384 times at scale): most of a rank's fields are empty
+    parts, own, held, rare, owned = [], [], [], [], 0
+    for rr in results:  # once per rank (16,384 times at scale): rows gathered here, made columns below
         for wr in rr:
             rec = wr.storage_data
             if not isinstance(rec, PartRecord):
@@ -498,33 +500,30 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                                       checkpoint=path)
             parts.append(part)
             owned += rec.usage[0]
-            if rec.usage[1]:
-                for home, n in rec.usage[1].items():
-                    shared[home] = shared.get(home, 0) + n
-            stripes = rec.stripes
-            for f, size in rec.files.items():  # its own data files by stripe, the others by name
-                s = stripes.get(f)
-                if s is None:
-                    named[f] = size
-                else:
-                    add_data(rec.rank, s, f, size)
-            if rec.homes:
-                homes.update(rec.homes)
-            if rec.values:
-                values.update(rec.values)
-            for fqn, offs, sizes, ext in rec.explicit:
-                if (fqn, offs) not in seen:  # a replicated item written by several ranks: keep one
-                    seen.add((fqn, offs))
-                    explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank,
-                                                  None if ext is None else Chunk(offs, sizes, ext)))
+            own += rec.own
             if rec.held:
-                held_of.append(rec.held)
-    held.add_all(held_of, at)
+                held += rec.held
+            if rec.files or rec.homes or rec.values or rec.explicit or rec.usage[1]:  # most ranks: none
+                rare.append(rec)
+    ranked, held = RankFileColumns.of(own, parts), HeldColumns.of(held, at)
+    named, homes, values, explicit, shared, seen = {}, {}, {}, [], {}, set()
+    for rec in rare:
+        for home, n in rec.usage[1].items():
+            shared[home] = shared.get(home, 0) + n
+        named.update(rec.files)  # files not named by rank (another save's), by name
+        homes.update(rec.homes)
+        values.update(rec.values)
+        for fqn, offs, sizes, ext in rec.explicit:
+            if (fqn, offs) not in seen:  # a replicated item written by several ranks: keep one
+                seen.add((fqn, offs))
+                explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank,
+                                              None if ext is None else Chunk(offs, sizes, ext)))
     files = dict(named)
     files.update(zip(ranked.file_names(), ranked.size + [p.size for p in parts]))
-    world = max([dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
-                 *(p.rank + 1 for p in parts)])
-    m = Manifest(save_id=save_id, world_size=world, ranks=sorted(p.rank for p in parts), files=files,
+    ranks = sorted(ranked.part_ranks())  # in rank order already (DCP gathers by rank): a check, not a sort
+    world = max(dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+                ranks[-1] + 1 if ranks else 1)
+    m = Manifest(save_id=save_id, world_size=world, ranks=ranks, files=files,
                  tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
                  created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
     try:

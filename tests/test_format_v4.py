@@ -27,7 +27,7 @@ from dcp_datastates.errors import CheckpointError, ManifestError
 from dcp_datastates.format import manifest as manifest_mod
 from dcp_datastates.format.checksum import Digests
 from dcp_datastates.format.columnar import encode_table
-from dcp_datastates.format.listed import HeldColumns
+from dcp_datastates.format.listed import HeldColumns, HeldRecord
 from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.model import Extent, Seg, _Bad
 from dcp_datastates.format.names import data_file_name, part_file_name
@@ -322,18 +322,17 @@ def test_damaged_or_foreign_part_is_refused_and_a_good_copy_used(ruled, tmp_path
 def test_held_records_are_sorted_and_each_box_once():
     """The coordinator writes held records in (tensor, chunk) order, each record's segments with
     it, and refuses two records of one box instead of committing an index no rank can read."""
-    h = HeldColumns()
     seg = lambda off, n: Seg("f", off, n)  # noqa: E731
     ext = lambda *segs: Extent(list(segs), sum(g.nbytes for g in segs), Digests(bytes(16)))  # noqa: E731
-    h.add_all([[("b", 0, ext(seg(0, 8)), 0)], [("a", 2, ext(seg(8, 4096), seg(4104, 8)), 32),
-                                                ("a", 1, ext(seg(5000, 8)), 16)]], {"a": 0, "b": 1})
-    w = h.to_wire({"f": 0})
+    rank0 = (HeldRecord.of("b", 0, ext(seg(0, 8)), 0),)  # two ranks' records, gathered as the coordinator does
+    rank1 = (HeldRecord.of("a", 2, ext(seg(8, 4096), seg(4104, 8)), 32), HeldRecord.of("a", 1, ext(seg(5000, 8)), 16))
+    w = HeldColumns.of([*rank0, *rank1], {"a": 0, "b": 1}).to_wire({"f": 0})
     col = lambda k: np.frombuffer(w[k], "<i8").tolist()  # noqa: E731
     assert (col("tensor"), col("chunk"), col("nsegs"), col("tail_at")) == ([0, 0, 1], [1, 2, 0], [1, 2, 1], [16, 32, 0])
     assert col("seg_offset") == [5000, 8, 4104, 0] and col("seg_nbytes") == [8, 4096, 8, 8]
-    h.add_all([[("a", 1, ext(seg(0, 8)), 0)]], {"a": 0})
+    again = HeldRecord.of("a", 1, ext(seg(0, 8)), 0)
     with pytest.raises(_Bad, match="two ranks"):
-        h.to_wire({"f": 0})
+        HeldColumns.of([*rank0, *rank1, again], {"a": 0, "b": 1}).to_wire({"f": 0})
 
 
 def test_file_map_names_rank_files_only_when_asked():

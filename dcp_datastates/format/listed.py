@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import NamedTuple
 from typing import Callable
 
 import numpy as np
@@ -25,12 +27,30 @@ MAX_DIM = 1 << 48
 INLINE = -1  # the owner of a chunk whose record is in the index's "inline" table
 
 
+class HeldRecord(NamedTuple):
+    """The record of one replicated box a rank wrote (``PartRecord.held``): the tensor's key,
+    the box's chunk number under the tensor's rule (which gives the box and its writer), where
+    its block digests start in the writer's part tail, and its segments as three parallel
+    tuples.  Plain tuples, so that the coordinator turns every rank's into columns at once."""
+    key: str
+    chunk: int
+    tail_at: int
+    files: tuple[str, ...]
+    offsets: tuple[int, ...]
+    nbytes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, key: str, chunk: int, extent: Extent, tail_at: int) -> "HeldRecord":
+        segs = extent.segs
+        return cls(key, chunk, tail_at, tuple(g.file for g in segs), tuple(g.offset for g in segs),
+                   tuple(g.nbytes for g in segs))
+
+
 @dataclass(slots=True)
 class HeldColumns:
     """Records of replicated boxes, which the index holds (a rank loading one reads no part),
-    gathered column by column as the coordinator adds each rank's: the tensor, the box's chunk
-    number under the tensor's rule (which gives the box and its writer), where the box's block
-    digests start in the writer's part tail, and the extent's segments."""
+    as columns: the tensor, the box's chunk number, where its digests start in the writer's
+    part tail, and the extent's segments."""
     tensor: list[int] = field(default_factory=list)
     chunk: list[int] = field(default_factory=list)
     tail_at: list[int] = field(default_factory=list)
@@ -39,22 +59,15 @@ class HeldColumns:
     seg_offset: list[int] = field(default_factory=list)
     seg_nbytes: list[int] = field(default_factory=list)
 
-    def add_all(self, records: list[list[tuple[str, int, Extent, int]]], at: dict[str, int]) -> None:
-        """Every rank's records (``PartRecord.held``: key, chunk, extent, tail offset), with
-        ``at`` giving each key's tensor number: one loop for all of them."""
-        tensor, chunk, tail_at, nsegs = self.tensor.append, self.chunk.append, self.tail_at.append, self.nsegs.append
-        sfile, soff, sn = self.seg_file.append, self.seg_offset.append, self.seg_nbytes.append
-        for recs in records:
-            for fqn, c, extent, t_at in recs:
-                tensor(at[fqn])
-                chunk(c)
-                tail_at(t_at)
-                segs = extent.segs
-                nsegs(len(segs))
-                for g in segs:
-                    sfile(g.file)
-                    soff(g.offset)
-                    sn(g.nbytes)
+    @classmethod
+    def of(cls, records: list[HeldRecord], at: dict[str, int]) -> "HeldColumns":
+        """Every rank's records, with ``at`` giving each key's tensor number: transposed at once."""
+        if not records:
+            return cls()
+        key, chunk, tail_at, files, offsets, nbytes = zip(*records)
+        return cls(list(map(at.__getitem__, key)), list(chunk), list(tail_at), list(map(len, files)),
+                   list(chain.from_iterable(files)), list(chain.from_iterable(offsets)),
+                   list(chain.from_iterable(nbytes)))
 
     def to_wire(self, fidx: dict[str, int]) -> dict:
         """The columns in (tensor, chunk) order, as the reader looks records up; raises
@@ -70,7 +83,7 @@ class HeldColumns:
             segs = np.repeat(first[order] - _starts(k), k) + np.arange(int(k.sum()), dtype=_I8)
         else:
             segs = first[order]
-        sfile = np.asarray([fidx[f] for f in self.seg_file], dtype=_I8)
+        sfile = np.fromiter(map(fidx.__getitem__, self.seg_file), dtype=_I8, count=len(self.seg_file))
         return {"tensor": tensor[order].tobytes(), "chunk": chunk[order].tobytes(),
                 "tail_at": np.asarray(self.tail_at, dtype=_I8)[order].tobytes(), "nsegs": nsegs[order].tobytes(),
                 "seg_file": sfile[segs].tobytes(),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -75,6 +76,15 @@ def open_tail(data: bytes, save_id: str, rank: int) -> bytes:
     return digests
 
 
+class OwnFile(NamedTuple):
+    """One of a rank's own data files of this save (``PartRecord.own``): its name follows from
+    rank, stripe and save id, so the index stores only its size."""
+    rank: int
+    stripe: int
+    size: int
+    name: str
+
+
 @dataclass(slots=True)
 class RankFileColumns:
     """What the coordinator gathers for the index: each rank's own data files of this save
@@ -84,6 +94,15 @@ class RankFileColumns:
     size: list[int] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     parts: list[PartRef] = field(default_factory=list)
+    _part_ranks: list[int] | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, own: list[OwnFile], parts: list[PartRef]) -> "RankFileColumns":
+        """Every rank's own files and its part: the rows transposed at once."""
+        if not own:
+            return cls(parts=parts)
+        rank, stripe, size, names = zip(*own)
+        return cls(list(rank), list(stripe), list(size), list(names), parts)
 
     def add_data(self, rank: int, stripe: int, name: str, size: int) -> None:
         self.rank.append(rank)
@@ -91,9 +110,15 @@ class RankFileColumns:
         self.size.append(size)
         self.names.append(name)
 
+    def part_ranks(self) -> list[int]:
+        """The ranks of the parts, in row order (made once)."""
+        if self._part_ranks is None or len(self._part_ranks) != len(self.parts):
+            self._part_ranks = [p.rank for p in self.parts]
+        return self._part_ranks
+
     def to_wire(self) -> dict:
         ps = self.parts
-        rank = np.asarray(self.rank + [p.rank for p in ps], dtype=_I8)
+        rank = np.asarray(self.rank + self.part_ranks(), dtype=_I8)
         return {"rank_files": {"rank": int_bytes(np.diff(rank, prepend=0)),  # steps: they pack to little
                                "stripe": int_bytes(self.stripe + [PART] * len(ps)),
                                "size": int_bytes(self.size + [p.size for p in ps])},

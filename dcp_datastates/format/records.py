@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .ranked import PartRef
+from .listed import HeldRecord
+from .ranked import OwnFile, PartRef
 from .manifest import Extent, ValueEntry
 
 
@@ -46,7 +47,7 @@ class ItemRecord:
 @dataclass(slots=True)
 class PartRecord:
     """A rank's whole result in a version 4 save (one ``WriteResult``): the metadata part it
-    wrote, its files, the chunks of its tensors without a sharding rule (key, offsets, sizes, and the extent of
+    wrote, its own data files and the others it refers to, the chunks of its tensors without a sharding rule (key, offsets, sizes, and the extent of
     a small plain chunk, which the index holds itself; the others it lists with this rank as
     owner), its values, and the records of the replicated boxes it wrote."""
     rank: int  # the global rank, as the meshes number them
@@ -57,10 +58,8 @@ class PartRecord:
     values: dict[str, ValueEntry]
     usage: tuple[int, dict[str, int]] = (0, {})  # bytes in own files, bytes shared by home (``Manifest.usage``)
     timings: dict[str, float] = field(default_factory=dict)
-    # replicated boxes this rank wrote for all replicas: key, the box's chunk number under the
-    # tensor's rule, extent, and where the extent's block digests start in the part's tail; the
-    # index holds these records itself
-    held: list[tuple[str, int, Extent, int]] = field(default_factory=list)
-    # the stripe of each of ``files`` that is this rank's own data file of this save (its name
-    # follows from rank, save and stripe, so the index stores only its size)
-    stripes: dict[str, int] = field(default_factory=dict)
+    # replicated boxes this rank wrote for all replicas; the index holds these records itself
+    held: tuple[HeldRecord, ...] = ()
+    # this rank's own data files of this save; ``files`` holds the others (another save's, which
+    # an incremental save refers to), by name
+    own: tuple[OwnFile, ...] = ()
