@@ -12,7 +12,10 @@ A part vouches for itself instead: its head is a packed manifest with its own tr
 and rank; its tail ends in a footer (``FOOTER``) with the save id, the rank and the xxh3-128
 of the block digests before it.  Columns are validated in bulk; a name is made only from a
 save id that is a plain hex id, so a crafted index cannot name a file outside the checkpoint.
-A part's ``PartRef`` is made when first asked for.
+A decoded index makes a name only when asked for (``FileMap``, ``FileList``: a rank uses a few
+of the 32,768) and finds a name by reading it; a part's ``PartRef`` is made when first asked
+for.  On the way in, a rank sends its own files as ``OwnFile`` rows, which the coordinator
+turns into the columns (``RankFileColumns.of``).
 """
 
 from __future__ import annotations
