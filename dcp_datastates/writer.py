@@ -50,7 +50,7 @@ from .format.build import build_manifest
 from .format.columnar import tail_offsets
 from .format.index import ExplicitChunk, HeldColumns, IndexTensor, index_wire
 from .format.listed import HeldRecord
-from .format.ranked import OwnFile, PartRef, RankFileColumns
+from .format.ranked import GatheredFiles, OwnFile, PartRef, RankFileColumns
 from .format.manifest import Chunk, Manifest, encode_index, encode_part
 from .format.model import _Bad
 from .format.names import data_file_stripe, part_file_name, rank_manifest_name
@@ -518,8 +518,7 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                 seen.add((fqn, offs))
                 explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank,
                                               None if ext is None else Chunk(offs, sizes, ext)))
-    files = dict(named)
-    files.update(zip(ranked.file_names(), ranked.size + [p.size for p in parts]))
+    files = GatheredFiles(named, ranked)
     ranks = sorted(ranked.part_ranks())  # in rank order already (DCP gathers by rank): a check, not a sort
     world = max(dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                 ranks[-1] + 1 if ranks else 1)
@@ -527,7 +526,7 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                  tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
                  created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
     try:
-        wire = index_wire(list(rules.meshes), tensors, explicit, named, ranked, (owned, shared), held)
+        wire = index_wire(list(rules.meshes), tensors, explicit, files, ranked, (owned, shared), held)
     except _Bad as e:
         raise CheckpointError(f"the ranks' records do not make an index: {e}", checkpoint=path) from None
     return m, encode_index(m, wire)

@@ -32,7 +32,7 @@ from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.model import Extent, Seg, _Bad
 from dcp_datastates.format.names import data_file_name, part_file_name
 from dcp_datastates.format.paths import paths_from_wire, paths_wire
-from dcp_datastates.format.ranked import FileMap, PartRef, RankFileColumns, RankFiles, open_tail, seal_tail
+from dcp_datastates.format.ranked import FileMap, GatheredFiles, PartRef, RankFileColumns, RankFiles, open_tail, seal_tail
 from dcp_datastates.format.records import PartRecord
 from dcp_datastates.planner import plan_reads
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt
@@ -358,6 +358,11 @@ def test_file_map_names_rank_files_only_when_asked():
     assert positions.sizes().tolist() == list(want.values())
     with pytest.raises(_Bad, match="also listed by name"):
         FileMap({part_file_name(0, sid): 4000}, ranked)
+    written = GatheredFiles({old: 9}, cols)  # the coordinator's side: the same files in the same order
+    assert list(written) == list(want) and dict(written.items()) == want and written == files and len(written) == 8
+    assert written.positions() == {name: i for i, name in enumerate(want)}
+    assert written[part_file_name(7, sid)] == 4007 and written[data_file_name(7, sid, 2)] == 50
+    assert data_file_name(2, sid, 0) not in written and sum(written.values()) == sum(want.values())
 
 
 def test_coordinator_refuses_a_part_of_another_save():

@@ -34,7 +34,7 @@ from .columnar import byte_column, decode_table, encode_table, int_bytes, int_co
 from .dtypes import dtype_from_name
 from .listed import INLINE, Held, HeldColumns, Listed
 from .model import Chunk, Manifest, TensorEntry, _Bad
-from .ranked import FileMap, PartRef, PartTable, RankFileColumns, RankFiles, open_tail
+from .ranked import FileMap, GatheredFiles, PartRef, PartTable, RankFileColumns, RankFiles, open_tail
 from .rules import Geometry, Mesh, ShardRule, salt
 
 INDEX_VERSION = 4
@@ -64,12 +64,11 @@ class ExplicitChunk:
 
 
 def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
-               files: dict[str, int], ranked: RankFileColumns, usage: tuple[int, dict[str, int]],
+               files: GatheredFiles, ranked: RankFileColumns, usage: tuple[int, dict[str, int]],
                held: HeldColumns | None = None) -> dict:
-    """The version 4 fields of the manifest body: ``files`` those not named by rank (listed
-    first), ``ranked`` each rank's own data files and part (``ranked.py``)."""
-    order = [*files, *ranked.file_names()]
-    fidx = dict(zip(order, range(len(order))))
+    """The version 4 fields of the manifest body: ``files.named`` those not named by rank
+    (listed first), ``ranked`` each rank's own data files and part (``ranked.py``)."""
+    fidx = files.positions()
     inline: dict[str, TensorEntry] = {}
     for c in explicit:
         if c.record is not None:
@@ -77,7 +76,7 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
             inline.setdefault(t.fqn, TensorEntry(t.dtype, t.size, [])).chunks.append(c.record)
     explicit = [c if c.record is None else ExplicitChunk(c.tensor, c.offsets, c.sizes, INLINE) for c in explicit]
     return {
-        "files": [[name, size] for name, size in files.items()],
+        "files": [[name, size] for name, size in files.named.items()],
         **ranked.to_wire(),
         "usage": [usage[0], usage[1]],
         "inline": encode_table(inline, fidx, _no_provider),

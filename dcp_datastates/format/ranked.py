@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -130,6 +131,56 @@ class RankFileColumns:
     def file_names(self) -> list[str]:
         """The rows' names in wire order."""
         return self.names + [p.name for p in self.parts]
+
+    def file_sizes(self) -> list[int]:
+        """The rows' sizes in wire order."""
+        return self.size + [p.size for p in self.parts]
+
+
+class GatheredFiles(Mapping):
+    """The files of the index the coordinator writes (its ``Manifest.files``), in wire order:
+    those named by name (``named``: another save's), then each rank's own files and its part.
+    Walking it costs no map; a name's size or place (``positions``, which segments record) is
+    found through one map of every name, made on first use."""
+
+    __slots__ = ("named", "_ranked", "_at", "_names")
+
+    def __init__(self, named: dict[str, int], ranked: RankFileColumns) -> None:
+        self.named, self._ranked = named, ranked
+        self._at: dict[str, int] | None = None
+        self._names: list[str] | None = None
+
+    def _rank_file_names(self) -> list[str]:
+        if self._names is None:
+            self._names = self._ranked.file_names()
+        return self._names
+
+    def positions(self) -> dict[str, int]:
+        """Each file's place in the index's file order, by name."""
+        if self._at is None:
+            self._at = dict(zip(chain(self.named, self._rank_file_names()), range(len(self))))
+        return self._at
+
+    def __getitem__(self, name: str) -> int:
+        size = self.named.get(name)
+        if size is not None:
+            return size
+        row = self.positions()[name] - len(self.named)  # KeyError: not a file of the index
+        own = self._ranked.size
+        return own[row] if row < len(own) else self._ranked.parts[row - len(own)].size
+
+    def __iter__(self):
+        yield from self.named
+        yield from self._rank_file_names()
+
+    def __len__(self) -> int:
+        return len(self.named) + len(self._ranked.size) + len(self._ranked.parts)
+
+    def items(self):  # noqa: D102 (a walk without looking each name up)
+        return [*self.named.items(), *zip(self._rank_file_names(), self._ranked.file_sizes())]
+
+    def values(self):  # noqa: D102
+        return [*self.named.values(), *self._ranked.file_sizes()]
 
 
 class RankFiles:
