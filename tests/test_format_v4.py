@@ -32,7 +32,7 @@ from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.model import Extent, Seg, _Bad
 from dcp_datastates.format.names import data_file_name, part_file_name
 from dcp_datastates.format.paths import paths_from_wire, paths_wire
-from dcp_datastates.format.ranked import FileMap, GatheredFiles, PartRef, RankFileColumns, RankFiles, open_tail, seal_tail
+from dcp_datastates.format.ranked import FileMap, GatheredFiles, OwnFile, PartRef, RankFileColumns, RankFiles, open_tail, seal_tail
 from dcp_datastates.format.records import PartRecord
 from dcp_datastates.planner import plan_reads
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt
@@ -339,11 +339,9 @@ def test_file_map_names_rank_files_only_when_asked():
     """An index's files by name: rank files found by reading the name (one spelling only, this
     save only), named files as given; walking it gives every name and size in order."""
     sid, other = "0123456789ab", "ba9876543210"
-    cols = RankFileColumns()
-    for r in (3, 0, 7):
-        cols.add_data(r, 0, data_file_name(r, sid, 0), 100 + r)
-    cols.add_data(7, 2, data_file_name(7, sid, 2), 50)
-    cols.parts = [PartRef(r, part_file_name(r, sid), 4000 + r, 100) for r in (0, 3, 7)]
+    own = [OwnFile(r, 0, 100 + r, data_file_name(r, sid, 0)) for r in (3, 0, 7)] + [
+        OwnFile(7, 2, 50, data_file_name(7, sid, 2))]
+    cols = RankFileColumns.of(own, [PartRef(r, part_file_name(r, sid), 4000 + r, 100) for r in (0, 3, 7)])
     ranked = RankFiles(cols.to_wire()["rank_files"], 8, sid)
     old = data_file_name(1, other, 0)  # an earlier save's file, which an incremental save refers to
     files = FileMap({old: 9}, ranked)

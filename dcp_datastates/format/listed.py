@@ -10,8 +10,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import NamedTuple
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 

@@ -234,7 +234,7 @@ class Manifest:
     save_id: str
     world_size: int
     ranks: list[int]
-    files: dict[str, int]
+    files: dict[str, int]  # a format 4 index's: a Mapping that makes rank files' names when walked (ranked.py)
     tensors: dict[str, TensorEntry]
     values: dict[str, ValueEntry]
     planner_data: dict[str, list]

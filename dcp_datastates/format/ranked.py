@@ -108,12 +108,6 @@ class RankFileColumns:
         rank, stripe, size, names = zip(*own)
         return cls(list(rank), list(stripe), list(size), list(names), parts)
 
-    def add_data(self, rank: int, stripe: int, name: str, size: int) -> None:
-        self.rank.append(rank)
-        self.stripe.append(stripe)
-        self.size.append(size)
-        self.names.append(name)
-
     def part_ranks(self) -> list[int]:
         """The ranks of the parts, in row order (made once)."""
         if self._part_ranks is None or len(self._part_ranks) != len(self.parts):

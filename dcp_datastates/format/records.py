@@ -47,9 +47,10 @@ class ItemRecord:
 @dataclass(slots=True)
 class PartRecord:
     """A rank's whole result in a version 4 save (one ``WriteResult``): the metadata part it
-    wrote, its own data files and the others it refers to, the chunks of its tensors without a sharding rule (key, offsets, sizes, and the extent of
-    a small plain chunk, which the index holds itself; the others it lists with this rank as
-    owner), its values, and the records of the replicated boxes it wrote."""
+    wrote, its own data files and the others it refers to, the chunks of its tensors without a
+    sharding rule (key, offsets, sizes, and the extent of a small plain chunk, which the index
+    holds itself; the others it lists with this rank as owner), its values, and the records of
+    the replicated boxes it wrote."""
     rank: int  # the global rank, as the meshes number them
     part: PartRef
     files: dict[str, int]
