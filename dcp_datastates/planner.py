@@ -258,9 +258,15 @@ def _whole_read(fqn: str, obj: torch.Tensor, tmd: TensorStorageMetadata) -> Read
     offsets, sizes = entry.box(0)
     if any(offsets) or tuple(sizes) != tuple(tmd.size) or tuple(obj.shape) != tuple(sizes):
         return None
+    return _chunk_read(fqn, offsets, sizes, 0)
+
+
+def _chunk_read(fqn: str, offsets: tuple, sizes: tuple, chunk: int) -> ReadItem:
+    """The read of saved chunk number ``chunk`` whole, into the rank's one box, which is that
+    chunk's box (``offsets``, ``sizes``), as DCP's planner makes it."""
     zeros = torch.Size([0] * len(sizes))
-    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, zeros, 0), dest_offsets=zeros,
-                    storage_index=MetadataIndex(fqn, zeros, 0), storage_offsets=zeros,
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0), dest_offsets=zeros,
+                    storage_index=MetadataIndex(fqn, offsets, chunk), storage_offsets=zeros,
                     lengths=torch.Size(sizes))
 
 
@@ -274,11 +280,7 @@ def _reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]
     if len(boxes) == 1 and all(boxes[0][1]):
         i = entry.exact(boxes[0])
         if i is not None:  # the box is one saved chunk (a same-size restart)
-            offsets, sizes = boxes[0]
-            zeros = torch.Size([0] * len(sizes))
-            return [ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets, 0), dest_offsets=zeros,
-                             storage_index=MetadataIndex(fqn, offsets, i), storage_offsets=zeros,
-                             lengths=torch.Size(sizes))], None
+            return [_chunk_read(fqn, *boxes[0], i)], None
     keep = entry.overlapping(boxes)
     if not all(all(z) for _, z in boxes):
         return None, keep

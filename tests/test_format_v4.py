@@ -111,6 +111,7 @@ def test_a_box_that_is_one_listed_chunk_is_found_directly(ruled):
     assert index.tensors[t].rule is None and index.listed.count(t) == 4
     for i in range(4):
         o, z = index.box_at(t, i)
+        assert index.exact(t, (o, z)) == i
         assert index.overlapping(t, [(o, z)]) == index.listed.overlapping(t, [(o, z)]) == [i]
         wide = (o, (z[0] * 2, z[1]))  # starts at a chunk, but spans the next one too
         assert index.overlapping(t, [wide]) == index.listed.overlapping(t, [wide]) == ([i, i + 1] if i < 3 else [i])

@@ -205,7 +205,7 @@ class IndexTable:
         g = self.geom(t)
         if g is not None:
             return g.exact(*box)
-        self.check(t)
+        self.check(t)  # listed boxes are disjoint: a box that is one of them overlaps no other
         i = self.listed.position(t, box[0])
         return i if i is not None and self.listed.box_of(t, i) == box else None
 
@@ -216,11 +216,7 @@ class IndexTable:
         self.check(t)
         if not self.tensors[t].size:  # a 0-d tensor (an Adam step): its one chunk
             return list(range(min(1, self.listed.count(t))))
-        if len(boxes) == 1 and all(boxes[0][1]):  # a box that is one listed chunk (a same-size restart):
-            i = self.listed.position(t, boxes[0][0])  # the chunks are disjoint, so no other overlaps it
-            if i is not None and self.listed.box_of(t, i) == boxes[0]:
-                return [i]
-        return self.listed.overlapping(t, boxes)
+        return self.listed.overlapping(t, boxes)  # a box that is one listed chunk: ``exact``, asked first
 
     def check(self, t: int) -> None:
         """Rules are valid by construction; a tensor's listed boxes are checked disjoint on first use."""
@@ -244,9 +240,11 @@ class IndexTable:
         else the chunk stored at ``key``; one lookup of the rule for both."""
         g = self.geom(t)
         if g is None:  # listed: chunk ``at`` when its box starts at ``key`` (our planner numbers them so)
-            if isinstance(at, int) and 0 <= at < self.listed.count(t) and self.listed.box_of(t, at)[0] == key:
-                return self.chunk_at(t, at)
-            return self.find(t, key)
+            box = self.listed.box_of(t, at) if isinstance(at, int) and 0 <= at < self.listed.count(t) else None
+            if box is None or box[0] != key:
+                return self.find(t, key)
+            self.check(t)
+            return self._record(t, *box, self.listed.owner_of(t, at))
         i = at if isinstance(at, int) and 0 <= at < g.count() and g.box(at)[0] == key else g.index_of(key)
         if i is None:
             return None

@@ -98,7 +98,6 @@ class RankFileColumns:
     size: list[int] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     parts: list[PartRef] = field(default_factory=list)
-    _part_ranks: list[int] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, own: list[OwnFile], parts: list[PartRef]) -> "RankFileColumns":
@@ -108,15 +107,9 @@ class RankFileColumns:
         rank, stripe, size, names = zip(*own)
         return cls(list(rank), list(stripe), list(size), list(names), parts)
 
-    def part_ranks(self) -> list[int]:
-        """The ranks of the parts, in row order (made once)."""
-        if self._part_ranks is None or len(self._part_ranks) != len(self.parts):
-            self._part_ranks = [p.rank for p in self.parts]
-        return self._part_ranks
-
     def to_wire(self) -> dict:
         ps = self.parts
-        rank = np.asarray(self.rank + self.part_ranks(), dtype=_I8)
+        rank = np.asarray(self.rank + [p.rank for p in ps], dtype=_I8)
         return {"rank_files": {"rank": int_bytes(np.diff(rank, prepend=0)),  # steps: they pack to little
                                "stripe": int_bytes(self.stripe + [PART] * len(ps)),
                                "size": int_bytes(self.size + [p.size for p in ps])},
@@ -131,50 +124,82 @@ class RankFileColumns:
         return self.size + [p.size for p in self.parts]
 
 
-class GatheredFiles(Mapping):
-    """The files of the index the coordinator writes (its ``Manifest.files``), in wire order:
-    those named by name (``named``: another save's), then each rank's own files and its part.
-    Walking it costs no map; a name's size or place (``positions``, which segments record) is
-    found through one map of every name, made on first use."""
+class _NamedThenRanked(Mapping):
+    """A format 4 ``Manifest.files``: the files named by name (``named``: another save's), then
+    each rank's own files and its part, in the index's order; walked from the columns, without
+    a map.  A subclass gives the rank files' names, sizes and a name's size."""
 
-    __slots__ = ("named", "_ranked", "_at", "_names")
+    __slots__ = ("named",)
+
+    def _rank_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def _rank_sizes(self) -> list[int]:
+        raise NotImplementedError
+
+    def _rank_count(self) -> int:
+        raise NotImplementedError
+
+    def _rank_size(self, name: str) -> int | None:
+        raise NotImplementedError
+
+    def __getitem__(self, name: str) -> int:
+        size = self.named.get(name)
+        if size is None and isinstance(name, str):
+            size = self._rank_size(name)
+        if size is None:
+            raise KeyError(name)
+        return size
+
+    def __iter__(self):
+        yield from self.named
+        yield from self._rank_names()
+
+    def __len__(self) -> int:
+        return len(self.named) + self._rank_count()
+
+    def items(self):  # noqa: D102 (a walk without looking each name up)
+        return [*self.named.items(), *zip(self._rank_names(), self._rank_sizes())]
+
+    def values(self):  # noqa: D102
+        return [*self.named.values(), *self._rank_sizes()]
+
+
+class GatheredFiles(_NamedThenRanked):
+    """The files of the index the coordinator writes, from the names the ranks sent; a name's
+    size or place (``positions``, which segments record) is found through one map of every
+    name, made on first use."""
+
+    __slots__ = ("_ranked", "_at", "_names")
 
     def __init__(self, named: dict[str, int], ranked: RankFileColumns) -> None:
         self.named, self._ranked = named, ranked
         self._at: dict[str, int] | None = None
         self._names: list[str] | None = None
 
-    def _rank_file_names(self) -> list[str]:
+    def _rank_names(self) -> list[str]:
         if self._names is None:
             self._names = self._ranked.file_names()
         return self._names
 
+    def _rank_sizes(self) -> list[int]:
+        return self._ranked.file_sizes()
+
+    def _rank_count(self) -> int:
+        return len(self._ranked.size) + len(self._ranked.parts)
+
+    def _rank_size(self, name: str) -> int | None:
+        at = self.positions().get(name)
+        if at is None:
+            return None
+        row, own = at - len(self.named), self._ranked.size
+        return own[row] if row < len(own) else self._ranked.parts[row - len(own)].size
+
     def positions(self) -> dict[str, int]:
         """Each file's place in the index's file order, by name."""
         if self._at is None:
-            self._at = dict(zip(chain(self.named, self._rank_file_names()), range(len(self))))
+            self._at = dict(zip(chain(self.named, self._rank_names()), range(len(self))))
         return self._at
-
-    def __getitem__(self, name: str) -> int:
-        size = self.named.get(name)
-        if size is not None:
-            return size
-        row = self.positions()[name] - len(self.named)  # KeyError: not a file of the index
-        own = self._ranked.size
-        return own[row] if row < len(own) else self._ranked.parts[row - len(own)].size
-
-    def __iter__(self):
-        yield from self.named
-        yield from self._rank_file_names()
-
-    def __len__(self) -> int:
-        return len(self.named) + len(self._ranked.size) + len(self._ranked.parts)
-
-    def items(self):  # noqa: D102 (a walk without looking each name up)
-        return [*self.named.items(), *zip(self._rank_file_names(), self._ranked.file_sizes())]
-
-    def values(self):  # noqa: D102
-        return [*self.named.values(), *self._ranked.file_sizes()]
 
 
 class RankFiles:
@@ -222,42 +247,33 @@ class RankFiles:
         return int(self._order[i]) if i < len(self._sorted) and int(self._sorted[i]) == key else None
 
 
-class FileMap(Mapping):
-    """``Manifest.files`` of an index: the files listed by name, then each rank's own files,
-    whose names are made only when the map is walked; a name is found by reading it."""
+class FileMap(_NamedThenRanked):
+    """``Manifest.files`` of a decoded index: rank files' names are made only when the map is
+    walked, and a name is found by reading it."""
 
-    __slots__ = ("_named", "_ranked")
+    __slots__ = ("_ranked",)
 
     def __init__(self, named: dict[str, int], ranked: RankFiles) -> None:
         if any(ranked.row_of(name) is not None for name in named):
             raise _Bad("a file named by rank is also listed by name")
-        self._named, self._ranked = named, ranked
+        self.named, self._ranked = named, ranked
 
-    def __getitem__(self, name: str) -> int:
-        size = self._named.get(name)
-        if size is not None:
-            return size
-        row = self._ranked.row_of(name) if isinstance(name, str) else None
-        if row is None:
-            raise KeyError(name)
-        return int(self._ranked.size[row])
+    def _rank_names(self) -> list[str]:
+        return self._ranked.names()
 
-    def __iter__(self):
-        yield from self._named
-        yield from self._ranked.names()
+    def _rank_sizes(self) -> list[int]:
+        return self._ranked.size.tolist()
 
-    def __len__(self) -> int:
-        return len(self._named) + len(self._ranked)
+    def _rank_count(self) -> int:
+        return len(self._ranked)
 
-    def items(self):  # noqa: D102 (a walk without looking each name up again)
-        return [*self._named.items(), *zip(self._ranked.names(), self._ranked.size.tolist())]
-
-    def values(self):  # noqa: D102
-        return [*self._named.values(), *self._ranked.size.tolist()]
+    def _rank_size(self, name: str) -> int | None:
+        row = self._ranked.row_of(name)
+        return None if row is None else int(self._ranked.size[row])
 
     def positions(self) -> FileList:
         """The files by position, as the index's segments number them (named ones first)."""
-        return FileList(list(self._named.items()), self._ranked.size, self._ranked.name)
+        return FileList(list(self.named.items()), self._ranked.size, self._ranked.name)
 
 
 class PartTable:
