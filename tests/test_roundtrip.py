@@ -32,8 +32,13 @@ def test_dtypes_and_shapes(tmp_path, planners):
         "bool": torch.rand(13) > 0.5, "scalar": torch.tensor(2.5), "empty": torch.empty(0, 3),
         "noncontig": base.t(), "strided": base[::2, 1::3],
         "share_a": base[:3], "share_b": base[3:],  # two tensors sharing one storage
+        "c64": torch.randn(5, dtype=torch.complex64), "odd": torch.arange(3, dtype=torch.int16),
+        "param": torch.nn.Parameter(torch.randn(3)), "mid": torch.randn(64)[37:41],
+        # lazy views whose memory holds other values than the tensor: a conjugate, a negative
+        "conj": torch.randn(5, dtype=torch.complex64).conj(), "neg": torch.randn(4, dtype=torch.complex64).conj().imag,
     }
-    tmpl = {k: torch.zeros_like(v) if v.dim() else torch.tensor(0.0) for k, v in sd.items()}
+    tmpl = {k: torch.zeros_like(v.detach().resolve_conj().resolve_neg()) if v.dim() else torch.tensor(0.0)
+            for k, v in sd.items()}
     out = _save_load(str(tmp_path / "c"), sd, tmpl, planners)
     for k in sd:
         assert out[k].dtype == sd[k].dtype and torch.equal(out[k], sd[k]), k
