@@ -6,7 +6,10 @@ Saves (``dcp.save``, synchronous, fsync on) and loads (``dcp.load`` into preallo
 a flat state of ``--tensors`` tensors of ``--floats`` fp32 values each, with dcp-datastates and
 with DCP's FileSystemWriter/Reader, alternating, each save into a fresh directory; and times
 ``read_metadata`` alone; ours loads once more with ``DataStatesLoadPlanner`` (compared with
-DCP's load through its own planner).  Medians of ``--reps`` rounds; ratios are medians of per-round ratios.
+DCP's load through its own planner).  ``async_save``: the time until training may change the
+tensors again (DCP: the call, which stages a copy; ours: the call and ``wait_snapshot()``, the
+lazy snapshot), each save then waited for.  Medians of ``--reps`` rounds; ratios are medians of
+per-round ratios.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter
+from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter, async_save
 
 
 def _timed(fn) -> float:
@@ -29,6 +32,20 @@ def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _until_mutable(name: str, writer, state: dict) -> float:
+    """Seconds from ``async_save`` until the tensors may change; the save is then waited for."""
+    gc.collect()
+    t0 = time.perf_counter()
+    if name == "ours":
+        fut = async_save(state, storage_writer=writer, no_dist=True)
+        writer.wait_snapshot()
+    else:
+        fut = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    took = time.perf_counter() - t0
+    getattr(fut, "upload_completion", fut).result()
+    return took
 
 
 def main() -> None:
@@ -45,7 +62,7 @@ def main() -> None:
         "dcp": (lambda p: dcp.FileSystemWriter(p), lambda p: dcp.FileSystemReader(p)),
     }
     times: dict[str, dict[str, list[float]]] = {s: {"save": [], "load": [], "read_metadata": [],
-                                                     "load, our planner": []} for s in systems}
+                                                     "load, our planner": [], "async_save": []} for s in systems}
     for rep in range(args.reps):
         order = list(systems) if rep % 2 == 0 else list(reversed(systems))
         for name in order:
@@ -65,9 +82,11 @@ def main() -> None:
                 times[name]["load, our planner"].append(times[name]["load"][-1])  # DCP's own planner
             times[name]["read_metadata"].append(_timed(lambda: make_r(path).read_metadata()))
             shutil.rmtree(path, ignore_errors=True)
+            times[name]["async_save"].append(_until_mutable(name, make_w(path), state))
+            shutil.rmtree(path, ignore_errors=True)
     print(f"{args.tensors} tensors of {args.floats} fp32, {args.reps} rounds, torch {torch.__version__}")
     print(f"{'':18} {'DCP s':>8} {'ours s':>8} {'ours vs DCP':>12}")
-    for what in ("save", "load", "load, our planner", "read_metadata"):
+    for what in ("save", "load", "load, our planner", "read_metadata", "async_save"):
         ratio = statistics.median(d / o for d, o in zip(times["dcp"][what], times["ours"][what]))
         print(f"{what:18} {statistics.median(times['dcp'][what]):>8.3f} {statistics.median(times['ours'][what]):>8.3f} "
               f"{ratio:>11.2f}x")

@@ -42,7 +42,7 @@ from ._version import __version__
 from .engine import get_engine
 from .engine.device_cache import device_cache_for, prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache, shared_host_cache
-from .engine.live import any_gpu, iter_tensors, ready_point, versions, want_pinned
+from .engine.live import any_gpu, copy_small, iter_tensors, ready_point, versions, want_pinned
 from .errors import CheckpointError, CheckpointExistsError
 from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
 from .format.manifest import paused_gc
@@ -89,6 +89,8 @@ class DataStatesWriter(StorageWriter):
             per ``dedup_unit_bytes`` (a multiple of 1 MiB, default 4 MiB).
         o_direct: write local data files with O_DIRECT from the aligned host cache.
         step_barrier_s: optimizers' ``step()`` waits up to this for an async save's snapshot (0: off).
+        eager_copy_bytes: an async save copies tensors of at most 64 KiB when it is called, up to
+            this many bytes in all (0: none); the rest are copied lazily.
     """
 
     _synchronize_after_execute: bool = False
@@ -100,9 +102,11 @@ class DataStatesWriter(StorageWriter):
                  persist_to: list[str] | str | None = None, persist: bool = True,
                  persist_options: dict | None = None, o_direct: bool = True,
                  incremental_base: str | None = None, dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT,
-                 step_barrier_s: float = 600.0, device_cache_bytes: int = 0) -> None:
+                 step_barrier_s: float = 600.0, device_cache_bytes: int = 0,
+                 eager_copy_bytes: int = 64 << 20) -> None:
         super().__init__()
-        _check_options(thread_count, host_cache_bytes, async_mode, dedup_unit_bytes, device_cache_bytes)
+        _check_options(thread_count, host_cache_bytes, async_mode, dedup_unit_bytes, device_cache_bytes,
+                       eager_copy_bytes)
         self.path = None if path is None else str(path)
         self.overwrite, self.thread_count, self.allow_pickle = overwrite, thread_count, allow_pickle
         self.host_cache_bytes = host_cache_bytes or default_host_cache_bytes()
@@ -115,6 +119,7 @@ class DataStatesWriter(StorageWriter):
         self.persist, self.persist_options, self.o_direct = persist, persist_options, o_direct
         self.incremental_base = None if incremental_base is None else str(incremental_base)
         self.dedup_unit_bytes, self.step_barrier_s = dedup_unit_bytes, step_barrier_s
+        self.eager_copy_bytes = eager_copy_bytes
         self.rank, self.is_coordinator, self.use_collectives = 0, True, True
         self.save_id = uuid.uuid4().hex[:12]
         self.last_stats: dict[str, int] = {}
@@ -135,27 +140,11 @@ class DataStatesWriter(StorageWriter):
         return False
 
     def stage(self, state_dict):
-        """Start a lazy snapshot: return the live state dict, copy nothing yet."""
+        """Start a lazy snapshot: copy the small tensors now (``eager_copy_bytes``), the rest
+        later; return the state dict DCP saves."""
         self._wait_previous()
-        process = self.async_mode == "process"
-        self._session = SaveSession(lazy=True, cross_process=process)
+        self._session, state_dict = _start_session(self, state_dict)
         self._stage_pid, self._staged = os.getpid(), True
-        if self.step_barrier_s > 0:
-            hold_step(self._session, self.step_barrier_s)
-        tensors = list(iter_tensors(state_dict))
-        if not process:
-            # copies follow the kernels queued so far; a tensor changed in place before its
-            # bytes are copied fails the save (engine/snapshot.py), never a torn checkpoint
-            self._session.ready = ready_point(tensors)
-            self._session.versions = versions(tensors)
-            return state_dict
-        # The daemon reads CPU tensors through shared memory: move them there now, in the
-        # caller thread, so the pickler never copies live memory in the background.
-        for t in tensors:
-            if t.device.type == "cpu" and not t.is_shared():
-                t.share_memory_()
-            elif t.device.type == "cuda":
-                torch.cuda.current_stream(t.device).synchronize()
         return state_dict
 
     def synchronize_staging(self) -> None:
@@ -382,6 +371,33 @@ def _submit(w: DataStatesWriter, copy_items: list, sinks: list, session: SaveSes
         ready_event=ready if ready is not None else ready_point(sources))
 
 
+def _start_session(w: DataStatesWriter, state_dict) -> tuple[SaveSession, object]:
+    """An async save's session, and the state dict it saves: in THREAD mode with the small
+    tensors copied (``engine/live.py``), snapshotted at once when nothing else is live."""
+    process = w.async_mode == "process"
+    session = SaveSession(lazy=True, cross_process=process)
+    if w.step_barrier_s > 0:
+        hold_step(session, w.step_barrier_s)
+    if process:
+        # The daemon reads CPU tensors through shared memory: move them there now, in the
+        # caller thread, so the pickler never copies live memory in the background.
+        for t in iter_tensors(state_dict):
+            if t.device.type == "cpu" and not t.is_shared():
+                t.share_memory_()
+            elif t.device.type == "cuda":
+                torch.cuda.current_stream(t.device).synchronize()
+        return session, state_dict
+    small = copy_small(state_dict, w.eager_copy_bytes)
+    tensors = list(iter_tensors(small.state_dict))
+    # copies follow the kernels queued so far; a tensor changed in place before its bytes are
+    # copied fails the save (engine/snapshot.py), never a torn checkpoint
+    session.ready = ready_point(tensors)
+    session.versions = versions(tensors)
+    if not small.live:
+        session.mark_snapshot()
+    return session, small.state_dict
+
+
 @contextlib.contextmanager
 def _failing(writer: DataStatesWriter):
     """``with _failing(writer):`` marks the save failed (its claims let go) if the block raises."""
@@ -551,7 +567,9 @@ def _manifest_for(metadata: Metadata, results: list[list[WriteResult]], save_id:
 
 
 def _check_options(thread_count: int, host_cache_bytes: int | None, async_mode: str | None,
-                   dedup_unit_bytes: int, device_cache_bytes: int) -> None:
+                   dedup_unit_bytes: int, device_cache_bytes: int, eager_copy_bytes: int) -> None:
+    if eager_copy_bytes < 0:
+        raise ValueError(f"eager_copy_bytes must be 0 (off) or more, got {eager_copy_bytes}")
     if device_cache_bytes and device_cache_bytes < BLOCK_SIZE:
         raise ValueError(f"device_cache_bytes must be 0 (off) or at least {BLOCK_SIZE} (one checksum "
                          f"block), got {device_cache_bytes}")

@@ -1,8 +1,15 @@
 """The live state a lazy snapshot copies from: its tensors, their version counters (so that a
 tensor changed in place before its bytes are copied fails the save instead of tearing it), and
-the point on the GPU stream the copies must follow."""
+the point on the GPU stream the copies must follow.
+
+Small tensors are copied when the save is called instead (``copy_small``): a tensor of a few
+KiB costs more to plan, track and copy later than to copy now, and a state of nothing else
+(20,000 tensors of 64 bytes) is then snapshotted before ``async_save`` returns."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -65,3 +72,64 @@ def ready_point(tensors: list[torch.Tensor]):
     if dev is None or not cuda_ext.available():
         return None
     return cuda_ext.record_ready(dev.index or 0)
+
+
+EAGER_TENSOR_BYTES = 64 << 10  # at most this: copied at the call (the planner's small items too)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# leaves that hold no tensor memory: a state of these and copied tensors has no live bytes left
+_INERT = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+@dataclass
+class SmallCopies:
+    """What ``copy_small`` made: the state dict to save, the bytes copied, and whether any
+    tensor memory is left live (a large tensor, a subclass, or an object not walked)."""
+    state_dict: object
+    nbytes: int
+    live: bool
+
+
+def copy_small(state_dict, budget: int) -> SmallCopies:
+    """The state dict, its dicts, lists and tuples rebuilt with each tensor (a DTensor: its
+    local shard) of at most ``EAGER_TENSOR_BYTES`` replaced by a copy made now, on the
+    caller's stream, while ``budget`` bytes last.  Everything else stays as it is: copied
+    lazily, under the version check.  A tensor that appears twice is copied once."""
+    memo: dict[int, object] = {}
+    out = SmallCopies(state_dict, 0, False)
+
+    def copied(t: torch.Tensor) -> torch.Tensor | None:
+        n = t.nbytes
+        if n > EAGER_TENSOR_BYTES or out.nbytes + n > budget or t.layout != torch.strided:
+            return None
+        out.nbytes += n
+        return t.detach().clone()
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            got = memo.get(id(obj))
+            if got is None:
+                got = obj
+                if type(obj) is DTensor:
+                    local = copied(obj.to_local())
+                    if local is not None:
+                        got = DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                                                 shape=obj.shape, stride=obj.stride())
+                elif type(obj) in _PLAIN:
+                    got = copied(obj)
+                    got = obj if got is None else got
+                memo[id(obj)] = got
+            out.live = out.live or got is obj
+            return got
+        if type(obj) in (dict, OrderedDict):
+            return type(obj)((k, walk(v)) for k, v in obj.items())
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v) for v in obj)
+        if not isinstance(obj, _INERT):  # an object not walked (a BytesIO, a provider's type)
+            out.live = True
+        return obj
+
+    if budget > 0:
+        out.state_dict = walk(state_dict)
+    else:
+        out.live = True
+    return out
