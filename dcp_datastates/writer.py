@@ -388,11 +388,11 @@ def _start_session(w: DataStatesWriter, state_dict) -> tuple[SaveSession, object
                 torch.cuda.current_stream(t.device).synchronize()
         return session, state_dict
     small = copy_small(state_dict, w.eager_copy_bytes)
-    tensors = list(iter_tensors(small.state_dict))
-    # copies follow the kernels queued so far; a tensor changed in place before its bytes are
-    # copied fails the save (engine/snapshot.py), never a torn checkpoint
-    session.ready = ready_point(tensors)
-    session.versions = versions(tensors)
+    # copies follow the kernels queued so far (the small copies' too); a tensor left live that
+    # changes in place before its bytes are copied fails the save (engine/snapshot.py), never a
+    # torn checkpoint
+    session.ready = ready_point(small.left + small.copies)
+    session.versions = versions(small.left)
     if not small.live:
         session.mark_snapshot()
     return session, small.state_dict

@@ -68,8 +68,9 @@ def test_snapshot_guard(tmp_path, world, mode):
     run_ranks(world, workers.guard_roundtrip, str(tmp_path), mode)
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", ["thread", "process", "thread-eager"])
 def test_fsdp2_async_save_through_the_device_cache_reshards(tmp_path, mode):
+    """thread-eager: each DTensor's small local shard is copied when async_save is called."""
     ours, ref = str(tmp_path / "ours"), str(tmp_path / "ref")
     run_ranks(2, workers.save_fsdp_async_device_cache, ours, ref, mode)
     run_ranks(3, workers.load_fsdp_and_compare, ours, ref)

@@ -167,6 +167,7 @@ def test_small_copies_keep_the_structure_within_their_budget():
     assert s["a"] is not a and torch.equal(s["a"], a) and s["again"] is s["a"] and s["l"][1][0] is s["a"]
     assert type(s["od"]) is OrderedDict and type(s["l"][1]) is tuple and s["l"][1][1] == "s"
     assert s["big"] is big and got.live and got.nbytes == 16 + 8 + 12
+    assert len(got.left) == 1 and got.left[0] is big and len(got.copies) == 3  # big's version is read
     assert not copy_small({k: sd[k] for k in ("a", "od", "l", "n")}, 1 << 20).live
     part = copy_small({"a": a, "b": torch.ones(4)}, 16)  # room for one of them
     assert part.nbytes == 16 and part.live and part.state_dict["b"] is not None

@@ -71,9 +71,15 @@ def save_fsdp_async_device_cache(rank, world, ours_dir, ref_dir, mode):
     model, opt = make_fsdp(world)
     dcp.save(app_state(model, opt), storage_writer=dcp.FileSystemWriter(ref_dir))
     model(torch.randn(4, 6)).sum().backward()
-    writer = DataStatesWriter(ours_dir, host_cache_bytes=1 << 20, device_cache_bytes=2 << 20)
+    # every tensor of this model is small: unless the mode is "thread-eager", they stay live
+    # (eager_copy_bytes=0), so that the step really races the lazy snapshot through the device cache
+    eager = mode == "thread-eager"
+    writer = DataStatesWriter(ours_dir, host_cache_bytes=1 << 20, device_cache_bytes=2 << 20,
+                              eager_copy_bytes=64 << 20 if eager else 0)
     ctype = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
     fut = async_save(app_state(model, opt), storage_writer=writer, async_checkpointer_type=ctype)
+    if eager:
+        assert writer.wait_snapshot(timeout=0)  # every local shard was copied by the call
     opt.step()  # waits for the snapshot (the step barrier), then changes every parameter
     fut.result()
 

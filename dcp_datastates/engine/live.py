@@ -9,7 +9,7 @@ KiB costs more to plan, track and copy later than to copy now, and a state of no
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -82,11 +82,14 @@ _INERT = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 @dataclass
 class SmallCopies:
-    """What ``copy_small`` made: the state dict to save, the bytes copied, and whether any
-    tensor memory is left live (a large tensor, a subclass, or an object not walked)."""
+    """What ``copy_small`` made: the state dict to save, the bytes copied, the tensors copied
+    and those left live, and whether any tensor memory is left live (a tensor left, or an
+    object not walked, which may hold some)."""
     state_dict: object
-    nbytes: int
-    live: bool
+    nbytes: int = 0
+    copies: list = field(default_factory=list)
+    left: list = field(default_factory=list)
+    live: bool = False
 
 
 def copy_small(state_dict, budget: int) -> SmallCopies:
@@ -95,14 +98,17 @@ def copy_small(state_dict, budget: int) -> SmallCopies:
     caller's stream, while ``budget`` bytes last.  Everything else stays as it is: copied
     lazily, under the version check.  A tensor that appears twice is copied once."""
     memo: dict[int, object] = {}
-    out = SmallCopies(state_dict, 0, False)
+    out = SmallCopies(state_dict)
 
     def copied(t: torch.Tensor) -> torch.Tensor | None:
         n = t.nbytes
         if n > EAGER_TENSOR_BYTES or out.nbytes + n > budget or t.layout != torch.strided:
+            out.left.append(t)
             return None
         out.nbytes += n
-        return t.detach().clone()
+        c = t.detach().clone()
+        out.copies.append(c)
+        return c
 
     def walk(obj):
         if isinstance(obj, torch.Tensor):
@@ -117,6 +123,8 @@ def copy_small(state_dict, budget: int) -> SmallCopies:
                 elif type(obj) in _PLAIN:
                     got = copied(obj)
                     got = obj if got is None else got
+                else:
+                    out.left.append(obj)
                 memo[id(obj)] = got
             out.live = out.live or got is obj
             return got
@@ -131,5 +139,5 @@ def copy_small(state_dict, budget: int) -> SmallCopies:
     if budget > 0:
         out.state_dict = walk(state_dict)
     else:
-        out.live = True
+        out.left, out.live = list(iter_tensors(state_dict)), True
     return out
