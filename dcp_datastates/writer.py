@@ -549,9 +549,14 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
 
 
 def _planner_data(metadata: Metadata) -> dict:
+    """DCP's flattening paths (key -> path of str and int keys); anything else is left out
+    (format 4's rule table among them)."""
     raw = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    return {k: list(v) for k, v in raw.items() if isinstance(k, str)
-            and isinstance(v, (tuple, list)) and all(isinstance(x, (str, int)) for x in v)}
+    paths = {k: v for k, v in raw.items() if isinstance(v, (tuple, list))}
+    if {type(k) for k in paths} <= {str} and {type(x) for v in paths.values() for x in v} <= {str, int}:
+        return {k: list(v) for k, v in paths.items()}  # the usual case, checked at once
+    return {k: list(v) for k, v in paths.items()
+            if isinstance(k, str) and all(isinstance(x, (str, int)) for x in v)}
 
 
 def _manifest_for(metadata: Metadata, results: list[list[WriteResult]], save_id: str):
