@@ -3,9 +3,8 @@
 DCP's default planners work with ``DataStatesWriter``/``DataStatesReader``
 unchanged.  These subclasses add what the format can use:
 
-* :class:`DataStatesSavePlanner` orders each rank's items largest first, so
-  the engine starts the long copies early and the small ones coalesce at the
-  end of the data file;
+* :class:`DataStatesSavePlanner` keeps each save's id in plans DCP's plan cache
+  replays, and describes regular shardings by rule (format 4);
 * :class:`DataStatesLoadPlanner` receives non-tensor values already decoded
   from msgpack (``load_value``), without the ``torch.save``/``torch.load``
   round trip that DCP's ``load_bytes`` interface needs.
@@ -53,8 +52,10 @@ RULES_KEY = "\x00dcp_datastates.rules"  # in a plan's and the global metadata's 
 
 
 class DataStatesSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, with each rank's items ordered largest first, plan caching
-    (``enable_plan_caching=True``) that keeps each save's storage data, and sharding rules.
+    """DCP's default save planner, with plan caching (``enable_plan_caching=True``) that keeps
+    each save's storage data, and sharding rules.  (Largest first is the order of each data file,
+    which ``lay_out`` places by size: the engine starts the long copies early and the small items
+    coalesce at the end.)
 
     ``sharding_rules`` (on by default; used when several ranks save together): each DTensor
     placed with plain ``Shard``/``Replicate`` placements is described by its mesh and
@@ -77,30 +78,26 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         return plan
 
     def create_local_plan(self) -> SavePlan:
-        """DCP's local plan, items sorted by size (largest first): the engine starts the long
-        copies early and the small items coalesce at the end of the data file.  With rules: the
-        rank's table rides in ``planner_data`` and replicated boxes it does not write are gone."""
+        """DCP's local plan.  With rules: the rank's table rides in ``planner_data`` and
+        replicated boxes it does not write are gone."""
         plan = super().create_local_plan()
         self.rules = None
-        items = plan.items
         if self.sharding_rules and _world() > 1 and isinstance(self.state_dict, dict):
             self.rules, items = _rules(self.state_dict, plan.items if plan.usable else self.plan.items)
             if plan.usable:
-                plan = dataclasses.replace(plan, planner_data={**(plan.planner_data or {}), RULES_KEY: self.rules})
+                plan = dataclasses.replace(plan, items=items,
+                                           planner_data={**(plan.planner_data or {}), RULES_KEY: self.rules})
             else:
-                items = []
-
-        def size(item) -> int:
-            s = item.tensor_storage_size()
-            return -(s or 0)
-
-        return dataclasses.replace(plan, items=sorted(items, key=size))
+                plan = dataclasses.replace(plan, items=[])
+        return plan
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         """DCP's dedup of items several ranks hold (plain tensors every rank has), except that
         small ones go to the lowest rank holding them: with metadata parts, a rank then finds
         all of them in one part instead of one part per item."""
-        if not self.sharding_rules or len(all_plans) < 2:
+        if len(all_plans) == 1:  # one plan holds each item once: nothing to dedup
+            return list(all_plans)
+        if not self.sharding_rules:
             return super()._dedup_save_plans(all_plans)
         small = [dataclasses.replace(p, items=[i for i in p.items if _small(i)]) for p in all_plans]
         large = [dataclasses.replace(p, items=[i for i in p.items if not _small(i)]) for p in all_plans]
@@ -372,7 +369,7 @@ def value_entry(planner: SavePlanner, item: WriteItem, *, allow_pickle: bool, ch
     return ValueEntry("torch", data, xxhash.xxh3_64_intdigest(data))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Placed:
     """One item of ``write_data`` on its way to a record: its copy items, by part path."""
     item: WriteItem
@@ -440,6 +437,9 @@ def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: 
     written = {n: sz for n, sz in zip(names, sizes) if sz > 0}
 
     def extent(ci: CopyItem) -> Extent:
+        if len(ci.placed) == 1 and not isinstance(ci.placed[0][1], str):  # most items: one new segment
+            _, f, off, n = ci.placed[0]
+            return Extent([Seg(names[f], off, n)], ci.nbytes, Digests(b"".join(ci.sums)))
         segs = []
         for f, off, n in ci.segments():
             if isinstance(f, str):  # a base file: referenced, not written

@@ -421,7 +421,7 @@ def _write_results(placed: list[Placed], names: list[str], sizes: list[int], bas
         out[0].storage_data.rank = RankRecord(rank, {**written, **{f: base_files[f] for f in refs}},
                                               refs, dict(timings or {}))
     stats = {"bytes_written": sum(written.values()), "files_written": len(written),
-             "bytes_reused": sum(x[3].reused_bytes for p in placed for x in p.parts),
+             "bytes_reused": sum(x[3].reused_bytes for p in placed for x in p.parts) if base is not None else 0,
              "files_referenced": len(refs)}
     return out, {f: (home, base_files[f]) for f, home in refs.items()}, stats
 

@@ -240,10 +240,15 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
             h = body["held"]
             for k in ("tensor", "chunk", "tail_at", "nsegs", "seg_file", "seg_offset", "seg_nbytes"):
                 h[k] = h[k][:8] + h[k]
-        elif case == "held-missing":  # a replicated box without its record
+        elif case == "held-missing":  # a replicated box without its record (its tensor keeps others)
             h = body["held"]
-            for k in ("tensor", "chunk", "tail_at", "nsegs", "seg_file", "seg_offset", "seg_nbytes"):
-                h[k] = h[k][8:]
+            t, nsegs = np.frombuffer(h["tensor"], "<i8"), np.frombuffer(h["nsegs"], "<i8")
+            j = next(i for i in range(len(t)) if (t == t[i]).sum() > 1)
+            a, k = int(nsegs[:j].sum()), int(nsegs[j])
+            for key in ("tensor", "chunk", "tail_at", "nsegs"):
+                h[key] = h[key][:8 * j] + h[key][8 * (j + 1):]
+            for key in ("seg_file", "seg_offset", "seg_nbytes"):
+                h[key] = h[key][:8 * a] + h[key][8 * (a + k):]
         elif case == "held-past-file":
             body["held"]["seg_offset"] = np.full(len(body["held"]["seg_offset"]) // 8, 1 << 40, "<i8").tobytes()
         elif case == "held-bytes":  # a record that holds fewer bytes than its box
