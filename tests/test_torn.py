@@ -173,5 +173,12 @@ def test_small_copies_keep_the_structure_within_their_budget():
     assert part.nbytes == 16 and part.live and part.state_dict["b"] is not None
     assert copy_small(sd, 0).state_dict is sd and copy_small(sd, 0).live
     assert copy_small({"buf": io.BytesIO(b"x"), "a": a}, 1 << 20).live  # an object not walked
+    sub = _StateDict(w=torch.ones(4))  # not rebuilt: its tensors stay live, their versions read
+    got = copy_small({"s": sub}, 1 << 20)
+    assert got.state_dict["s"] is sub and got.live and [t is sub["w"] for t in got.left] == [True]
     with pytest.raises(ValueError, match="eager_copy_bytes"):
         DataStatesWriter("/nonexistent", eager_copy_bytes=-1)
+
+
+class _StateDict(dict):
+    """A dict subclass, which ``copy_small`` does not rebuild."""

@@ -134,6 +134,7 @@ def copy_small(state_dict, budget: int) -> SmallCopies:
             return type(obj)(walk(v) for v in obj)
         if not isinstance(obj, _INERT):  # an object not walked (a BytesIO, a provider's type)
             out.live = True
+            out.left.extend(iter_tensors(obj))  # a dict or list subclass: its tensors stay tracked
         return obj
 
     if budget > 0:
