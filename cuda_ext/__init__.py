@@ -254,10 +254,11 @@ class D2HCopier:
         self.bytes = 0
 
     def prepare(self, t: torch.Tensor) -> torch.Tensor:
-        """Make a GPU source contiguous on the copy stream (after the ready point)."""
-        if t.device.type == "cuda" and not t.is_contiguous():
+        """Make a GPU source contiguous, its conjugate or negative bit resolved, on the copy
+        stream (after the ready point)."""
+        if t.device.type == "cuda" and (not t.is_contiguous() or t.is_conj() or t.is_neg()):
             with torch.cuda.stream(self.torch_stream):
-                t = t.contiguous()
+                t = t.resolve_conj().resolve_neg().contiguous()
         return t
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
