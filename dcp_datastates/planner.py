@@ -437,9 +437,6 @@ def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: 
     written = {n: sz for n, sz in zip(names, sizes) if sz > 0}
 
     def extent(ci: CopyItem) -> Extent:
-        if len(ci.placed) == 1 and not isinstance(ci.placed[0][1], str):  # most items: one new segment
-            _, f, off, n = ci.placed[0]
-            return Extent([Seg(names[f], off, n)], ci.nbytes, Digests(b"".join(ci.sums)))
         segs = []
         for f, off, n in ci.segments():
             if isinstance(f, str):  # a base file: referenced, not written

@@ -81,6 +81,9 @@ class CopyItem:
 
     def segments(self) -> list[tuple[object, int, int]]:
         """``(file, offset, nbytes)`` in item order, neighbours in one file merged."""
+        if len(self.placed) == 1:  # most items: one segment
+            _pos, f, off, n = self.placed[0]
+            return [(f, off, n)]
         out: list[list] = []
         for _pos, f, off, n in sorted(self.placed, key=lambda p: p[0]):
             if out and out[-1][0] == f and out[-1][1] + out[-1][2] == off and out[-1][2] % BLOCK_SIZE == 0:
