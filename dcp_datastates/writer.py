@@ -127,6 +127,7 @@ class DataStatesWriter(StorageWriter):
         self._base: Base | None = None
         self._session: SaveSession | None = None
         self._staged, self._stage_pid, self._job = False, os.getpid(), None
+        self._wrote = False  # write_data ran for the save planned at _planned_at
         self._claims: SaveClaims | None = None
         self._persistence: Persistence | None = None
         self._refs: dict[str, tuple[str, int]] = {}
@@ -225,7 +226,7 @@ class DataStatesWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         with _failing(self):
-            self._planned_at = time.monotonic()
+            self._planned_at, self._wrote = time.monotonic(), False
             self._claims = SaveClaims(self.save_id, rank=None if self.use_collectives else self.rank,
                                       busy=self._busy)
             self._claims.acquire([self.tier, *self._persist_tiers()])
@@ -247,6 +248,7 @@ class DataStatesWriter(StorageWriter):
             return self._write(plan, planner, self._session or SaveSession(lazy=False))
 
     def _write(self, plan: SavePlan, planner: SavePlanner, session: SaveSession) -> Future:
+        self._wrote = True
         with paused_gc():  # a few records per item, none cyclic (format/model.py)
             placed, copy_items, names = lay_out(
                 plan, planner, rank=self.rank, save_id=self.save_id, thread_count=self.thread_count,
@@ -283,6 +285,11 @@ class DataStatesWriter(StorageWriter):
                 self._fail(e)
                 fut.set_exception(CheckpointError(f"writing rank {self.rank}'s data failed: {e}",
                                                   checkpoint=self.path, file=names[0]))
+            finally:
+                # over: the writer keeps nothing of the job, neither the state's tensors (its
+                # items) nor, through this callback, its records, which would otherwise live on
+                # in a cycle until the collector's next full pass
+                self._job = None
         job.durable.add_done_callback(durable)
         if not session.lazy:
             job.durable.exception()  # synchronous dcp.save: DCP waits on the future right away
@@ -334,12 +341,11 @@ class DataStatesWriter(StorageWriter):
 
     def _busy(self) -> bool:
         """Whether this save still runs (a claim of one DCP abandoned after planning is stale)."""
-        job = self._job
-        if job is not None and not job.durable.done():
+        if self._job is not None:  # its data is not durable yet
             return True
         if self._persistence is not None and self._persistence.pending():
             return True
-        return job is None and time.monotonic() - self._planned_at < 120.0
+        return not self._wrote and time.monotonic() - self._planned_at < 120.0
 
     def _fail(self, e: BaseException) -> None:
         if self._session is not None:

@@ -5,11 +5,15 @@ partial data is removed or stays invisible."""
 
 from __future__ import annotations
 
+import collections
+import gc
 import logging
 import os
 import subprocess
 import sys
 import textwrap
+import time
+import weakref
 
 import pytest
 import torch
@@ -235,3 +239,41 @@ def test_checkpoint_every_step_under_cache_pressure(tmp_path, steps):
         assert c.load(out, step=step) == step
         assert _digest(out["model"]) == res["expected"][step], step
     assert res["state_bytes"] > 2 * cache
+
+
+_PER_ITEM = ("CopyItem", "Placed", "WriteItem", "WriteResult", "ItemRecord", "_Piece")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_finished_save_lets_go_of_the_state_and_its_records(tmp_path, mode):
+    """Once a save is over, nothing of ours holds the saved tensors or the save's per-item
+    records, even while the writer is kept: they are freed by reference counting, with the
+    cycle collector off (records left in cycles wait for a full collection, which walks the
+    whole heap; a writer that keeps the last save's tensors keeps a model's old parameters)."""
+    def per_item():
+        return {id(o): type(o).__name__ for o in gc.get_objects() if type(o).__name__ in _PER_ITEM}
+
+    gc.collect()
+    before = per_item()  # what earlier tests keep (DCP's plan caches)
+    gc.disable()
+    try:
+        writer = DataStatesWriter(str(tmp_path / "c"), overwrite=True)
+        for step in range(2):
+            sd = {f"t{i}": torch.randn(16) for i in range(64)}
+            sd["big"] = torch.randn(1 << 18)  # copied lazily by an async save
+            held = [weakref.ref(t) for t in sd.values()]
+            if mode == "sync":
+                dcp.save(sd, storage_writer=writer, no_dist=True)
+            else:
+                fut = async_save(sd, storage_writer=writer, no_dist=True)
+                getattr(fut, "upload_completion", fut).result()
+                del fut
+            del sd
+            deadline = time.monotonic() + 10  # the flush threads return from their last task
+            while any(r() is not None for r in held) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert [r() is None for r in held].count(False) == 0, f"save {step} still holds its tensors"
+            left = collections.Counter(n for i, n in per_item().items() if i not in before)
+            assert not left, f"save {step} left {dict(left)} for the cycle collector"
+    finally:
+        gc.enable()

@@ -97,12 +97,24 @@ def copy_small(state_dict, budget: int) -> SmallCopies:
     local shard) of at most ``EAGER_TENSOR_BYTES`` replaced by a copy made now, on the
     caller's stream, while ``budget`` bytes last.  Everything else stays as it is: copied
     lazily, under the version check.  A tensor that appears twice is copied once."""
-    memo: dict[int, object] = {}
-    out = SmallCopies(state_dict)
+    if budget <= 0:
+        return SmallCopies(state_dict, left=list(iter_tensors(state_dict)), live=True)
+    walk = _SmallCopier(state_dict, budget)
+    walk.out.state_dict = walk(state_dict)
+    return walk.out
 
-    def copied(t: torch.Tensor) -> torch.Tensor | None:
-        n = t.nbytes
-        if n > EAGER_TENSOR_BYTES or out.nbytes + n > budget or t.layout != torch.strided:
+
+class _SmallCopier:
+    """``copy_small``'s walk.  (A class, not a closure that calls itself: such a closure is a
+    reference cycle, which would keep the state's tensors alive until a full collection.)"""
+
+    def __init__(self, state_dict, budget: int) -> None:
+        self.out, self.budget = SmallCopies(state_dict), budget
+        self.memo: dict[int, object] = {}
+
+    def copied(self, t: torch.Tensor) -> torch.Tensor | None:
+        out, n = self.out, t.nbytes
+        if n > EAGER_TENSOR_BYTES or out.nbytes + n > self.budget or t.layout != torch.strided:
             out.left.append(t)
             return None
         out.nbytes += n
@@ -110,35 +122,29 @@ def copy_small(state_dict, budget: int) -> SmallCopies:
         out.copies.append(c)
         return c
 
-    def walk(obj):
+    def __call__(self, obj):
         if isinstance(obj, torch.Tensor):
-            got = memo.get(id(obj))
+            got = self.memo.get(id(obj))
             if got is None:
                 got = obj
                 if type(obj) is DTensor:
-                    local = copied(obj.to_local())
+                    local = self.copied(obj.to_local())
                     if local is not None:
                         got = DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
                                                  shape=obj.shape, stride=obj.stride())
                 elif type(obj) in _PLAIN:
-                    got = copied(obj)
+                    got = self.copied(obj)
                     got = obj if got is None else got
                 else:
-                    out.left.append(obj)
-                memo[id(obj)] = got
-            out.live = out.live or got is obj
+                    self.out.left.append(obj)
+                self.memo[id(obj)] = got
+            self.out.live = self.out.live or got is obj
             return got
         if type(obj) in (dict, OrderedDict):
-            return type(obj)((k, walk(v)) for k, v in obj.items())
+            return type(obj)((k, self(v)) for k, v in obj.items())
         if type(obj) in (list, tuple):
-            return type(obj)(walk(v) for v in obj)
+            return type(obj)(self(v) for v in obj)
         if not isinstance(obj, _INERT):  # an object not walked (a BytesIO, a provider's type)
-            out.live = True
-            out.left.extend(iter_tensors(obj))  # a dict or list subclass: its tensors stay tracked
+            self.out.live = True
+            self.out.left.extend(iter_tensors(obj))  # a dict or list subclass: its tensors stay tracked
         return obj
-
-    if budget > 0:
-        out.state_dict = walk(state_dict)
-    else:
-        out.left, out.live = list(iter_tensors(state_dict)), True
-    return out

@@ -218,6 +218,16 @@ def _settle(fut: Future, *, result=None, error: BaseException | None = None) -> 
         pass
 
 
+@dataclass(frozen=True)
+class Written:
+    """What a job's ``durable`` future resolves to: the bytes in each sink, and when each
+    stage was reached.  (Not the job itself: a future holding its own job is a cycle, and the
+    job's items and records would then wait for the collector's full pass.)"""
+
+    file_sizes: list[int]
+    timings: dict[str, float]
+
+
 class SaveJob:
     """One save on one rank: completion handles and per-stage timings."""
 
@@ -226,8 +236,8 @@ class SaveJob:
         self.sinks = sinks
         self.label = label
         self.snapshot_done = threading.Event()
-        self.snapshotted: Future = Future()  # resolves when snapshot_done is set (error: failed)
-        self.durable: Future = Future()
+        self.snapshotted: Future = Future()  # None when snapshot_done is set (error: failed)
+        self.durable: Future = Future()  # Written, once every sink is closed and synced
         self.error: BaseException | None = None
         self.abort = threading.Event()
         self.on_abort: list = []  # called when the job fails (wakes its cache waiters)
@@ -318,6 +328,7 @@ class SnapshotEngine:
             except BaseException as e:  # noqa: BLE001 - surfaced through the job
                 log.debug("staging of %s failed", job.label, exc_info=True)
                 job.fail(e)
+            del entry, job, copy, ready  # an idle stager holds nothing of the last save
 
     def _stage(self, job: SaveJob, copy: bool, ready) -> None:
         job.timings["staging_started"] = time.monotonic()
@@ -434,7 +445,7 @@ class SnapshotEngine:
         job.timings["snapshot_done"] = time.monotonic()
         # the future first: its callbacks (the session's "snapshotted" stamp) run before the
         # event lets the flush threads close the files and report the data written
-        _settle(job.snapshotted, result=job)
+        _settle(job.snapshotted)
         job.snapshot_done.set()
         log.debug("%s: snapshot done in %.3fs", job.label,
                   job.timings["snapshot_done"] - job.timings["submitted"])
@@ -539,7 +550,7 @@ class SnapshotEngine:
             job.file_sizes = [first] + [f.result() for f in helpers]
             job.timings["data_written"] = time.monotonic()
             if not job.durable.done():
-                job.durable.set_result(job)
+                job.durable.set_result(Written(job.file_sizes, dict(job.timings)))
         except BaseException as e:  # noqa: BLE001
             job.fail(e)
 
@@ -673,6 +684,7 @@ class _Workers:
                 fn(*args)
             except BaseException as e:  # noqa: BLE001 - tasks report through their job
                 log.error("flush task %s failed outside its job: %s", getattr(fn, "__name__", fn), e)
+            del task, fn, args  # an idle thread holds nothing of the last save
 
     def shutdown(self) -> None:
         """Run what is queued, then end the threads."""
