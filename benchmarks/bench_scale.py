@@ -13,7 +13,9 @@ ranks (FSDP, HSDP, TP x FSDP).  For each layout, N and system, one fresh process
    ``WriteResult``s of ``FileSystemWriter`` and the global ``Metadata`` its planner builds;
 2. **commit** (timed, with the peak RSS of the process): the coordinator's real code.  Ours:
    the index built and committed (``writer._index_for``, ``StorageTier.commit_bytes``).  DCP:
-   ``FileSystemWriter.finish`` (its storage metadata, the pickle, the rename);
+   ``FileSystemWriter.finish`` (its storage metadata, the pickle, the rename).  The best of 3
+   where the first took under a second, as for ready (both systems; ``commit_first_s``: the
+   first alone);
 3. **ready to load** (timed, with the metadata bytes read): one rank's ``read_metadata`` through
    the public reader, the load planning of that rank's boxes (DCP's resharding algorithm,
    ``create_read_items_for_chunk_list``), and finding where each planned item's bytes are
@@ -292,6 +294,21 @@ def _rss_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _commit(system: str, md: Metadata, results: list, path: str) -> float:
+    """Seconds for the coordinator to build and commit the checkpoint's metadata."""
+    t0 = time.perf_counter()
+    if system == "ours":  # as DataStatesWriter.finish does it
+        with paused_gc():
+            manifest, body = _index_for(md, results, SAVE_ID, md.planner_data[RULES_KEY], path)
+        StorageTier(path).commit_bytes(MANIFEST_NAME, body)
+        del manifest, body
+    else:
+        w = FileSystemWriter(path)
+        w.set_up_storage_writer(True)
+        w.finish(md, results)
+    return time.perf_counter() - t0
+
+
 def one(system: str, layout: str, n: int, root: str) -> dict:
     ts = sm.tensors()
     path = os.path.join(root, f"{system}-{layout}-{n}")
@@ -308,22 +325,16 @@ def one(system: str, layout: str, n: int, root: str) -> dict:
         del per_rank
     sim_s = time.perf_counter() - t0
     rss0 = _rss_peak()
-    t0 = time.perf_counter()
-    if system == "ours":  # as DataStatesWriter.finish does it
-        with paused_gc():
-            manifest, body = _index_for(md, results, SAVE_ID, md.planner_data[RULES_KEY], path)
-        StorageTier(path).commit_bytes(MANIFEST_NAME, body)
-        del manifest, body
-    else:
-        w = FileSystemWriter(path)
-        w.set_up_storage_writer(True)
-        w.finish(md, results)
-    commit_s = time.perf_counter() - t0
-    commit_rss = max(0, _rss_peak() - rss0)
+    commits = [_commit(system, md, results, path)]
+    commit_rss = max(0, _rss_peak() - rss0)  # of the first commit
+    while len(commits) < 3 and commits[0] < 1.0:  # best of 3 where cheap, as for ready (noise)
+        commits.append(_commit(system, md, results, path))
+    commit_s = min(commits)
     meta_bytes = os.path.getsize(os.path.join(path, MANIFEST_NAME))
     del md, results
     out = {"system": system, "layout": layout, "ranks": n, "simulate_s": round(sim_s, 2),
-           "commit_s": round(commit_s, 3), "commit_rss_growth": commit_rss, "metadata_bytes": meta_bytes}
+           "commit_s": round(commit_s, 3), "commit_first_s": round(commits[0], 3),
+           "commit_rss_growth": commit_rss, "metadata_bytes": meta_bytes}
     # warm-up, not timed: the first read of a process pays imports and caches, for both systems
     (DataStatesReader(path) if system == "ours" else FileSystemReader(path)).read_metadata()
     for label, (world, rank) in zip(("same", "half"), measured):
