@@ -288,8 +288,10 @@ class DataStatesWriter(StorageWriter):
             finally:
                 # over: the writer keeps nothing of the job, neither the state's tensors (its
                 # items) nor, through this callback, its records, which would otherwise live on
-                # in a cycle until the collector's next full pass
-                self._job = None
+                # in a cycle until the collector's next full pass.  (Unless the next save has
+                # already replaced it: DCP's future is set above.)
+                if self._job is not None and self._job.durable is f:
+                    self._job = None
         job.durable.add_done_callback(durable)
         if not session.lazy:
             job.durable.exception()  # synchronous dcp.save: DCP waits on the future right away

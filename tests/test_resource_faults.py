@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 
@@ -277,3 +278,33 @@ def test_a_finished_save_lets_go_of_the_state_and_its_records(tmp_path, mode):
             assert not left, f"save {step} left {dict(left)} for the cycle collector"
     finally:
         gc.enable()
+
+
+def test_the_end_of_a_save_does_not_forget_the_next_one(tmp_path):
+    """DCP gets a save's results before the writer's own bookkeeping of that save has ended;
+    the next save on the writer may start in between.  The writer must still know that the
+    next save runs: its back-to-back policy waits for it, and its directory claim stays live."""
+    second, first_done, seen = threading.Event(), threading.Event(), []
+
+    class Writer(DataStatesWriter):
+        def write_data(self, plan, planner):
+            fut = super().write_data(plan, planner)
+            job = self._job
+            if not seen:
+                seen.append(None)
+                # after the writer's own callback on this job, which runs first
+                job.durable.add_done_callback(lambda f: first_done.set())
+                fut.add_done_callback(lambda f: second.wait(30))  # DCP has the results; the writer's end waits
+            else:
+                second.set()
+                assert first_done.wait(30)
+                seen.append((self._job is job, job.durable.done()))
+            return fut
+
+    writer = Writer(str(tmp_path / "c"), overwrite=True)
+    f1 = async_save({"w": torch.randn(1 << 16)}, storage_writer=writer, no_dist=True)
+    f2 = async_save({"w": torch.randn(8 << 20)}, storage_writer=writer, no_dist=True)  # 32 MiB: still flushing
+    for f in (f1, f2):
+        getattr(f, "upload_completion", f).result(timeout=60)
+    known, done = seen[1]
+    assert known or done, "the first save's end cleared the writer's record of the second save"
