@@ -209,3 +209,41 @@ def _before_step(optimizer, args, kwargs) -> None:
         except SnapshotError as e:  # the save reports its failure through its own future
             log.warning("an async save failed before its snapshot completed; training goes on: %s", e)
     return None
+
+
+SLOT_WAIT_S = 600.0  # how long a save waits for the previous save through the same writer
+
+
+class SaveSlot:
+    """One save at a time through a writer.  DCP runs each async save in a thread of its own,
+    and a writer's fields (path, save id, session, claims) belong to one save: a second save
+    started while the first runs waits here until the first is over on this rank (committed,
+    its data written, failed, or its DCP future done).  ``holder`` is the save's session.  A
+    synchronous save that holds the slot is over once its own thread asks again: that thread
+    has left it (DCP gave up on it between two of the writer's calls)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._holder: object | None = None
+        self._thread: int | None = None  # the holder's thread, for a synchronous save
+
+    def __reduce__(self):
+        return SaveSlot, ()  # a copy in DCP's checkpoint process starts free: saves run one by one there
+
+    def take(self, holder, *, sync: bool, timeout: float = SLOT_WAIT_S) -> bool:
+        """Wait until the slot is free, then hold it for ``holder``; False on timeout."""
+        me = threading.get_ident()
+        with self._cv:
+            if self._holder is not None and self._thread != me:
+                log.info("the previous save through this writer is still running; waiting for it")
+            if not self._cv.wait_for(lambda: self._holder is None or self._thread == me, timeout):
+                return False
+            self._holder, self._thread = holder, (me if sync else None)
+            return True
+
+    def give_back(self, holder) -> None:
+        """Free the slot if ``holder`` still holds it."""
+        with self._cv:
+            if self._holder is holder:
+                self._holder = self._thread = None
+                self._cv.notify_all()

@@ -57,7 +57,7 @@ from .format.names import data_file_stripe, part_file_name, rank_manifest_name
 from .format.records import ItemRecord, PartRecord, RankRecord
 from .format.rules import RuleTable
 from .planner import RULES_KEY, SMALL_ITEM_BYTES, Placed, lay_out, records_for
-from .session import SaveSession, hold_step
+from .session import SLOT_WAIT_S, SaveSlot, SaveSession, hold_step
 from .tiers import StorageTier
 from .tiers.incremental import Base, load_base
 from .tiers.manifests import committed_here
@@ -127,6 +127,7 @@ class DataStatesWriter(StorageWriter):
         self._base: Base | None = None
         self._session: SaveSession | None = None
         self._staged, self._stage_pid, self._job = False, os.getpid(), None
+        self._slot, self._staged_by = SaveSlot(), None  # one save at a time through this writer
         self._wrote = False  # write_data ran for the save planned at _planned_at
         self._claims: SaveClaims | None = None
         self._persistence: Persistence | None = None
@@ -142,8 +143,8 @@ class DataStatesWriter(StorageWriter):
 
     def stage(self, state_dict):
         """Start a lazy snapshot: copy the small tensors now (``eager_copy_bytes``), the rest
-        later; return the state dict DCP saves."""
-        self._wait_previous()
+        later; return the state dict DCP saves.  Waits while a previous save through this
+        writer still runs (``session.SaveSlot``)."""
         self._session, state_dict = _start_session(self, state_dict)
         self._stage_pid, self._staged = os.getpid(), True
         return state_dict
@@ -158,6 +159,7 @@ class DataStatesWriter(StorageWriter):
         """Let :meth:`wait_snapshot` see failures that happen before ``write_data``."""
         if self._session is not None:
             self._session.future = future
+            future.add_done_callback(lambda f, s=self._session: self._slot.give_back(s))  # over, however it ended
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
         """Block until the current async save has copied every byte out of the live state; then
@@ -175,16 +177,9 @@ class DataStatesWriter(StorageWriter):
         """Seconds from the last save's call to each stage it reached (``snapshot_done_s``...)."""
         return {} if self._session is None else self._session.timings()
 
-    def _wait_previous(self) -> None:
-        """Back-to-back policy: a new save on this writer waits for the previous one's data."""
-        job = self._job
-        if job is not None and not job.durable.done():
-            log.info("previous save on this writer is still flushing; waiting")
-            if job.durable.exception() is not None:
-                log.info("the previous save failed: %s", job.durable.exception())
-
     # ---------------------------------------------------------- StorageWriter
     def reset(self, checkpoint_id=None) -> None:
+        _begin_sync(self)
         if checkpoint_id is not None:
             self.path = str(checkpoint_id)
 
@@ -200,9 +195,8 @@ class DataStatesWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex[:12]
         if not self.use_collectives:
             self.save_id = _agree_save_id(self.save_id)
-        if not self._staged:
-            self._session = SaveSession(lazy=False)
-        elif os.getpid() != self._stage_pid and not self._session.cross_process:
+        _begin_sync(self)
+        if self._staged and os.getpid() != self._stage_pid and not self._session.cross_process:
             raise CheckpointError(
                 "this save runs in DCP's checkpoint process (async_checkpointer_type=PROCESS), but "
                 "the writer was staged for THREAD mode, so wait_snapshot() could not see it finish; "
@@ -255,14 +249,18 @@ class DataStatesWriter(StorageWriter):
                 base=self._base, started=getattr(session, "versions", None) if session.lazy else None,
                 allow_pickle=self.allow_pickle, checkpoint=self.path)
         fut: Future = Future()
+        claims = self._claims  # this save's own: its slow tiers may commit after the next save began
         self._persistence = Persistence(self.tier, self._persist_tiers(), self.save_id, self.rank,
-                                        on_done=session.mark_persisted, after_commit=self._after_commit,
-                                        on_tier_failed=self._release)
+                                        on_done=session.mark_persisted,
+                                        after_commit=self._after_commit if claims is None else claims.after_commit,
+                                        on_tier_failed=self._release if claims is None else claims.release)
         if not copy_items:
             session.mark_snapshot()
             res = self._results(placed, names, [])
             self._persistence.start_uploads(dict(self._part_file), {}, waits_for_commit=self._commits_persist())
             fut.set_result(res)
+            if not self.is_coordinator:  # this rank's part of the save is over
+                self._slot.give_back(session)
             return fut
         persisting = bool(self.persist_to and self.persist)
         sinks = [self.tier.open_sink(n, o_direct=self.o_direct, drop_cache=not persisting) for n in names]
@@ -292,6 +290,8 @@ class DataStatesWriter(StorageWriter):
                 # already replaced it: DCP's future is set above.)
                 if self._job is not None and self._job.durable is f:
                     self._job = None
+                if not self.is_coordinator:  # this rank's part of the save is over
+                    self._slot.give_back(session)
         job.durable.add_done_callback(durable)
         if not session.lazy:
             job.durable.exception()  # synchronous dcp.save: DCP waits on the future right away
@@ -321,6 +321,7 @@ class DataStatesWriter(StorageWriter):
             log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),
                      len(manifest.values), sum(manifest.files.values()) / 2**20)
             self._after_commit(self.tier, manifest)
+            self._slot.give_back(self._session)
 
     # --------------------------------------------------------------- helpers
     def _persist_tiers(self) -> list[StorageTier]:
@@ -353,6 +354,7 @@ class DataStatesWriter(StorageWriter):
         if self._session is not None:
             self._session.mark_failed(e)
         self._release()
+        self._slot.give_back(self._session)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -382,11 +384,10 @@ def _submit(w: DataStatesWriter, copy_items: list, sinks: list, session: SaveSes
 def _start_session(w: DataStatesWriter, state_dict) -> tuple[SaveSession, object]:
     """An async save's session, and the state dict it saves: in THREAD mode with the small
     tensors copied (``engine/live.py``), snapshotted at once when nothing else is live."""
-    process = w.async_mode == "process"
-    session = SaveSession(lazy=True, cross_process=process)
-    if w.step_barrier_s > 0:
-        hold_step(session, w.step_barrier_s)
-    if process:
+    if w.async_mode == "process":  # DCP's checkpoint process runs the saves one by one, on its own copy
+        session = SaveSession(lazy=True, cross_process=True)
+        if w.step_barrier_s > 0:
+            hold_step(session, w.step_barrier_s)
         # The daemon reads CPU tensors through shared memory: move them there now, in the
         # caller thread, so the pickler never copies live memory in the background.
         for t in iter_tensors(state_dict):
@@ -395,15 +396,43 @@ def _start_session(w: DataStatesWriter, state_dict) -> tuple[SaveSession, object
             elif t.device.type == "cuda":
                 torch.cuda.current_stream(t.device).synchronize()
         return session, state_dict
-    small = copy_small(state_dict, w.eager_copy_bytes)
-    # copies follow the kernels queued so far (the small copies' too); a tensor left live that
-    # changes in place before its bytes are copied fails the save (engine/snapshot.py), never a
-    # torn checkpoint
-    session.ready = ready_point(small.left + small.copies)
-    session.versions = versions(small.left)
+    session = SaveSession(lazy=True)
+    _take_slot(w, session, sync=False)
+    try:
+        if w.step_barrier_s > 0:
+            hold_step(session, w.step_barrier_s)
+        small = copy_small(state_dict, w.eager_copy_bytes)
+        # copies follow the kernels queued so far (the small copies' too); a tensor left live that
+        # changes in place before its bytes are copied fails the save (engine/snapshot.py), never a
+        # torn checkpoint
+        session.ready = ready_point(small.left + small.copies)
+        session.versions = versions(small.left)
+    except BaseException as e:
+        session.mark_failed(e)  # lets the optimizer's step barrier go
+        w._slot.give_back(session)
+        raise
     if not small.live:
         session.mark_snapshot()
+    w._staged_by = threading.get_ident()
     return session, small.state_dict
+
+
+def _begin_sync(w: DataStatesWriter) -> None:
+    """A save's first calls on the writer (``reset``, ``set_up_storage_writer``): a synchronous
+    save takes the writer's slot, waiting while another save runs through it.  Not the DCP
+    thread of the async save staged on this writer, which took the slot in ``stage``."""
+    if w._staged and (threading.get_ident() != w._staged_by or os.getpid() != w._stage_pid):
+        return
+    session = SaveSession(lazy=False)
+    _take_slot(w, session, sync=True)
+    w._session, w._staged = session, False
+
+
+def _take_slot(w: DataStatesWriter, session: SaveSession, *, sync: bool) -> None:
+    if not w._slot.take(session, sync=sync):
+        raise CheckpointError(f"the previous save through this DataStatesWriter has not ended after "
+                              f"{SLOT_WAIT_S:.0f} s; wait for its future before saving again, or give "
+                              "each concurrent save its own writer", checkpoint=w.path)
 
 
 @contextlib.contextmanager

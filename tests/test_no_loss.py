@@ -461,3 +461,51 @@ def test_million_empty_chunks_decode_in_bounded_memory(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     growth = int(r.stdout.split("GROWTH_MIB")[1].split()[0])
     assert growth < 8 * size_mib, (growth, size_mib)
+
+
+def _own(p, value, n):
+    out = {"w": torch.zeros(n), "s": torch.zeros(8)}
+    dcp.load(out, storage_reader=DataStatesReader(str(p)), no_dist=True)
+    return bool(torch.all(out["w"] == value)) and bool(torch.all(out["s"] == value))
+
+
+def test_saves_through_one_writer_that_overlap_stay_apart(tmp_path):
+    """DCP runs each async save in a thread of its own, so a second save through the same
+    writer can start while the first runs.  Before: both futures succeeded, the first directory
+    had no manifest and the second's manifest named the first's data file.  Each save now
+    waits for the previous one through the writer, and each checkpoint holds its own state."""
+    from dcp_datastates import async_save
+    n = 1 << 20
+    writer = DataStatesWriter(None)
+    futs = [async_save({"w": torch.full((n,), float(i)), "s": torch.full((8,), float(i))}, storage_writer=writer,
+                       checkpoint_id=str(tmp_path / f"c{i}"), no_dist=True) for i in (1, 2)]
+    dcp.save({"w": torch.full((n,), 3.0), "s": torch.full((8,), 3.0)}, storage_writer=writer,
+             checkpoint_id=str(tmp_path / "c3"), no_dist=True)  # synchronous, from the same thread
+    for f in futs:
+        getattr(f, "upload_completion", f).result(timeout=120)
+    assert [_own(tmp_path / f"c{i}", float(i), n) for i in (1, 2, 3)] == [True, True, True]
+
+
+def test_an_async_save_dcp_gave_up_on_does_not_hold_the_writer(tmp_path):
+    """A save that DCP abandons between two of the writer's calls (its planner raised) frees
+    the writer when its future ends, so the next save through it does not wait."""
+    import threading
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from dcp_datastates import async_save
+
+    class Boom(DefaultSavePlanner):
+        def create_local_plan(self):
+            raise RuntimeError("planner failed")
+
+    writer = DataStatesWriter(None)
+    sd = {"w": torch.full((1024,), 5.0), "s": torch.full((8,), 5.0)}
+    fut = async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "a"), planner=Boom(), no_dist=True)
+    with pytest.raises(BaseException) as failed:  # DCP's CheckpointException, wrapping the planner's error
+        getattr(fut, "upload_completion", fut).result(timeout=60)
+    assert "planner failed" in str(failed.value) or "planner failed" in repr(failed.value.args)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (dcp.save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "b"),
+                                                   no_dist=True), done.set()), daemon=True)
+    t.start()
+    assert done.wait(60), "the next save waited for the abandoned one"
+    assert _own(tmp_path / "b", 5.0, 1024)
