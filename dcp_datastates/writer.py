@@ -144,7 +144,8 @@ class DataStatesWriter(StorageWriter):
     def stage(self, state_dict):
         """Start a lazy snapshot: copy the small tensors now (``eager_copy_bytes``), the rest
         later; return the state dict DCP saves.  Waits while a previous save through this
-        writer still runs (``session.SaveSlot``)."""
+        writer still runs (``session.SaveSlot``).  DCP makes the staged save's calls in another
+        thread (or process); a save from this thread meanwhile waits for it."""
         self._session, state_dict = _start_session(self, state_dict)
         self._stage_pid, self._staged = os.getpid(), True
         return state_dict
