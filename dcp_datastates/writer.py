@@ -250,6 +250,8 @@ class DataStatesWriter(StorageWriter):
                 base=self._base, started=getattr(session, "versions", None) if session.lazy else None,
                 allow_pickle=self.allow_pickle, checkpoint=self.path)
         fut: Future = Future()
+        if not self.is_coordinator:  # this rank's part of the save is over once DCP has its results
+            fut.add_done_callback(lambda f: self._slot.give_back(session))
         claims = self._claims  # this save's own: its slow tiers may commit after the next save began
         self._persistence = Persistence(self.tier, self._persist_tiers(), self.save_id, self.rank,
                                         on_done=session.mark_persisted,
@@ -260,8 +262,6 @@ class DataStatesWriter(StorageWriter):
             res = self._results(placed, names, [])
             self._persistence.start_uploads(dict(self._part_file), {}, waits_for_commit=self._commits_persist())
             fut.set_result(res)
-            if not self.is_coordinator:  # this rank's part of the save is over
-                self._slot.give_back(session)
             return fut
         persisting = bool(self.persist_to and self.persist)
         sinks = [self.tier.open_sink(n, o_direct=self.o_direct, drop_cache=not persisting) for n in names]
@@ -291,8 +291,6 @@ class DataStatesWriter(StorageWriter):
                 # already replaced it: DCP's future is set above.)
                 if self._job is not None and self._job.durable is f:
                     self._job = None
-                if not self.is_coordinator:  # this rank's part of the save is over
-                    self._slot.give_back(session)
         job.durable.add_done_callback(durable)
         if not session.lazy:
             job.durable.exception()  # synchronous dcp.save: DCP waits on the future right away

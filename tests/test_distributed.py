@@ -63,6 +63,10 @@ def test_async_save_snapshot_is_consistent(tmp_path, mode):
     run_ranks(2, workers.async_mutation, str(tmp_path), mode)
 
 
+def test_one_writer_per_rank_for_several_saves(tmp_path):
+    run_ranks(2, workers.saves_through_one_writer, str(tmp_path))
+
+
 @pytest.mark.parametrize("world,mode", [(1, "thread"), (1, "process"), (2, "process")])
 def test_snapshot_guard(tmp_path, world, mode):
     run_ranks(world, workers.guard_roundtrip, str(tmp_path), mode)

@@ -528,3 +528,20 @@ def rules_load(rank, world, ours_dir, planner):
     dcp.load(sd, storage_reader=DataStatesReader(ours_dir), **({"planner": DataStatesLoadPlanner()} if planner else {}))
     for k, v in sd.items():
         assert torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, full[k]), k
+
+
+def saves_through_one_writer(rank, world, base):
+    """One writer on each rank for a synchronous and an async save, twice: a rank that is not
+    the coordinator frees its writer when DCP has its results (it never gets ``finish``).  Plain
+    ``dcp.async_save``, which gives the writer no future to free it by."""
+    pg = dist.new_group(backend="gloo")
+    writer = DataStatesWriter(None)
+    for i in range(2):
+        sd = {"w": torch.full((4096,), float(10 * i)), "n": {"i": i}}  # the same on every rank
+        dcp.save(sd, storage_writer=writer, checkpoint_id=os.path.join(base, f"sync-{i}"), process_group=pg)
+        dcp.async_save(sd, storage_writer=writer, checkpoint_id=os.path.join(base, f"async-{i}"),
+                       process_group=pg).result(timeout=120)
+        for kind in ("sync", "async"):
+            out = {"w": torch.zeros(4096), "n": {"i": -1}}
+            dcp.load(out, storage_reader=DataStatesReader(os.path.join(base, f"{kind}-{i}")), process_group=pg)
+            assert out["n"] == {"i": i} and bool(torch.all(out["w"] == 10 * i)), (rank, kind, i)
