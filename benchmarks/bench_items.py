@@ -5,8 +5,8 @@
 Saves (``dcp.save``, synchronous, fsync on) and loads (``dcp.load`` into preallocated tensors)
 a flat state of ``--tensors`` tensors of ``--floats`` fp32 values each, with dcp-datastates and
 with DCP's FileSystemWriter/Reader, alternating, each save into a fresh directory; and times
-``read_metadata`` alone; ours loads once more with ``DataStatesLoadPlanner`` (compared with
-DCP's load through its own planner).  ``async_save``: the time until training may change the
+``read_metadata`` alone; ours saves once more with ``DataStatesSavePlanner`` and loads once
+more with ``DataStatesLoadPlanner`` (each compared with DCP through its own planner).  ``async_save``: the time until training may change the
 tensors again (DCP: the call, which stages a copy; ours: the call and ``wait_snapshot()``, the
 lazy snapshot), each save then waited for.  Medians of ``--reps`` rounds; ratios are medians of
 per-round ratios.
@@ -24,7 +24,8 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter, async_save
+from dcp_datastates import (DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner, DataStatesWriter,
+                            async_save)
 
 
 def _timed(fn) -> float:
@@ -62,7 +63,8 @@ def main() -> None:
         "dcp": (lambda p: dcp.FileSystemWriter(p), lambda p: dcp.FileSystemReader(p)),
     }
     times: dict[str, dict[str, list[float]]] = {s: {"save": [], "load": [], "read_metadata": [],
-                                                     "load, our planner": [], "async_save": []} for s in systems}
+                                                     "save, our planner": [], "load, our planner": [],
+                                                     "async_save": []} for s in systems}
     for rep in range(args.reps):
         order = list(systems) if rep % 2 == 0 else list(reversed(systems))
         for name in order:
@@ -70,6 +72,14 @@ def main() -> None:
             path = os.path.join(args.dir, f"{name}-{rep}")
             shutil.rmtree(path, ignore_errors=True)
             times[name]["save"].append(_timed(lambda: dcp.save(state, storage_writer=make_w(path), no_dist=True)))
+            if name == "ours":  # the same save with DataStatesSavePlanner (public API too)
+                again = path + "-planner"
+                shutil.rmtree(again, ignore_errors=True)
+                times[name]["save, our planner"].append(_timed(lambda: dcp.save(
+                    state, storage_writer=make_w(again), planner=DataStatesSavePlanner(), no_dist=True)))
+                shutil.rmtree(again, ignore_errors=True)
+            else:
+                times[name]["save, our planner"].append(times[name]["save"][-1])  # DCP's own planner
             out = {k: torch.empty_like(v) for k, v in state.items()}
             times[name]["load"].append(_timed(lambda: dcp.load(out, storage_reader=make_r(path), no_dist=True)))
             assert all(torch.equal(out[k], state[k]) for k in state)
@@ -86,7 +96,7 @@ def main() -> None:
             shutil.rmtree(path, ignore_errors=True)
     print(f"{args.tensors} tensors of {args.floats} fp32, {args.reps} rounds, torch {torch.__version__}")
     print(f"{'':18} {'DCP s':>8} {'ours s':>8} {'ours vs DCP':>12}")
-    for what in ("save", "load", "load, our planner", "read_metadata", "async_save"):
+    for what in ("save", "save, our planner", "load", "load, our planner", "read_metadata", "async_save"):
         ratio = statistics.median(d / o for d, o in zip(times["dcp"][what], times["ours"][what]))
         print(f"{what:18} {statistics.median(times['dcp'][what]):>8.3f} {statistics.median(times['ours'][what]):>8.3f} "
               f"{ratio:>11.2f}x")

@@ -80,7 +80,8 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan.  With rules: the rank's table rides in ``planner_data`` and
         replicated boxes it does not write are gone."""
-        plan = super().create_local_plan()
+        with paused_gc():  # a few write items per tensor, none cyclic (format/model.py)
+            plan = super().create_local_plan()
         self.rules = None
         if self.sharding_rules and _world() > 1 and isinstance(self.state_dict, dict):
             self.rules, items = _rules(self.state_dict, plan.items if plan.usable else self.plan.items)
@@ -115,7 +116,8 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         tables = [t if t is not None or i >= len(known) else known[i] for i, t in enumerate(tables)]
         plans = [dataclasses.replace(p, planner_data={k: v for k, v in p.planner_data.items() if k != RULES_KEY})
                  if isinstance(p.planner_data, dict) and RULES_KEY in p.planner_data else p for p in all_plans]
-        out, md = super().create_global_plan(plans)
+        with paused_gc():  # a few metadata records per item, none cyclic (format/model.py)
+            out, md = super().create_global_plan(plans)
         if any(t is not None for t in tables):
             try:
                 merged = merge_tables(tables)

@@ -448,11 +448,12 @@ def _write_results(placed: list[Placed], names: list[str], sizes: list[int], bas
                    rank: int, timings: dict | None):
     """DCP's ``WriteResult``s of one rank (typed records; the first carries the rank's files),
     the base files it references (``{file: (home, size)}``) and the save's byte counts."""
-    records, refs, written = records_for(placed, names, sizes, base)
-    base_files = base.manifest.files if base is not None else {}
-    out = [WriteResult(index=p.item.index, size_in_bytes=sum(x[3].nbytes for x in p.parts)
-                       if p.parts else len(p.value.data), storage_data=rec)
-           for p, rec in zip(placed, records)]
+    with paused_gc():  # a few records per item, none cyclic (format/model.py)
+        records, refs, written = records_for(placed, names, sizes, base)
+        base_files = base.manifest.files if base is not None else {}
+        out = [WriteResult(index=p.item.index, size_in_bytes=sum(x[3].nbytes for x in p.parts)
+                           if p.parts else len(p.value.data), storage_data=rec)
+               for p, rec in zip(placed, records)]
     if out:
         out[0].storage_data.rank = RankRecord(rank, {**written, **{f: base_files[f] for f in refs}},
                                               refs, dict(timings or {}))

@@ -20,7 +20,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter, async_save
+from dcp_datastates import (Checkpointer, DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner,
+                            DataStatesWriter, async_save)
+from dcp_datastates.format.model import paused_gc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -280,6 +282,48 @@ def test_a_finished_save_lets_go_of_the_state_and_its_records(tmp_path, mode):
         gc.enable()
 
 
+def test_pauses_of_the_collector_from_several_threads_act_as_one():
+    """The planner, the stager and each flush thread pause the cycle collector around their
+    bulk record building.  One thread leaving its pause must not end another's, which is still
+    inside; the last to leave turns the collector back on."""
+    gc.enable()
+    try:
+        first, second = paused_gc(), paused_gc()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)  # the first leaves while the second is still inside
+        assert not gc.isenabled(), "one thread's pause ended another's"
+        second.__exit__(None, None, None)
+        assert gc.isenabled(), "the collector was left off"
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("collector", ["on", "off"])
+def test_saves_and_loads_leave_the_collector_as_they_found_it(tmp_path, collector):
+    """Left off, the collector never frees the cycles training makes; turned on, it undoes a
+    job's own choice (torchtitan turns it off and collects on its own schedule).  Sync and
+    async saves through our planner (the most pauses, on the most threads) and a load."""
+    on = collector == "on"
+    gc.enable() if on else gc.disable()
+    try:
+        sd = {f"t{i}": torch.randn(16) for i in range(300)}
+        sd["big"] = torch.randn(1 << 20)
+        writer = DataStatesWriter(str(tmp_path / "c"), overwrite=True)
+        dcp.save(sd, storage_writer=writer, planner=DataStatesSavePlanner(), no_dist=True)
+        assert gc.isenabled() is on, "after a sync save"
+        fut = async_save(sd, storage_writer=writer, planner=DataStatesSavePlanner(), no_dist=True)
+        getattr(fut, "upload_completion", fut).result()
+        assert gc.isenabled() is on, "after an async save"
+        out = {k: torch.empty_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=DataStatesReader(str(tmp_path / "c")), planner=DataStatesLoadPlanner(),
+                 no_dist=True)
+        assert gc.isenabled() is on, "after a load"
+        assert all(torch.equal(out[k], v) for k, v in sd.items())
+    finally:
+        gc.enable()
+
+
 def test_the_end_of_a_save_does_not_forget_the_next_one(tmp_path):
     """DCP gets a save's results before the writer's own bookkeeping of that save has ended;
     the next save on the writer may start in between.  The writer must still know that the
@@ -308,3 +352,20 @@ def test_the_end_of_a_save_does_not_forget_the_next_one(tmp_path):
         getattr(f, "upload_completion", f).result(timeout=60)
     known, done = seen[1]
     assert known or done, "the first save's end cleared the writer's record of the second save"
+
+
+def test_a_child_forked_during_a_pause_of_the_collector_has_it_on():
+    """A process forked while another thread is inside a pause (a flush thread, say) would
+    otherwise keep the collector off for good: that thread does not exist in the child."""
+    gc.enable()
+    pause = paused_gc()
+    pause.__enter__()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        pause.__exit__(None, None, None)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's collector stayed off"
+    assert gc.isenabled()

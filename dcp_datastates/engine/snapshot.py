@@ -48,6 +48,7 @@ import torch
 from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.layout import ALIGNMENT, align_up
+from ..format.model import paused_gc
 from ..tiers.activity import job_ended as _job_ended
 from ..tiers.activity import job_started as _job_started
 from .device_cache import DeviceCache
@@ -337,8 +338,9 @@ class SnapshotEngine:
             s = it.source
             return (not copy) and s.device.type == "cpu" and s.is_contiguous()
 
-        batches = plan_batches(job.items, self.piece_bytes, direct_ok=direct_ok)
-        batches.sort(key=_residency)  # device regions first, then pinned, then pageable host
+        with paused_gc():  # a piece per item and a batch per run of them, none cyclic
+            batches = plan_batches(job.items, self.piece_bytes, direct_ok=direct_ok)
+            batches.sort(key=_residency)  # device regions first, then pinned, then pageable host
         flat: dict[int, torch.Tensor] = {}
         copier = _copier_for(job.items, ready)
         dc = job.device_cache
@@ -462,33 +464,13 @@ class SnapshotEngine:
             if job.abort.is_set():
                 return
             mv = memoryview(view.numpy()) if view.numel() else memoryview(b"")
-            # batch ranges to write, [start, end, units], each unit (item, item_start, nbytes)
-            spans: list[list] = []
-            for p in b.pieces:
-                sums = block_checksums(mv[p.dst_pos:p.dst_pos + p.nbytes])
-                first = p.src_start // BLOCK_SIZE
-                p.item.sums[first:first + len(sums)] = sums
-                for a, z, reuse in _units(p, job.unit_bytes):
-                    if reuse is not None:
-                        p.item.placed.extend(reuse)
-                        continue
-                    x, y = p.dst_pos + a - p.src_start, p.dst_pos + z - p.src_start
-                    if spans and x - spans[-1][1] < ALIGNMENT:  # only alignment padding between
-                        spans[-1][1] = y
-                    else:
-                        spans.append([x, y, []])
-                    spans[-1][2].append((p.item, a, x, z - a))
             sink = job.sinks[b.file]
             direct = getattr(sink, "o_direct", False) and cache_off is not None
-            if direct:  # O_DIRECT writes start on a page of the cache: widen packed spans down
-                for sp in spans:
-                    sp[0] = sp[0] // ALIGNMENT * ALIGNMENT
-            for x, y, units in spans:
-                n = y - x
-                off = sink.reserve(n)
-                for item, a, ux, un in units:
-                    item.placed.append((a, b.file, off + ux - x, un))
+            with paused_gc():  # a few records per piece, none cyclic; the writes come after
+                spans = self._spans(job, b, mv, sink, direct)
+            for x, y, off in spans:
                 if direct:  # O_DIRECT: whole blocks from the aligned cache
+                    n = y - x
                     padded = align_up(n)
                     full = self.cache.view(cache_off + x, padded)
                     if x + padded > b.nbytes:
@@ -504,6 +486,35 @@ class SnapshotEngine:
             if cache_off is not None:
                 self.cache.free(cache_off, b.nbytes)
             self._batch_done(job)
+
+    @staticmethod
+    def _spans(job: SaveJob, b: _Batch, mv: memoryview, sink, direct: bool) -> list[tuple[int, int, int]]:
+        """Batch ``b``'s block digests, its reuse of the base, and the ranges of it to write,
+        ``(start, end, file offset)``, each reserved in the file and recorded in its items."""
+        spans: list[list] = []  # [start, end, units], each unit (item, item_start, start, nbytes)
+        for p in b.pieces:
+            sums = block_checksums(mv[p.dst_pos:p.dst_pos + p.nbytes])
+            first = p.src_start // BLOCK_SIZE
+            p.item.sums[first:first + len(sums)] = sums
+            for a, z, reuse in _units(p, job.unit_bytes):
+                if reuse is not None:
+                    p.item.placed.extend(reuse)
+                    continue
+                x, y = p.dst_pos + a - p.src_start, p.dst_pos + z - p.src_start
+                if spans and x - spans[-1][1] < ALIGNMENT:  # only alignment padding between
+                    spans[-1][1] = y
+                else:
+                    spans.append([x, y, []])
+                spans[-1][2].append((p.item, a, x, z - a))
+        out = []
+        for x, y, units in spans:
+            if direct:  # O_DIRECT writes start on a page of the cache: widen packed spans down
+                x = x // ALIGNMENT * ALIGNMENT
+            off = sink.reserve(y - x)
+            for item, a, ux, un in units:
+                item.placed.append((a, b.file, off + ux - x, un))
+            out.append((x, y, off))
+        return out
 
     def _batch_done(self, job: SaveJob) -> None:
         with job._lock:
