@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_datastates import (Checkpointer, DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner,
                             DataStatesWriter, async_save)
 from dcp_datastates.format.model import paused_gc
+from dcp_datastates.tiers.storage import LocalSink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -324,11 +325,21 @@ def test_saves_and_loads_leave_the_collector_as_they_found_it(tmp_path, collecto
         gc.enable()
 
 
-def test_the_end_of_a_save_does_not_forget_the_next_one(tmp_path):
+def test_the_end_of_a_save_does_not_forget_the_next_one(tmp_path, monkeypatch):
     """DCP gets a save's results before the writer's own bookkeeping of that save has ended;
     the next save on the writer may start in between.  The writer must still know that the
     next save runs: its back-to-back policy waits for it, and its directory claim stays live."""
-    second, first_done, seen = threading.Event(), threading.Event(), []
+    second, first_done, held, seen = threading.Event(), threading.Event(), threading.Event(), []
+    close = LocalSink.close
+
+    def held_close(self, sync=True):
+        # the first save's data is durable only once the test's callbacks are on its future:
+        # otherwise a fast flush sets the future first, and the holding callback then runs in
+        # DCP's own thread, before the writer's commit (the save then waits 30 s, tests nothing)
+        held.wait(30)
+        return close(self, sync)
+
+    monkeypatch.setattr(LocalSink, "close", held_close)
 
     class Writer(DataStatesWriter):
         def write_data(self, plan, planner):
@@ -339,6 +350,7 @@ def test_the_end_of_a_save_does_not_forget_the_next_one(tmp_path):
                 # after the writer's own callback on this job, which runs first
                 job.durable.add_done_callback(lambda f: first_done.set())
                 fut.add_done_callback(lambda f: second.wait(30))  # DCP has the results; the writer's end waits
+                held.set()
             else:
                 second.set()
                 assert first_done.wait(30)
@@ -350,6 +362,7 @@ def test_the_end_of_a_save_does_not_forget_the_next_one(tmp_path):
     f2 = async_save({"w": torch.randn(8 << 20)}, storage_writer=writer, no_dist=True)  # 32 MiB: still flushing
     for f in (f1, f2):
         getattr(f, "upload_completion", f).result(timeout=60)
+    assert second.is_set() and held.is_set()
     known, done = seen[1]
     assert known or done, "the first save's end cleared the writer's record of the second save"
 

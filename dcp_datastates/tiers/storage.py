@@ -146,7 +146,8 @@ class SequentialSink(Sink):
     """fsspec file opened for writing (object stores append only).
 
     Reserved pieces are written in reservation order: one that arrives early waits in memory
-    until the pieces before it are written (at most one per flush thread).  Unreserved writes
+    until the pieces before it are written (at most one batch's per flush thread: a flush thread
+    reserves a batch's pieces, then writes them in order).  Unreserved writes
     come from a single sequential caller and go straight through."""
 
     supports_random_writes = False
