@@ -130,17 +130,22 @@ def salt(fqn: str) -> int:
     return zlib.crc32(fqn.encode())
 
 
+_SEEN_BOXES = 8  # boxes a geometry keeps (``Geometry.box``)
+
+
 class Geometry:
     """The chunks of one tensor under a rule: boxes, overlap, owner ranks, by arithmetic."""
 
     __slots__ = ("size", "mesh", "dims", "salt", "itemsize", "_sharded", "_replicated", "_count", "_replicas",
-                 "_strides", "_big", "_last")
+                 "_strides", "_big", "_seen")
 
     def __init__(self, size: tuple[int, ...], mesh: Mesh, rule: ShardRule, salt_: int, itemsize: int) -> None:
-        self.size, self.mesh, self.dims, self.salt, self.itemsize = size, mesh, rule.dims, salt_, itemsize
+        self.size, self.mesh, self.dims, self.salt, self.itemsize = tuple(size), mesh, rule.dims, salt_, itemsize
         self._sharded, self._replicated, self._count, self._replicas, self._strides = _layout(mesh.shape, rule.dims)
         self._big: int | None = None  # _ALL_LARGE, _ALL_SMALL or _MIXED (``_alike``), found on first use
-        self._last: tuple = (-1, None)  # planning and reading ask for one chunk's box several times
+        # planning and reading ask for a rank's few chunks' boxes several times each: the last
+        # few are kept (never all: a rule stands for up to millions of chunks)
+        self._seen: dict[int, tuple[tuple, tuple]] = {}
 
     def count(self) -> int:
         return self._count
@@ -159,15 +164,24 @@ class Geometry:
         return out
 
     def box(self, i: int) -> tuple[tuple, tuple]:
-        last = self._last
-        if last[0] == i:
-            return last[1]
-        offs, sizes = [0] * len(self.size), list(self.size)
-        for m, c in zip(self._sharded, self._coord(i)):
+        box = self._seen.get(i)
+        if box is not None:
+            return box
+        if len(self._sharded) == 1:  # one sharded mesh dimension (FSDP, HSDP): one split
+            m = self._sharded[0]
             d = self.dims[m]
-            offs[d], sizes[d] = split(self.size[d], self.mesh.shape[m], c)
-        box = tuple(offs), tuple(sizes)
-        self._last = (i, box)
+            o, z = split(self.size[d], self.mesh.shape[m], i % self.mesh.shape[m])
+            box = ((0,) * d + (o,) + (0,) * (len(self.size) - d - 1),
+                   self.size[:d] + (z,) + self.size[d + 1:])
+        else:
+            offs, sizes = [0] * len(self.size), list(self.size)
+            for m, c in zip(self._sharded, self._coord(i)):
+                d = self.dims[m]
+                offs[d], sizes[d] = split(self.size[d], self.mesh.shape[m], c)
+            box = tuple(offs), tuple(sizes)
+        if len(self._seen) >= _SEEN_BOXES:
+            self._seen.clear()
+        self._seen[i] = box
         return box
 
     def boxes(self) -> list[tuple[tuple, tuple]]:
