@@ -382,3 +382,24 @@ def test_a_child_forked_during_a_pause_of_the_collector_has_it_on():
         pause.__exit__(None, None, None)
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child's collector stayed off"
     assert gc.isenabled()
+
+
+_PAUSE_IN_HANDLER = """
+import gc
+from dcp_datastates.format.model import paused_gc
+pause = paused_gc()
+gc.enable()
+with pause._lock:  # as if a signal arrived while this thread was inside the pause's own lock
+    with paused_gc():  # what the handler's save does
+        assert not gc.isenabled()
+assert gc.isenabled()
+print("ok")
+"""
+
+
+def test_a_signal_handler_that_saves_cannot_deadlock_on_the_collectors_pause():
+    """A job saves from its SIGTERM handler (a preemption checkpoint); the handler runs in the
+    main thread, which may be inside the pause's lock at that moment."""
+    r = subprocess.run([sys.executable, "-c", _PAUSE_IN_HANDLER], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -25,29 +25,32 @@ class _GcPause:
     """One process-wide pause of the cyclic collector, however many threads are inside it: the
     first to enter turns the collector off (if it was on) and the last to leave turns it back
     on, so that a flush thread leaving its pause does not end the planner's, and the collector
-    is never left off by an interleaving of threads."""
+    is never left off by an interleaving of threads.  The lock is reentrant and the depth is
+    counted before the collector is touched: a signal handler that saves (a preemption
+    checkpoint) may enter while its own thread is inside ``__enter__`` or ``__exit__``."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._depth = 0
         self._was_on = False
 
     def __enter__(self) -> None:
         with self._lock:
-            if self._depth == 0:
+            self._depth += 1
+            if self._depth == 1:
                 self._was_on = gc.isenabled()
                 gc.disable()
-            self._depth += 1
 
     def __exit__(self, *exc) -> None:
         with self._lock:
+            was_on = self._was_on
             self._depth -= 1
-            if self._depth == 0 and self._was_on:
+            if self._depth == 0 and was_on:
                 gc.enable()
 
     def _after_fork(self) -> None:
         """In a forked child, the threads that were inside the pause are gone: end it."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         if self._depth and self._was_on:
             gc.enable()
         self._depth = 0
