@@ -6,9 +6,10 @@ Saves (``dcp.save``, synchronous, fsync on) and loads (``dcp.load`` into preallo
 a flat state of ``--tensors`` tensors of ``--floats`` fp32 values each, with dcp-datastates and
 with DCP's FileSystemWriter/Reader, alternating, each save into a fresh directory; and times
 ``read_metadata`` alone; ours saves once more with ``DataStatesSavePlanner`` and loads once
-more with ``DataStatesLoadPlanner`` (each compared with DCP through its own planner).  ``async_save``: the time until training may change the
-tensors again (DCP: the call, which stages a copy; ours: the call and ``wait_snapshot()``, the
-lazy snapshot), each save then waited for.  Medians of ``--reps`` rounds; ratios are medians of
+more with ``DataStatesLoadPlanner`` (each compared with DCP through its own planner).
+``async_save``: the time until training may change the tensors again (DCP: the call, which
+stages a copy; ours: the call and ``wait_snapshot()``, the lazy snapshot), each save then
+waited for.  Medians of ``--reps`` rounds; ratios are medians of
 per-round ratios.
 """
 

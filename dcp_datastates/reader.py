@@ -215,13 +215,13 @@ class DataStatesReader(StorageReader):
         return fut
 
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        # runs inside read_data's pause of the collector (a few records and buffers per item)
         tiers = self._tiers()
         m = self.manifest or self._load_manifest()
         self.manifest = m
-        with paused_gc():  # a few records per item, none cyclic (format/model.py)
-            tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
-            self._check_coverage(tensor_items, planner, m)
-            tasks = self._tasks(plan, planner, m, tensor_items)
+        tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
+        self._check_coverage(tensor_items, planner, m)
+        tasks = self._tasks(plan, planner, m, tensor_items)
         gpu = [t for t in tasks if t.dest is not None and t.dest.device.type == "cuda"]
         up = DeviceUpload({t.dest.device for t in gpu}) if gpu and upload.usable() else None
         for t in gpu:
@@ -254,8 +254,7 @@ class DataStatesReader(StorageReader):
                 up.finish()  # every upload landed before the planner sees the tensors
         finally:
             files.close()
-        with paused_gc():
-            self._deliver_all(tasks, planner)
+        self._deliver_all(tasks, planner)
         if len(tiers) > 1 and self.served:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             log.info("rank %d restored %s", rank, ", ".join(
