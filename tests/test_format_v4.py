@@ -209,7 +209,7 @@ def _ranked_name(body, row: int) -> str:
 
 @pytest.mark.parametrize("case", ["mesh-rank", "rule-dim", "part-size", "save-id", "rank-file-twice",
                                   "file-by-both", "index-ranks", "rank-step-out", "owner", "two-rules",
-                                  "inline-missing", "inline-outside", "listed-overlap", "part-head-long",
+                                  "inline-missing", "inline-outside", "listed-overlap", "part-head-long", "ruled-size",
                                   "part-head-short", "held-twice", "held-missing", "held-past-file", "held-bytes"])
 def test_hostile_index_is_refused(ruled, tmp_path, case):
     ck = str(tmp_path / "ck")
@@ -265,6 +265,11 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
             ex = body["explicit"]
             ex["tensor"], ex["owner"] = ex["tensor"] * 2, ex["owner"] + np.zeros(1, "<i8").tobytes()
             ex["offsets"], ex["sizes"] = ex["offsets"] * 2, ex["sizes"] * 2
+        elif case == "ruled-size":  # a ruled tensor one wider: its rule's boxes are not those its parts hold
+            tl = body["tensor_list"]
+            t = next(i for i, r in enumerate(np.frombuffer(tl["rule"], "<i8")) if r >= 0)
+            at = int(np.frombuffer(tl["ndim"], "u1")[:t + 1].sum()) - 1  # the last dimension of tensor t
+            _bump(tl, "size", at, 1)
         elif case == "inline-missing":
             body["inline"] = encode_table({}, {}, None)
         elif case == "inline-outside":  # the inline chunk's bytes past the end of its file
@@ -282,7 +287,7 @@ def test_hostile_index_is_refused(ruled, tmp_path, case):
 _REFUSED = {"save-id": "cannot name files", "rank-file-twice": "lists a rank's file twice",
             "file-by-both": "also listed by name", "index-ranks": "its parts give them",
             "rank-step-out": "names a rank outside", "held-twice": "each once", "held-missing": "no held chunk",
-            "part-head-long": "head is longer than the part"}
+            "part-head-long": "head is longer than the part", "ruled-size": "has no chunk of size"}
 
 
 def test_damaged_or_foreign_part_is_refused_and_a_good_copy_used(ruled, tmp_path):

@@ -502,6 +502,18 @@ class Table:
             hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=_I8), axis=1))[0]
         return self.chunk(int(self.first_chunk[t]) + int(hit[0]), t) if len(hit) else None
 
+    def find_box(self, t: int, offsets: tuple, sizes: tuple) -> Chunk | None:
+        """The record of tensor ``t``'s chunk whose box is exactly (``offsets``, ``sizes``), else
+        None (the index's rule says where a chunk is; its part must hold that very box)."""
+        if self.nchunks.item(t) == 1:  # most tensors of a rank's part: compare the one box
+            c = self.first_chunk.item(t)
+            nd, a = self.ndim.item(t), self.chunk_dim.item(c)
+            if self.offs[a:a + nd].tolist() != list(offsets) or self.sizes[a:a + nd].tolist() != list(sizes):
+                return None
+            return self.chunk(c, t, (tuple(offsets), tuple(sizes)))
+        chunk = self.find(t, offsets)
+        return chunk if chunk is not None and chunk.sizes == tuple(sizes) else None
+
     def overlapping(self, t: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
         """Positions (in tensor ``t``'s record order) of the chunks that overlap any of
         ``boxes`` ((offsets, sizes) pairs), empty chunks left out."""

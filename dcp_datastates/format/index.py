@@ -245,7 +245,11 @@ class IndexTable:
                 return self.find(t, key)
             self.check(t)
             return self._record(t, *box, self.listed.owner_of(t, at))
-        i = at if isinstance(at, int) and 0 <= at < g.count() and g.box(at)[0] == key else g.index_of(key)
+        if isinstance(at, int) and 0 <= at < g.count():
+            o, z = g.box(at)
+            if o == key:
+                return self._record(t, o, z, g.owner(at), g, at)
+        i = g.index_of(key)
         if i is None:
             return None
         o, z = g.box(i)
@@ -275,8 +279,12 @@ class IndexTable:
             except _Bad as e:
                 raise ManifestError(f"invalid manifest: {e}", checkpoint=self.source, key=fqn) from None
         entry = self.inline.get(fqn) if owner == INLINE else self.part(owner).tensors.get(fqn)
-        chunk = None if entry is None else entry.find(offsets)
-        if chunk is None or tuple(chunk.sizes) != tuple(sizes):
+        if entry is not None and entry.lazy:  # a part's columns: the box compared there
+            chunk = entry.source[0].find_box(entry.source[1], offsets, sizes)
+        else:
+            chunk = None if entry is None else entry.find(offsets)
+            chunk = chunk if chunk is not None and tuple(chunk.sizes) == tuple(sizes) else None
+        if chunk is None:
             if owner == INLINE:
                 raise ManifestError(f"the index has no inline chunk of size {list(sizes)} at {list(offsets)}",
                                     checkpoint=self.source, key=fqn)
