@@ -17,6 +17,7 @@ the typed records (``format/records.py``) that the coordinator builds the manife
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import torch
@@ -242,6 +243,16 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         """Set a decoded non-tensor value (the reader calls this instead of ``load_bytes``)."""
         _set_in_state_dict(self, read_item.dest_index.fqn, value)
 
+    def resolve_tensor(self, read_item: ReadItem):
+        """DCP's: the tensor a read fills.  A plain tensor read whole is itself (what DCP's
+        lookup and narrowing return for it), found without them; anything else, or a subclass
+        that changes the lookup or the narrowing, goes DCP's way."""
+        obj = self.state_dict.get(read_item.dest_index.fqn)
+        if type(obj) in _PLAIN and not any(read_item.dest_offsets) and tuple(read_item.lengths) == obj.shape \
+                and not any(read_item.dest_index.offset or ()) and _dcps_lookup(type(self)):
+            return obj
+        return super().resolve_tensor(read_item)
+
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -320,6 +331,13 @@ def narrow(tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
     ``boxes`` ((offsets, sizes) pairs), found over the manifest's columns or rules."""
     keep = tmd.chunks.entry.overlapping(boxes) if keep is None else keep
     return TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
+
+
+@functools.lru_cache(maxsize=64)
+def _dcps_lookup(cls: type) -> bool:
+    """Whether ``cls`` finds and narrows tensors as DCP's default load planner does."""
+    return cls.lookup_tensor is DefaultLoadPlanner.lookup_tensor \
+        and cls.transform_tensor is DefaultLoadPlanner.transform_tensor
 
 
 def _set_in_state_dict(planner: DefaultLoadPlanner, fqn: str, value) -> None:

@@ -432,11 +432,13 @@ def chunk_record(m: Manifest, entry, at, key: tuple) -> Chunk | None:
     it up)."""
     if m.index is not None and entry.lazy:  # format 4: the index finds it by rule or column
         return entry.source[0].record_for(entry.source[1], at, key)
+    if entry.lazy:  # version 3: over the table's columns, a one-chunk tensor by its one box
+        return entry.source[0].record_at(entry.source[1], at, key)
     if isinstance(at, int) and 0 <= at < entry.count():
         chunk = entry.chunk_at(at)
         if chunk.offsets == key:
             return chunk
-    return entry.find(key) if entry.lazy else None
+    return None
 
 
 def _deliver(ri, planner, value, *, tensor: bool = False) -> None:

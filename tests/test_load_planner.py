@@ -89,3 +89,31 @@ def test_partial_loads_and_missing_keys_behave_as_in_dcp(saved):
     dcp.load(extra, storage_reader=DataStatesReader(path),
              planner=DataStatesLoadPlanner(allow_partial_load=True), no_dist=True)
     assert torch.equal(extra["vec"], sd["vec"]) and not extra["absent"].any()
+
+
+def test_the_tensor_a_read_fills_is_the_one_dcps_lookup_gives(saved):
+    path, sd = saved
+    md = DataStatesReader(path).read_metadata()
+    planner = DataStatesLoadPlanner()
+    items = [ri for ri in _plan(planner, _fresh(sd), md).items if ri.type.name == "TENSOR"]
+    assert len(items) >= 6
+    for ri in items:
+        ours, dcps = planner.resolve_tensor(ri), DefaultLoadPlanner.resolve_tensor(planner, ri)
+        assert (ours.data_ptr(), ours.shape, ours.stride(), type(ours)) == \
+            (dcps.data_ptr(), dcps.shape, dcps.stride(), type(dcps)), ri.dest_index.fqn
+
+
+def test_a_subclass_that_narrows_its_own_way_is_asked_for_every_tensor(saved):
+    path, sd = saved
+
+    class Narrowing(DataStatesLoadPlanner):
+        asked: list = []
+
+        def transform_tensor(self, read_item, tensor):
+            self.asked.append(read_item.dest_index.fqn)
+            return super().transform_tensor(read_item, tensor)
+
+    out = _fresh(sd)
+    dcp.load(out, storage_reader=DataStatesReader(path), planner=Narrowing(), no_dist=True)
+    assert sorted(set(Narrowing.asked)) == sorted(["scalar", "vec", "mat", "ints", "param", "nested.a"])
+    assert torch.equal(out["mat"], sd["mat"])

@@ -502,6 +502,16 @@ class Table:
             hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=_I8), axis=1))[0]
         return self.chunk(int(self.first_chunk[t]) + int(hit[0]), t) if len(hit) else None
 
+    def record_at(self, t: int, at, key: tuple) -> Chunk | None:
+        """The record a read item names: tensor ``t``'s record ``at`` (DCP's planners number
+        the chunks they were given) when it is stored at offsets ``key``, else the one stored
+        there; a one-chunk tensor (most of a state's) is compared with its one box at once."""
+        if self.nchunks.item(t) != 1 and isinstance(at, int) and 0 <= at < self.count(t):
+            chunk = self.chunk_at(t, at)
+            if chunk.offsets == key:
+                return chunk
+        return self.find(t, key)
+
     def find_box(self, t: int, offsets: tuple, sizes: tuple) -> Chunk | None:
         """The record of tensor ``t``'s chunk whose box is exactly (``offsets``, ``sizes``), else
         None (the index's rule says where a chunk is; its part must hold that very box)."""
