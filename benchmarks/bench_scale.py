@@ -51,7 +51,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale_model as sm  # noqa: E402
 
 from dcp_datastates import DataStatesReader  # noqa: E402
-from dcp_datastates.reader import chunk_record  # noqa: E402
 from dcp_datastates.format import MANIFEST_NAME  # noqa: E402
 from dcp_datastates.format.checksum import BLOCK_SIZE, DIGEST_BYTES, Digests  # noqa: E402
 from dcp_datastates.format.dtypes import dtype_name  # noqa: E402
@@ -282,7 +281,7 @@ def _resolve(reader, meta: Metadata, items: list) -> None:
         m = reader.manifest
         for it in items:
             si = it.storage_index
-            if chunk_record(m, m.tensors[si.fqn], si.index, tuple(si.offset)) is None:
+            if m.tensors[si.fqn].record_at(si.index, tuple(si.offset)) is None:
                 raise RuntimeError(f"no record for {it.storage_index}")
     else:
         sd = meta.storage_data

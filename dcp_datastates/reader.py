@@ -343,7 +343,7 @@ class DataStatesReader(StorageReader):
         fqn = ri.storage_index.fqn
         key = tuple(ri.storage_index.offset) if ri.storage_index.offset is not None else ()
         entry = m.tensors.get(fqn)
-        chunk = None if entry is None else chunk_record(m, entry, ri.storage_index.index, key)
+        chunk = None if entry is None else entry.record_at(ri.storage_index.index, key)
         if chunk is None and entry is not None and not entry.lazy:  # another planner: look it up
             if self._chunk_index is None or self._chunk_index[0] is not m:  # one index per manifest
                 self._chunk_index = (m, {(f, c.offsets): c for f, t in m.tensors.items() for c in t.chunks})
@@ -422,23 +422,6 @@ class DataStatesReader(StorageReader):
                 raise ChecksumMismatch(f"checksum mismatch in block {bad} (chunk bytes "
                                        f"{bad * task.block_size}+, file offset {file_off + (bad - first_block) * task.block_size}+)",
                                        checkpoint=tier.url, file=name, key=key)
-
-
-def chunk_record(m: Manifest, entry, at, key: tuple) -> Chunk | None:
-    """The stored chunk of ``entry`` at offsets ``key`` that a read item names: by ``at``, the
-    chunk's place in our metadata that DCP's planners give (a narrowed plan numbers its own
-    list: in format 4, where a stray record is a part read, the index checks the box first),
-    else over the columns or rules.  None when not found (an eager manifest: the caller looks
-    it up)."""
-    if m.index is not None and entry.lazy:  # format 4: the index finds it by rule or column
-        return entry.source[0].record_for(entry.source[1], at, key)
-    if entry.lazy:  # version 3: over the table's columns, a one-chunk tensor by its one box
-        return entry.source[0].record_at(entry.source[1], at, key)
-    if isinstance(at, int) and 0 <= at < entry.count():
-        chunk = entry.chunk_at(at)
-        if chunk.offsets == key:
-            return chunk
-    return None
 
 
 def _deliver(ri, planner, value, *, tensor: bool = False) -> None:

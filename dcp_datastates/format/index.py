@@ -234,7 +234,7 @@ class IndexTable:
         self.check(t)
         return self._record(t, *self.listed.box_of(t, i), self.listed.owner_of(t, i))
 
-    def record_for(self, t: int, at, key: tuple) -> Chunk | None:
+    def record_at(self, t: int, at, key: tuple) -> Chunk | None:
         """The record a read item names: chunk ``at`` when its box starts at ``key`` (DCP's
         planners number the chunks they were given; a narrowed plan numbers its own list),
         else the chunk stored at ``key``; one lookup of the rule for both."""
@@ -279,11 +279,7 @@ class IndexTable:
             except _Bad as e:
                 raise ManifestError(f"invalid manifest: {e}", checkpoint=self.source, key=fqn) from None
         entry = self.inline.get(fqn) if owner == INLINE else self.part(owner).tensors.get(fqn)
-        if entry is not None and entry.lazy:  # a part's columns: the box compared there
-            chunk = entry.source[0].find_box(entry.source[1], offsets, sizes)
-        else:
-            chunk = None if entry is None else entry.find(offsets)
-            chunk = chunk if chunk is not None and tuple(chunk.sizes) == tuple(sizes) else None
+        chunk = None if entry is None else entry.find_box(offsets, sizes)  # the part must hold that very box
         if chunk is None:
             if owner == INLINE:
                 raise ManifestError(f"the index has no inline chunk of size {list(sizes)} at {list(offsets)}",

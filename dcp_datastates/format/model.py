@@ -200,6 +200,26 @@ class TensorEntry:
             return table.find(row, offsets)
         return next((c for c in self._chunks if c.offsets == offsets), None)
 
+    def record_at(self, at, key: tuple) -> Chunk | None:
+        """The record a read item names: record ``at`` (DCP's planners number the chunks they
+        were given) when it is stored at offsets ``key``.  A lazy tensor asks its source, which
+        also finds the chunk stored at ``key`` otherwise; an eager one answers None then (the
+        caller looks it up)."""
+        if self._chunks is None:
+            table, row = self._source
+            return table.record_at(row, at, key)
+        if isinstance(at, int) and 0 <= at < len(self._chunks) and self._chunks[at].offsets == key:
+            return self._chunks[at]
+        return None
+
+    def find_box(self, offsets: tuple, sizes: tuple) -> Chunk | None:
+        """The chunk whose box is exactly (``offsets``, ``sizes``), else None."""
+        if self._chunks is None:
+            table, row = self._source
+            return table.find_box(row, offsets, sizes)
+        chunk = self.find(offsets)
+        return chunk if chunk is not None and tuple(chunk.sizes) == tuple(sizes) else None
+
     @property
     def source(self) -> tuple:
         """(table, row): the version 3 table or format 4 index that holds the records."""
