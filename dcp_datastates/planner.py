@@ -45,7 +45,7 @@ from .format.names import data_file_name
 from .format.records import ItemRecord
 from .format.model import _Bad
 from .format.rules import Geometry, Mesh, RuleTable, ShardRule, merge_tables, salt
-from .providers import ObjectProvider, provider_for, type_provider_for
+from .providers import ObjectProvider, TensorRegion, provider_for, type_provider_for
 from .tiers.incremental import Base
 
 
@@ -408,8 +408,14 @@ def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, th
     items.  ``started``: version counters read when a lazy save started.  Returns the placed
     items, the copy items and the names of the rank's data files."""
     placed: list[Placed] = []
-    regions = []  # (placed index, part path, region)
+    regions = []  # (placed index, region)
+    plain = _plain_tensors(planner)
     for item in plan.items:
+        obj = plain(item) if plain is not None else None
+        if obj is not None:  # most items: a plain tensor, its own provider's one region
+            placed.append(Placed(item, "tensor"))
+            regions.append((len(placed) - 1, TensorRegion("", obj)))
+            continue
         try:
             obj, found = (original_object(planner, item) if item.type == WriteItemType.BYTE_IO
                           else (planner.resolve_data(item), True))
@@ -426,14 +432,14 @@ def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, th
             p.provider, p.meta, p.tree = prov.name, prov.meta(), prov.tree()
         placed.append(p)
         regions += [(len(placed) - 1, r) for r in prov.regions()]
-    total = sum(r.nbytes for _, r in regions)
+    sizes = [r.nbytes for _, r in regions]
     names = [data_file_name(rank, save_id, k)
-             for k in range(stripe_count(total, thread_count))]
-    where = place_regions([r.nbytes for _, r in regions], len(names))
+             for k in range(stripe_count(sum(sizes), thread_count))]
+    where = place_regions(sizes, len(names))
     copy_items = []
-    for (i, r), at in zip(regions, where):
+    for (i, r), at, nbytes in zip(regions, where, sizes):
         item = placed[i].item
-        ci = CopyItem(f"{item.index.fqn}{'/' + r.name if r.name else ''}", r.source, at.offset, r.nbytes,
+        ci = CopyItem(f"{item.index.fqn}/{r.name}" if r.name else item.index.fqn, r.source, at.offset, nbytes,
                       at.stripe)
         if base is not None:
             ci.base = base.extents(item.index.fqn, tuple(item.index.offset or ())).get(r.name or "")
@@ -449,6 +455,34 @@ def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, th
     return placed, copy_items, names
 
 
+def _plain_tensors(planner: SavePlanner):
+    """For a planner that finds objects as DCP's default planner does: a function giving a
+    TENSOR item's object when it is a plain tensor saved whole with no registered provider (what
+    ``resolve_data`` and ``provider_for`` would give), else None (the item takes their way)."""
+    sd = getattr(planner, "state_dict", None)
+    if not isinstance(sd, dict) or not _dcps_resolve(type(planner)):
+        return None
+    tensor, registered = WriteItemType.TENSOR, type_provider_for
+
+    def plain(item: WriteItem):
+        if item.type != tensor:
+            return None
+        obj = sd.get(item.index.fqn)
+        if type(obj) not in _PLAIN or any(item.index.offset or ()) or registered(obj) is not None:
+            return None
+        return obj
+    return plain
+
+
+@functools.lru_cache(maxsize=64)
+def _dcps_resolve(cls: type) -> bool:
+    """Whether ``cls`` finds and transforms saved objects as DCP's default save planner does."""
+    return isinstance(cls, type) and issubclass(cls, DefaultSavePlanner) \
+        and cls.resolve_data is DefaultSavePlanner.resolve_data \
+        and cls.lookup_object is DefaultSavePlanner.lookup_object \
+        and cls.transform_object is DefaultSavePlanner.transform_object
+
+
 def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: Base | None):
     """Typed records of the placed items, once the engine wrote them: each copy item's extent
     (its new segments in this save's files, its reused ones in the base's), the base files
@@ -457,6 +491,10 @@ def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: 
     written = {n: sz for n, sz in zip(names, sizes) if sz > 0}
 
     def extent(ci: CopyItem) -> Extent:
+        if len(ci.placed) == 1 and type(ci.placed[0][1]) is int:  # most: one segment, this save's
+            _pos, f, off, n = ci.placed[0]
+            return Extent([Seg(names[f], off, n)], ci.nbytes, Digests(ci.sums[0] if len(ci.sums) == 1
+                                                                      else b"".join(ci.sums)))
         segs = []
         for f, off, n in ci.segments():
             if isinstance(f, str):  # a base file: referenced, not written

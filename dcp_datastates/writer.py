@@ -451,8 +451,7 @@ def _write_results(placed: list[Placed], names: list[str], sizes: list[int], bas
     with paused_gc():  # a few records per item, none cyclic (format/model.py)
         records, refs, written = records_for(placed, names, sizes, base)
         base_files = base.manifest.files if base is not None else {}
-        out = [WriteResult(index=p.item.index, size_in_bytes=sum(x[3].nbytes for x in p.parts)
-                           if p.parts else len(p.value.data), storage_data=rec)
+        out = [WriteResult(index=p.item.index, size_in_bytes=_item_bytes(p), storage_data=rec)
                for p, rec in zip(placed, records)]
     if out:
         out[0].storage_data.rank = RankRecord(rank, {**written, **{f: base_files[f] for f in refs}},
@@ -461,6 +460,13 @@ def _write_results(placed: list[Placed], names: list[str], sizes: list[int], bas
              "bytes_reused": sum(x[3].reused_bytes for p in placed for x in p.parts) if base is not None else 0,
              "files_referenced": len(refs)}
     return out, {f: (home, base_files[f]) for f, home in refs.items()}, stats
+
+
+def _item_bytes(p: Placed) -> int:
+    parts = p.parts
+    if len(parts) == 1:  # most items: one region
+        return parts[0][3].nbytes
+    return sum(x[3].nbytes for x in parts) if parts else len(p.value.data)
 
 
 def _rules_of(planner: SavePlanner) -> RuleTable | None:

@@ -9,6 +9,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import (DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner,
                             DataStatesWriter, TypeProvider, async_save, register_provider, unregister_provider)
+from dcp_datastates.reader import load_manifest
+from dcp_datastates.tiers import StorageTier
 
 PLANNERS = [(None, None), (DataStatesSavePlanner, DataStatesLoadPlanner)]
 
@@ -230,3 +232,63 @@ def test_format_v2_checkpoints_still_load(tmp_path):
     out = {"model": {"w": torch.zeros(33, 7), "e": torch.empty(0)}, "step": 0, "b": torch.zeros(5, dtype=torch.long)}
     dcp.load(out, storage_reader=DataStatesReader(str(d)), no_dist=True)
     assert torch.equal(out["model"]["w"], sd["model"]["w"]) and out["step"] == 9 and torch.equal(out["b"], sd["b"])
+
+
+class _Doubling(DataStatesSavePlanner):
+    """A planner that changes what is saved (DCP's ``transform_object`` extension point)."""
+
+    def transform_object(self, write_item, object):
+        object = super().transform_object(write_item, object)
+        return object * 2 if isinstance(object, torch.Tensor) else object
+
+
+class _Looking(DataStatesSavePlanner):
+    """A planner that finds objects its own way (DCP's ``lookup_object`` extension point)."""
+
+    def lookup_object(self, index):
+        return torch.full((3,), 7.0) if index.fqn == "a" else super().lookup_object(index)
+
+
+@pytest.mark.parametrize("planner, want", [(_Doubling, {"a": 2.0, "b": 4.0}), (_Looking, {"a": 7.0, "b": 2.0})],
+                         ids=["transform_object", "lookup_object"])
+def test_save_planner_that_changes_objects_is_asked_for_each(tmp_path, planner, want):
+    """The writer takes a plain tensor straight from the state dict only for a planner that
+    finds and transforms objects as DCP's default does; a subclass's own way is kept."""
+    path = str(tmp_path / "c")
+    dcp.save({"a": torch.ones(3), "b": torch.full((3,), 2.0)}, storage_writer=DataStatesWriter(path),
+             planner=planner(), no_dist=True)
+    out = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
+    assert {k: v.tolist() for k, v in out.items()} == {k: [x] * 3 for k, x in want.items()}
+
+
+class _Halved(TypeProvider):
+    """Stores a parameter as its halves (a provider registered for a plain tensor type)."""
+
+    name = "tests.Halved"
+
+    def flatten(self, obj):
+        return {"n": obj.numel()}, {"lo": obj.detach()[: obj.numel() // 2], "hi": obj.detach()[obj.numel() // 2:]}
+
+    def unflatten(self, meta, parts):
+        return torch.nn.Parameter(torch.cat([parts["lo"], parts["hi"]]))
+
+
+def test_provider_registered_for_parameter_is_used(tmp_path):
+    """A provider registered for ``torch.nn.Parameter`` itself takes every parameter of the
+    state, with DCP's planner and ours."""
+    register_provider(torch.nn.Parameter, _Halved())
+    try:
+        for i, planner in enumerate((None, DataStatesSavePlanner())):
+            path = str(tmp_path / f"c{i}")
+            src = torch.nn.Parameter(torch.arange(6.0))
+            dcp.save({"w": src, "t": torch.ones(2)}, storage_writer=DataStatesWriter(path), planner=planner,
+                     no_dist=True)
+            chunk = load_manifest(StorageTier(path)).tensors["w"].chunks[0]
+            assert chunk.provider == "tests.Halved" and sorted(chunk.parts) == ["hi", "lo"], planner
+            assert load_manifest(StorageTier(path)).tensors["t"].chunks[0].provider is None
+            out = {"w": torch.zeros(6), "t": torch.zeros(2)}
+            dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
+            assert out["w"].tolist() == list(range(6)) and out["t"].tolist() == [1.0, 1.0]
+    finally:
+        unregister_provider(torch.nn.Parameter)

@@ -56,9 +56,19 @@ class Placement:
 def place_regions(sizes: list[int], n_files: int) -> list[Placement]:
     """A placement for each region of ``sizes``: largest first onto the least-filled stripe, so
     that the files are balanced and each flush thread writes one.  A pure function."""
-    layouts = [FileLayout(str(k)) for k in range(n_files)]
+    order = sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True)
     where: list[Placement] = [Placement(0, 0)] * len(sizes)
-    for nbytes, i in sorted(((n, i) for i, n in enumerate(sizes)), reverse=True):
+    if n_files == 1:  # one stripe (any rank under 128 MiB): each region where the last ended
+        end = 0
+        for i in order:
+            nbytes = sizes[i]
+            offset = align_up(end, ALIGNMENT if nbytes >= ALIGNMENT else PACK_ALIGNMENT)
+            end = offset + nbytes
+            where[i] = Placement(0, offset)
+        return where
+    layouts = [FileLayout(str(k)) for k in range(n_files)]
+    for i in order:
+        nbytes = sizes[i]
         k = min(range(n_files), key=lambda k: layouts[k].end)
         where[i] = Placement(k, layouts[k].place(nbytes))
     return where
