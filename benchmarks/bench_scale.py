@@ -262,12 +262,12 @@ def _plan_one_rank(md: Metadata, ts, layout: str, n: int, rank: int, narrow: boo
     ``narrow``: as ``DataStatesLoadPlanner`` does, each tensor's metadata is first narrowed to
     the chunks that overlap the rank's boxes (found over the manifest's columns); otherwise
     DCP's ``DefaultLoadPlanner`` sweeps every chunk."""
-    items = []
+    items, memo = [], {}
     for ti, t in enumerate(ts):
         boxes = sm.boxes(t, ti, layout, n, rank)
         tmd = md.state_dict_metadata[t.fqn]
         if narrow and isinstance(tmd.chunks, ChunkMetadataView):  # as DataStatesLoadPlanner plans
-            items += plan_reads(t.fqn, tmd, [(tuple(o), tuple(s)) for o, s in boxes])
+            items += plan_reads(t.fqn, tmd, [(tuple(o), tuple(s)) for o, s in boxes], memo)
             continue
         local = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
         items += create_read_items_for_chunk_list(t.fqn, tmd, local)

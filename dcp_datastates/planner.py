@@ -209,6 +209,7 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         full = self.metadata
         narrowed: dict = {}
         direct: dict[str, list[ReadItem]] = {}
+        memo: dict = {}  # box arithmetic shared by tensors of one layout (``_reads``)
         for fqn, obj in self.state_dict.items():
             tmd = full.state_dict_metadata.get(fqn) if full is not None else None
             if not isinstance(obj, torch.Tensor) or not isinstance(tmd, TensorStorageMetadata) \
@@ -219,7 +220,7 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
                 direct[fqn] = [item]
                 continue
             boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(obj)]
-            items, keep = _reads(fqn, tmd, boxes)
+            items, keep = _reads(fqn, tmd, boxes, memo)
             if items is not None:
                 direct[fqn] = items
                 continue
@@ -280,24 +281,50 @@ def _chunk_read(fqn: str, offsets: tuple, sizes: tuple, chunk: int) -> ReadItem:
                     lengths=torch.Size(sizes))
 
 
-def _reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]]) \
+def _reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]], memo: dict | None = None) \
         -> tuple[list[ReadItem] | None, list[int] | None]:
     """The reads of a rank's ``boxes`` from the saved chunks that overlap them, the items DCP's
     resharding makes, without its sweep over every chunk; each names its saved chunk by number,
     so the reader finds the record without a search.  ``(None, overlapping)`` where a box is
-    empty (DCP's own handling then applies to the overlapping chunks)."""
+    empty (DCP's own handling then applies to the overlapping chunks).
+
+    ``memo`` (one plan's): the box arithmetic of tensors whose chunks have the same boxes by
+    construction (``TensorEntry.layout_key``: one rule over one size and mesh shape; a model's
+    layers and their optimizer states), kept by key and boxes and reused for the next such."""
     entry = tmd.chunks.entry
+    key = entry.layout_key() if memo is not None else None
+    if key is None:
+        spans, keep = _spans(entry, boxes)
+    else:
+        key = (key, tuple(boxes))
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = _spans(entry, boxes)
+        spans, keep = got
+    if spans is None:
+        return None, list(keep)
+    dests = [MetadataIndex(fqn, lo, li) for li, (lo, _) in enumerate(boxes)]
+    return [ReadItem(type=LoadItemType.TENSOR, dest_index=dests[li], dest_offsets=d_off,
+                     storage_index=MetadataIndex(fqn, so, i), storage_offsets=s_off, lengths=n)
+            for li, i, so, d_off, s_off, n in spans], keep
+
+
+def _spans(entry, boxes: list[tuple[tuple, tuple]]) -> tuple[list[tuple] | None, list[int]]:
+    """``_reads``' arithmetic, which depends on the boxes alone: for each read, the local box
+    number, the saved chunk's number and offsets, and the read's destination offsets, source
+    offsets and lengths (as ``torch.Size``, shared by the items made from them)."""
     if len(boxes) == 1 and all(boxes[0][1]):
         i = entry.exact(boxes[0])
         if i is not None:  # the box is one saved chunk (a same-size restart)
-            return [_chunk_read(fqn, *boxes[0], i)], None
+            lo, lz = boxes[0]
+            zeros = torch.Size([0] * len(lz))
+            return [(0, i, lo, zeros, zeros, torch.Size(lz))], [i]
     keep = entry.overlapping(boxes)
     if not all(all(z) for _, z in boxes):
         return None, keep
     saved = [(i, *entry.box(i)) for i in keep]
-    items = []
+    spans = []
     for li, (lo, lz) in enumerate(boxes):
-        dest = MetadataIndex(fqn, lo, li)
         for i, so, sz in saved:
             s_off, d_off, n = [], [], []
             for a, x, b, y in zip(so, sz, lo, lz):  # saved offset and size, local offset and size
@@ -308,17 +335,17 @@ def _reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]
                 d_off.append(start - b)
                 n.append(end - start)
             else:
-                items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest, dest_offsets=torch.Size(d_off),
-                                      storage_index=MetadataIndex(fqn, so, i), storage_offsets=torch.Size(s_off),
-                                      lengths=torch.Size(n)))
-    return items, keep
+                spans.append((li, i, so, torch.Size(d_off), torch.Size(s_off), torch.Size(n)))
+    return spans, keep
 
 
-def plan_reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]]) -> list[ReadItem]:
+def plan_reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
+               memo: dict | None = None) -> list[ReadItem]:
     """The reads of one tensor's ``boxes`` as ``DataStatesLoadPlanner`` plans them (for tools
     and benchmarks that plan without a state dict): the reads of the overlapping chunks
-    directly, else (an empty box) DCP's resharding against the overlapping chunks only."""
-    items, keep = _reads(fqn, tmd, boxes)
+    directly, else (an empty box) DCP's resharding against the overlapping chunks only.
+    ``memo``: a dict kept across one rank's tensors, as the planner keeps it (``_reads``)."""
+    items, keep = _reads(fqn, tmd, boxes, memo)
     if items is not None:
         return items
     local = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in boxes]

@@ -87,14 +87,14 @@ def test_rules_save_once_and_reshard(ruled):
     m = load_manifest(StorageTier(ours))
     assert m.version == 4 and sorted(m.index.parts) == [0, 1, 2, 3]
     ruled = {t.fqn for t in m.index.tensors if t.rule is not None}
-    assert ruled == {"row", "tiny", "col", "rep", "hsdp", "grid"}
+    assert ruled == {"row", "tiny", "col", "rep", "hsdp", "grid", "row_cols", "row_hsdp", "row_again"}
     plain = next(i for i, t in enumerate(m.index.tensors) if t.fqn == "plain")
     listed = m.index.listed
     assert listed.owner[listed.rows(plain)].tolist() == [-1]  # a small plain tensor: its record in the index
     # a replicated box is written by one replica only, the first for a small box: "rep" by rank 0,
     # each "hsdp" row block by the rank of the first replica holding it (mesh (2, 2): ranks 0, 1)
     at = {t.fqn: i for i, t in enumerate(m.index.tensors)}
-    assert {k for k, i in at.items() if m.index.held.has(i)} == {"rep", "hsdp"}
+    assert {k for k, i in at.items() if m.index.held.has(i)} == {"rep", "hsdp", "row_hsdp"}
     held = [c for k in ("rep", "hsdp") for c in m.tensors[k].chunks]  # from the index: no part read
     assert held and not m.index._loaded
     holders = {k: [r for r in range(4) if k in m.index.part(r).tensors] for k in ("rep", "hsdp")}
@@ -159,6 +159,7 @@ def test_planned_reads_are_dcps(ruled):
                 want = create_read_items_for_chunk_list(fqn, tmd, local)
                 got = plan_reads(fqn, tmd, [box])
                 assert [key(x) for x in got] == [key(x) for x in want] and got[0].storage_index.index == i, (fqn, box)
+    _planned_with_one_memo_are_dcps(md, rng, key)
     m = load_manifest(StorageTier(ruled))
     for r in range(4):  # a part's records (a version 3 table): the exact box found, a shifted one not
         for fqn, entry in m.index.part(r).tensors.items():
@@ -166,6 +167,34 @@ def test_planned_reads_are_dcps(ruled):
                 assert entry.exact((o, z)) == i, (r, fqn, o, z)
                 if o:
                     assert entry.exact(((o[0] + 1, *o[1:]), z)) is None
+
+
+def _planned_with_one_memo_are_dcps(md, rng, key) -> None:
+    """The same boxes planned for every tensor of one size with one memo, as a rank's plan
+    shares it (tensors of that size under other rules, and under the same rule), read what
+    DCP's resharding reads, item for item."""
+    by_size: dict[tuple, list[str]] = {}
+    for fqn, tmd in md.state_dict_metadata.items():
+        if hasattr(tmd, "chunks") and tmd.size:
+            by_size.setdefault(tuple(tmd.size), []).append(fqn)
+    assert max(len(v) for v in by_size.values()) >= 4  # "row" and its three namesakes
+    memo: dict = {}
+    for size, names in by_size.items():
+        for _ in range(40):
+            lo = [rng.randint(0, s - 1) for s in size]
+            boxes = [(tuple(lo), tuple(rng.randint(1, s - a) for s, a in zip(size, lo)))]
+            if rng.random() < 0.3:  # a box that is one saved chunk of the first tensor
+                boxes = [tuple(map(tuple, rng.choice([(c.offsets, c.sizes)
+                                                      for c in md.state_dict_metadata[names[0]].chunks])))]
+            local = [ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in boxes]
+            for fqn in names:
+                tmd = md.state_dict_metadata[fqn]
+                want = sorted(create_read_items_for_chunk_list(fqn, tmd, local), key=key)
+                got = sorted(plan_reads(fqn, tmd, boxes, memo), key=key)
+                assert [key(x) for x in got] == [key(x) for x in want], (fqn, boxes)
+                for ri in got:  # the chunk number each names is the saved chunk at its offsets
+                    assert tuple(tmd.chunks[ri.storage_index.index].offsets) == tuple(ri.storage_index.offset)
+    assert memo  # the rules' tensors shared it
 
 
 @pytest.mark.parametrize("save_world,load_world", [(3, 2), (2, 3)])

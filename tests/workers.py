@@ -503,7 +503,10 @@ def _rules_full():
     torch.manual_seed(5)
     return {"row": torch.randn(10, 6), "tiny": torch.randn(3, 2), "col": torch.randn(5, 7),
             "rep": torch.randn(4, 6), "hsdp": torch.randn(9, 4), "grid": torch.randn(5, 6),
-            "plain": torch.arange(5.0), "twice": torch.randn(16, 3)}
+            "plain": torch.arange(5.0), "twice": torch.randn(16, 3),
+            # the size of "row" under other rules, and under the same one: a load planner that
+            # reuses one tensor's box arithmetic for another must tell them apart
+            "row_cols": torch.randn(10, 6), "row_hsdp": torch.randn(10, 6), "row_again": torch.randn(10, 6)}
 
 
 def rules_save(rank, world, ours_dir):
@@ -515,7 +518,9 @@ def rules_save(rank, world, ours_dir):
     mesh2 = init_device_mesh("cpu", (2, world // 2))
     place = {"row": (mesh1, [Shard(0)]), "tiny": (mesh1, [Shard(0)]), "col": (mesh1, [Shard(1)]),
              "rep": (mesh1, [Replicate()]), "hsdp": (mesh2, [Replicate(), Shard(0)]),
-             "grid": (mesh2, [Shard(1), Shard(0)]), "twice": (mesh2, [Shard(0), Shard(0)])}
+             "grid": (mesh2, [Shard(1), Shard(0)]), "twice": (mesh2, [Shard(0), Shard(0)]),
+             "row_cols": (mesh1, [Shard(1)]), "row_hsdp": (mesh2, [Replicate(), Shard(0)]),
+             "row_again": (mesh1, [Shard(0)])}
     sd = {k: distribute_tensor(full[k], *place[k]) if k in place else full[k] for k in full}
     dcp.save(sd, storage_writer=DataStatesWriter(ours_dir), planner=DataStatesSavePlanner())
 

@@ -411,6 +411,11 @@ class Table:
     def count(self, t: int) -> int:
         return len(self.rows(t))
 
+    @staticmethod
+    def layout_key(t: int) -> None:
+        """Listed boxes are the tensor's own: none is shared by construction."""
+        return None
+
     def box_at(self, t: int, i: int) -> tuple[tuple, tuple]:
         """(offsets, sizes) of tensor ``t``'s record ``i``."""
         return self.box(int(self.rows(t)[i]), t)

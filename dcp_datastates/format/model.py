@@ -237,6 +237,15 @@ class TensorEntry:
             return table.count(row)
         return len(self._chunks)
 
+    def layout_key(self) -> tuple | None:
+        """A key that tensors whose records have the same boxes by construction share (a
+        sharding rule's arithmetic over one size and mesh shape), else None: a planner may
+        reuse one tensor's box arithmetic for another of the same key."""
+        if self._chunks is None:
+            table, row = self._source
+            return table.layout_key(row)
+        return None
+
     def box(self, i: int) -> tuple[tuple, tuple]:
         """(offsets, sizes) of record ``i``, without building it."""
         if self._chunks is None:
