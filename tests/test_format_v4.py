@@ -87,14 +87,15 @@ def test_rules_save_once_and_reshard(ruled):
     m = load_manifest(StorageTier(ours))
     assert m.version == 4 and sorted(m.index.parts) == [0, 1, 2, 3]
     ruled = {t.fqn for t in m.index.tensors if t.rule is not None}
-    assert ruled == {"row", "tiny", "col", "rep", "hsdp", "grid", "row_cols", "row_hsdp", "row_again"}
+    assert ruled == {"row", "tiny", "col", "rep", "hsdp", "grid", "row_cols", "row_hsdp", "row_again",
+                     "row_square", "row_tall"}
     plain = next(i for i, t in enumerate(m.index.tensors) if t.fqn == "plain")
     listed = m.index.listed
     assert listed.owner[listed.rows(plain)].tolist() == [-1]  # a small plain tensor: its record in the index
     # a replicated box is written by one replica only, the first for a small box: "rep" by rank 0,
     # each "hsdp" row block by the rank of the first replica holding it (mesh (2, 2): ranks 0, 1)
     at = {t.fqn: i for i, t in enumerate(m.index.tensors)}
-    assert {k for k, i in at.items() if m.index.held.has(i)} == {"rep", "hsdp", "row_hsdp"}
+    assert {k for k, i in at.items() if m.index.held.has(i)} == {"rep", "hsdp", "row_hsdp", "row_square"}
     held = [c for k in ("rep", "hsdp") for c in m.tensors[k].chunks]  # from the index: no part read
     assert held and not m.index._loaded
     holders = {k: [r for r in range(4) if k in m.index.part(r).tensors] for k in ("rep", "hsdp")}
@@ -177,7 +178,7 @@ def _planned_with_one_memo_are_dcps(md, rng, key) -> None:
     for fqn, tmd in md.state_dict_metadata.items():
         if hasattr(tmd, "chunks") and tmd.size:
             by_size.setdefault(tuple(tmd.size), []).append(fqn)
-    assert max(len(v) for v in by_size.values()) >= 4  # "row" and its three namesakes
+    assert max(len(v) for v in by_size.values()) >= 6  # "row" and its five namesakes
     memo: dict = {}
     for size, names in by_size.items():
         for _ in range(40):

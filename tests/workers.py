@@ -506,7 +506,9 @@ def _rules_full():
             "plain": torch.arange(5.0), "twice": torch.randn(16, 3),
             # the size of "row" under other rules, and under the same one: a load planner that
             # reuses one tensor's box arithmetic for another must tell them apart
-            "row_cols": torch.randn(10, 6), "row_hsdp": torch.randn(10, 6), "row_again": torch.randn(10, 6)}
+            "row_cols": torch.randn(10, 6), "row_hsdp": torch.randn(10, 6), "row_again": torch.randn(10, 6),
+            # one rule's dimensions on two 2-D meshes of other shapes
+            "row_square": torch.randn(10, 6), "row_tall": torch.randn(10, 6)}
 
 
 def rules_save(rank, world, ours_dir):
@@ -516,11 +518,13 @@ def rules_save(rank, world, ours_dir):
     full = _rules_full()
     mesh1 = init_device_mesh("cpu", (world,))
     mesh2 = init_device_mesh("cpu", (2, world // 2))
+    mesh3 = init_device_mesh("cpu", (world, 1))
     place = {"row": (mesh1, [Shard(0)]), "tiny": (mesh1, [Shard(0)]), "col": (mesh1, [Shard(1)]),
              "rep": (mesh1, [Replicate()]), "hsdp": (mesh2, [Replicate(), Shard(0)]),
              "grid": (mesh2, [Shard(1), Shard(0)]), "twice": (mesh2, [Shard(0), Shard(0)]),
              "row_cols": (mesh1, [Shard(1)]), "row_hsdp": (mesh2, [Replicate(), Shard(0)]),
-             "row_again": (mesh1, [Shard(0)])}
+             "row_again": (mesh1, [Shard(0)]), "row_square": (mesh2, [Shard(0), Replicate()]),
+             "row_tall": (mesh3, [Shard(0), Replicate()])}
     sd = {k: distribute_tensor(full[k], *place[k]) if k in place else full[k] for k in full}
     dcp.save(sd, storage_writer=DataStatesWriter(ours_dir), planner=DataStatesSavePlanner())
 
