@@ -301,8 +301,9 @@ def _reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]
         if got is None:
             got = memo[key] = _spans(entry, boxes)
         spans, keep = got
+        keep = list(keep)  # the memo's stays as it is
     if spans is None:
-        return None, list(keep)
+        return None, keep
     dests = [MetadataIndex(fqn, lo, li) for li, (lo, _) in enumerate(boxes)]
     return [ReadItem(type=LoadItemType.TENSOR, dest_index=dests[li], dest_offsets=d_off,
                      storage_index=MetadataIndex(fqn, so, i), storage_offsets=s_off, lengths=n)
@@ -487,7 +488,7 @@ def _plain_tensors(planner: SavePlanner):
     TENSOR item's object when it is a plain tensor saved whole with no registered provider (what
     ``resolve_data`` and ``provider_for`` would give), else None (the item takes their way)."""
     sd = getattr(planner, "state_dict", None)
-    if not isinstance(sd, dict) or not _dcps_resolve(type(planner)):
+    if not isinstance(sd, dict) or not _dcps_resolve(planner):
         return None
     tensor, registered = WriteItemType.TENSOR, type_provider_for
 
@@ -501,13 +502,11 @@ def _plain_tensors(planner: SavePlanner):
     return plain
 
 
-@functools.lru_cache(maxsize=64)
-def _dcps_resolve(cls: type) -> bool:
-    """Whether ``cls`` finds and transforms saved objects as DCP's default save planner does."""
-    return isinstance(cls, type) and issubclass(cls, DefaultSavePlanner) \
-        and cls.resolve_data is DefaultSavePlanner.resolve_data \
-        and cls.lookup_object is DefaultSavePlanner.lookup_object \
-        and cls.transform_object is DefaultSavePlanner.transform_object
+def _dcps_resolve(planner: SavePlanner) -> bool:
+    """Whether ``planner`` finds and transforms saved objects as DCP's default save planner does
+    (its class, or the object itself, overrides none of the three)."""
+    return all(getattr(getattr(planner, name, None), "__func__", None) is getattr(DefaultSavePlanner, name)
+               for name in ("resolve_data", "lookup_object", "transform_object"))
 
 
 def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: Base | None):

@@ -249,8 +249,17 @@ class _Looking(DataStatesSavePlanner):
         return torch.full((3,), 7.0) if index.fqn == "a" else super().lookup_object(index)
 
 
-@pytest.mark.parametrize("planner, want", [(_Doubling, {"a": 2.0, "b": 4.0}), (_Looking, {"a": 7.0, "b": 2.0})],
-                         ids=["transform_object", "lookup_object"])
+def _tripling_object() -> DataStatesSavePlanner:
+    """A planner object whose ``transform_object`` is replaced on the object itself."""
+    p = DataStatesSavePlanner()
+    plain = p.transform_object
+    p.transform_object = lambda item, obj: plain(item, obj) * 3
+    return p
+
+
+@pytest.mark.parametrize("planner, want", [(_Doubling, {"a": 2.0, "b": 4.0}), (_Looking, {"a": 7.0, "b": 2.0}),
+                                           (_tripling_object, {"a": 3.0, "b": 6.0})],
+                         ids=["transform_object", "lookup_object", "on-the-object"])
 def test_save_planner_that_changes_objects_is_asked_for_each(tmp_path, planner, want):
     """The writer takes a plain tensor straight from the state dict only for a planner that
     finds and transforms objects as DCP's default does; a subclass's own way is kept."""
