@@ -10,6 +10,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import itemgetter
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -64,7 +65,12 @@ class HeldColumns:
         if not records:
             return cls()
         key, chunk, tail_at, files, offsets, nbytes = zip(*records)
-        return cls(list(map(at.__getitem__, key)), list(chunk), list(tail_at), list(map(len, files)),
+        nsegs = list(map(len, files))
+        if nsegs.count(1) == len(nsegs):  # one segment each (most records): each column's first
+            first = itemgetter(0)
+            return cls(list(map(at.__getitem__, key)), list(chunk), list(tail_at), nsegs,
+                       list(map(first, files)), list(map(first, offsets)), list(map(first, nbytes)))
+        return cls(list(map(at.__getitem__, key)), list(chunk), list(tail_at), nsegs,
                    list(chain.from_iterable(files)), list(chain.from_iterable(offsets)),
                    list(chain.from_iterable(nbytes)))
 
