@@ -17,7 +17,6 @@ the typed records (``format/records.py``) that the coordinator builds the manife
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 
 import torch
@@ -250,9 +249,14 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         that changes the lookup or the narrowing, goes DCP's way."""
         obj = self.state_dict.get(read_item.dest_index.fqn)
         if type(obj) in _PLAIN and not any(read_item.dest_offsets) and tuple(read_item.lengths) == obj.shape \
-                and not any(read_item.dest_index.offset or ()) and _dcps_lookup(type(self)):
+                and not any(read_item.dest_index.offset or ()) and getattr(self, "_dcps_lookup", False):
             return obj
         return super().resolve_tensor(read_item)
+
+    def set_up_planner(self, *args, **kwargs) -> None:
+        super().set_up_planner(*args, **kwargs)
+        # whether ``resolve_tensor`` may skip DCP's lookup and narrowing: asked once per load
+        self._dcps_lookup = _dcps_ways(self, DefaultLoadPlanner, ("lookup_tensor", "transform_tensor"))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -289,7 +293,7 @@ def _reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]
     empty (DCP's own handling then applies to the overlapping chunks).
 
     ``memo`` (one plan's): the box arithmetic of tensors whose chunks have the same boxes by
-    construction (``TensorEntry.layout_key``: one rule over one size and mesh shape; a model's
+    construction (``TensorEntry.layout_key``: one rule over one size; a model's
     layers and their optimizer states), kept by key and boxes and reused for the next such."""
     entry = tmd.chunks.entry
     key = entry.layout_key() if memo is not None else None
@@ -361,11 +365,10 @@ def narrow(tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
     return TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
 
 
-@functools.lru_cache(maxsize=64)
-def _dcps_lookup(cls: type) -> bool:
-    """Whether ``cls`` finds and narrows tensors as DCP's default load planner does."""
-    return cls.lookup_tensor is DefaultLoadPlanner.lookup_tensor \
-        and cls.transform_tensor is DefaultLoadPlanner.transform_tensor
+def _dcps_ways(planner, base: type, names: tuple[str, ...]) -> bool:
+    """Whether ``planner`` uses ``base``'s own methods ``names`` (DCP's extension points): its
+    class overrides none of them, nor does the object itself."""
+    return all(getattr(getattr(planner, name, None), "__func__", None) is getattr(base, name) for name in names)
 
 
 def _set_in_state_dict(planner: DefaultLoadPlanner, fqn: str, value) -> None:
@@ -488,7 +491,8 @@ def _plain_tensors(planner: SavePlanner):
     TENSOR item's object when it is a plain tensor saved whole with no registered provider (what
     ``resolve_data`` and ``provider_for`` would give), else None (the item takes their way)."""
     sd = getattr(planner, "state_dict", None)
-    if not isinstance(sd, dict) or not _dcps_resolve(planner):
+    if not isinstance(sd, dict) or not _dcps_ways(planner, DefaultSavePlanner,
+                                                  ("resolve_data", "lookup_object", "transform_object")):
         return None
     tensor, registered = WriteItemType.TENSOR, type_provider_for
 
@@ -500,13 +504,6 @@ def _plain_tensors(planner: SavePlanner):
             return None
         return obj
     return plain
-
-
-def _dcps_resolve(planner: SavePlanner) -> bool:
-    """Whether ``planner`` finds and transforms saved objects as DCP's default save planner does
-    (its class, or the object itself, overrides none of the three)."""
-    return all(getattr(getattr(planner, name, None), "__func__", None) is getattr(DefaultSavePlanner, name)
-               for name in ("resolve_data", "lookup_object", "transform_object"))
 
 
 def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: Base | None):

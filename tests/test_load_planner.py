@@ -117,3 +117,19 @@ def test_a_subclass_that_narrows_its_own_way_is_asked_for_every_tensor(saved):
     dcp.load(out, storage_reader=DataStatesReader(path), planner=Narrowing(), no_dist=True)
     assert sorted(set(Narrowing.asked)) == sorted(["scalar", "vec", "mat", "ints", "param", "nested.a"])
     assert torch.equal(out["mat"], sd["mat"])
+
+
+def test_a_planner_object_that_narrows_its_own_way_is_asked_for_every_tensor(saved):
+    """The same with ``transform_tensor`` replaced on the planner object, not its class."""
+    path, sd = saved
+    planner, asked = DataStatesLoadPlanner(), []
+    plain = planner.transform_tensor
+
+    def narrowing(read_item, tensor):
+        asked.append(read_item.dest_index.fqn)
+        return plain(read_item, tensor)
+    planner.transform_tensor = narrowing
+    out = _fresh(sd)
+    dcp.load(out, storage_reader=DataStatesReader(path), planner=planner, no_dist=True)
+    assert sorted(set(asked)) == sorted(["scalar", "vec", "mat", "ints", "param", "nested.a"])
+    assert torch.equal(out["mat"], sd["mat"])

@@ -164,7 +164,7 @@ class IndexTable:
                 raise _Bad(f"mesh ranks {missing[:8]} have no metadata part")
         self.tensors: list[IndexTensor] = _tensors_from_wire(body.get("tensor_list"), self.meshes)
         self._geoms: dict[int, Geometry | None] = {}
-        self._seen: dict[tuple, dict] = {}  # the boxes geometries of one size and rule share
+        self._seen: dict[tuple, dict] = {}  # the boxes geometries of one ``layout_key`` share
         self.listed = Listed(body.get("explicit"), self.tensors, self.parts, world)
         positions = files.positions()  # what segments' file numbers name
         self.held = Held(body.get("held"), self.tensors, world, positions, block_size)
@@ -187,7 +187,7 @@ class IndexTable:
             x = self.tensors[t]
             g = self._geoms[t] = None if x.rule is None else Geometry(
                 x.size, self.meshes[x.rule.mesh], x.rule, salt(x.fqn), dtype_from_name(x.dtype).itemsize,
-                self._seen.setdefault((x.size, x.rule), {}))
+                self._seen.setdefault(self.layout_key(t), {}))
         return g
 
     def count(self, t: int) -> int:
@@ -195,9 +195,10 @@ class IndexTable:
         return g.count() if g is not None else self.listed.count(t)
 
     def layout_key(self, t: int) -> tuple | None:
-        """Tensor ``t``'s rule's ``Geometry.layout_key`` (None: its chunks are listed)."""
-        g = self.geom(t)
-        return None if g is None else g.layout_key()
+        """Tensor ``t``'s size and rule (its mesh and dimensions), all its boxes depend on; None
+        where its chunks are listed."""
+        x = self.tensors[t]
+        return None if x.rule is None else (x.size, x.rule)
 
     def box_at(self, t: int, i: int) -> tuple[tuple, tuple]:
         g = self.geom(t)

@@ -238,9 +238,9 @@ class TensorEntry:
         return len(self._chunks)
 
     def layout_key(self) -> tuple | None:
-        """A key that tensors whose records have the same boxes by construction share (a
-        sharding rule's arithmetic over one size and mesh shape), else None: a planner may
-        reuse one tensor's box arithmetic for another of the same key."""
+        """A key that tensors whose records have the same boxes by construction share (one
+        sharding rule over one size), else None: a planner may reuse one tensor's box
+        arithmetic for another of the same key, within one manifest."""
         if self._chunks is None:
             table, row = self._source
             return table.layout_key(row)

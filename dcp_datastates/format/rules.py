@@ -146,16 +146,11 @@ class Geometry:
         self._big: int | None = None  # _ALL_LARGE, _ALL_SMALL or _MIXED (``_alike``), found on first use
         # planning and reading ask for a rank's few chunks' boxes several times each: the last
         # few are kept (never all: a rule stands for up to millions of chunks).  ``seen``: the
-        # boxes kept for geometries of the same ``layout_key`` (a model's layers), shared
+        # boxes kept for geometries of one size and rule (a model's layers), shared
         self._seen: dict[int, tuple[tuple, tuple]] = {} if seen is None else seen
 
     def count(self) -> int:
         return self._count
-
-    def layout_key(self) -> tuple:
-        """What the boxes, their count, ``exact`` and ``overlapping`` depend on: the size, the
-        mesh's shape and the rule's dimensions (not the tensor's name, dtype or mesh ranks)."""
-        return self.size, tuple(self.mesh.shape), self.dims
 
     def replicas(self) -> int:
         """How many ranks hold each box."""
