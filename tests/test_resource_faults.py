@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import (Checkpointer, DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner,
                             DataStatesWriter, async_save)
-from dcp_datastates.format.model import paused_gc
+from dcp_datastates.format.model import PROMOTE_AFTER, paused_gc
 from dcp_datastates.tiers.storage import LocalSink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -365,6 +365,51 @@ def test_the_end_of_a_save_does_not_forget_the_next_one(tmp_path, monkeypatch):
     assert second.is_set() and held.is_set()
     known, done = seen[1]
     assert known or done, "the first save's end cleared the writer's record of the second save"
+
+
+class _Young:
+    """A tracked object made inside a pause of the collector."""
+
+
+def _generation_of(obj) -> int | None:
+    return next((g for g in range(3) if any(o is obj for o in gc.get_objects(generation=g))), None)
+
+
+def test_a_long_pause_hands_what_it_made_to_the_oldest_generation():
+    """After a pause in which the process made many objects (a plan's items, a save's records),
+    the next young collection would walk them all (60 ms after the local plan of 20,000
+    tensors); they go to the oldest generation instead, which full collections still walk."""
+    gc.enable()
+    gc.collect()
+    try:
+        with paused_gc():
+            made = [_Young() for _ in range(PROMOTE_AFTER + 1000)]
+        assert gc.isenabled()
+        assert _generation_of(made[-1]) == 2, "the pause's objects were left to a young collection"
+        assert gc.get_count()[0] < 100
+        assert gc.get_freeze_count() == 0
+        with paused_gc():  # a short pause: its objects stay young
+            few = [_Young() for _ in range(100)]
+        assert _generation_of(few[-1]) == 0
+    finally:
+        gc.enable()
+
+
+def test_a_long_pause_leaves_the_applications_frozen_objects_frozen():
+    """An application that froze its objects (``gc.freeze()`` before forking workers) keeps
+    them frozen: the pause's objects are then left to the young collection."""
+    gc.enable()
+    gc.collect()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with paused_gc():
+            made = [_Young() for _ in range(PROMOTE_AFTER + 1000)]
+        assert gc.get_freeze_count() == frozen, "the pause unfroze the application's objects"
+        assert _generation_of(made[-1]) in (0, 1)  # a young collection may have run since
+    finally:
+        gc.unfreeze()
+        gc.enable()
 
 
 def test_a_child_forked_during_a_pause_of_the_collector_has_it_on():

@@ -20,6 +20,9 @@ from .checksum import BLOCK_SIZE, join_digests, split_digests
 
 FORMAT_VERSION = 3  # written now; manifest.py reads the versions it lists
 
+# young objects at the end of a pause above which they go to the oldest generation (_GcPause)
+PROMOTE_AFTER = 10_000
+
 
 class _GcPause:
     """One process-wide pause of the cyclic collector, however many threads are inside it: the
@@ -46,6 +49,7 @@ class _GcPause:
             was_on = self._was_on
             self._depth -= 1
             if self._depth == 0 and was_on:
+                _promote_young()
                 gc.enable()
 
     def _after_fork(self) -> None:
@@ -54,6 +58,18 @@ class _GcPause:
         if self._depth and self._was_on:
             gc.enable()
         self._depth = 0
+
+
+def _promote_young() -> None:
+    """At the end of a pause that made many objects, move every young one to the oldest
+    generation (``gc.freeze`` then ``gc.unfreeze``), where full collections walk them, instead of
+    leaving them all to the next young collection: the pause's objects are records that live
+    until the save or load ends and hold no cycles, and walking them young took 60 ms after a
+    20,000-tensor local plan.  Not where the application has frozen objects itself, whose
+    freeze ``gc.unfreeze`` would end."""
+    if gc.get_count()[0] > PROMOTE_AFTER and gc.get_freeze_count() == 0:
+        gc.freeze()
+        gc.unfreeze()
 
 
 _GC_PAUSE = _GcPause()
