@@ -69,6 +69,22 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         self.sharding_rules = sharding_rules
         self.rules: RuleTable | None = None
 
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        """DCP's; a state of plain nested dicts is flattened in one pass (``_flattened``) to
+        the keys, order and paths DCP's two generic traversals give (2 us a key, 0.04 s of a
+        20,000-tensor save), and DCP's own set-up then takes it as flat."""
+        flat = _flattened(state_dict) if self.flatten_state_dict else None
+        if flat is None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        flags = self.flatten_state_dict, self.flatten_sharded_tensors
+        self.flatten_state_dict = self.flatten_sharded_tensors = False  # done: no ShardedTensor in it
+        try:
+            super().set_up_planner(flat[0], storage_meta, is_coordinator)
+        finally:
+            self.flatten_state_dict, self.flatten_sharded_tensors = flags
+        self.mappings = flat[1]
+
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """DCP's final plan; when its plan cache replays an earlier save's plan, with the
         storage data the writer gave this save (its id) instead of the earlier save's."""
@@ -130,6 +146,41 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 
 
 SMALL_ITEM_BYTES = 64 << 10
+
+# values DCP's traversal visits as they are, and those of which a list is visited whole
+_LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, DTensor, int, float, bool, str, bytes, type(None)})
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
+def _flattened(state_dict) -> tuple[dict, dict] | None:
+    """DCP's ``flatten_state_dict`` of a state made of ``dict``s with ``str`` keys whose leaves
+    are tensors, parameters, DTensors, plain values or lists of scalars: the flat state and each
+    key's path, in DCP's order.  None for anything else (other mappings, keys or leaves, lists
+    holding tensors or containers, a key met twice), which DCP's own traversal handles."""
+    if type(state_dict) is not dict:
+        return None
+    flat: dict = {}
+    paths: dict = {}
+    return (flat, paths) if _walk(flat, paths, "", (), state_dict) else None
+
+
+def _walk(flat: dict, paths: dict, prefix: str, path: tuple, d: dict) -> bool:
+    for k, v in d.items():
+        if type(k) is not str:
+            return False
+        t = type(v)
+        if t is dict:
+            if not _walk(flat, paths, f"{prefix}{k}.", (*path, k), v):
+                return False
+        elif t in _LEAVES or (t is list and all(type(x) in _SCALARS for x in v)):
+            fqn = prefix + k
+            if fqn in flat:
+                return False
+            flat[fqn] = v
+            paths[fqn] = (*path, k)
+        else:
+            return False
+    return True
 
 
 def _small(item: WriteItem) -> bool:
