@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import uuid
+from operator import attrgetter
 
 import torch
 import torch.distributed as dist
@@ -547,6 +548,7 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     at = {t.fqn: i for i, t in enumerate(tensors)}
     suffix = part_file_name(0, save_id)[len("part-r00000"):]
     parts, own, held, rare, owned = [], [], [], [], 0
+    rows = []  # the rows of own files that held and inline records name: a few ranks'
     for rr in results:  # once per rank (16,384 times at scale): rows gathered here, made columns below
         for wr in rr:
             rec = wr.storage_data
@@ -559,6 +561,8 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                                       checkpoint=path)
             parts.append(part)
             owned += rec.usage[0]
+            if rec.held or rec.explicit:
+                rows += range(len(own), len(own) + len(rec.own))
             own += rec.own
             if rec.held:
                 held += rec.held
@@ -578,14 +582,15 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                 explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank,
                                               None if ext is None else Chunk(offs, sizes, ext)))
     files = GatheredFiles(named, ranked)
-    ranks = sorted(p.rank for p in parts)  # DCP gathers by rank: already in order, so the sort is cheap
+    ranks = list(map(attrgetter("rank"), parts))
+    ranks.sort()  # DCP gathers by rank: already in order, so the sort is cheap
     world = max(dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                 ranks[-1] + 1 if ranks else 1)
     m = Manifest(save_id=save_id, world_size=world, ranks=ranks, files=files,
                  tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
                  created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
     try:
-        wire = index_wire(list(rules.meshes), tensors, explicit, files, ranked, (owned, shared), held)
+        wire = index_wire(list(rules.meshes), tensors, explicit, files, ranked, (owned, shared), held, rows)
     except _Bad as e:
         raise CheckpointError(f"the ranks' records do not make an index: {e}", checkpoint=path) from None
     return m, encode_index(m, wire)

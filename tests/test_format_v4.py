@@ -402,6 +402,12 @@ def test_file_map_names_rank_files_only_when_asked():
     assert written.positions() == {name: i for i, name in enumerate(want)}
     assert written[part_file_name(7, sid)] == 4007 and written[data_file_name(7, sid, 2)] == 50
     assert data_file_name(2, sid, 0) not in written and sum(written.values()) == sum(want.values())
+    every = {name: i for i, name in enumerate(want)}
+    near = written.positions_near([1, 3])  # the rows of rank 0's file and rank 7's second
+    assert dict(near) == {old: 0, data_file_name(0, sid, 0): 2, data_file_name(7, sid, 2): 4}
+    assert near[data_file_name(3, sid, 0)] == 1 and dict(near) == every  # a miss: from the full map
+    with pytest.raises(KeyError):
+        GatheredFiles({old: 9}, cols).positions_near([])[data_file_name(2, sid, 0)]
 
 
 def test_coordinator_refuses_a_part_of_another_save():

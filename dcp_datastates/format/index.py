@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Callable
 
 from ..errors import ManifestError
@@ -65,10 +66,11 @@ class ExplicitChunk:
 
 def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
                files: GatheredFiles, ranked: RankFileColumns, usage: tuple[int, dict[str, int]],
-               held: HeldColumns | None = None) -> dict:
+               held: HeldColumns | None = None, rows: Iterable[int] | None = None) -> dict:
     """The version 4 fields of the manifest body: ``files.named`` those not named by rank
-    (listed first), ``ranked`` each rank's own data files and part (``ranked.py``)."""
-    fidx = files.positions()
+    (listed first), ``ranked`` each rank's own data files and part (``ranked.py``); ``rows``:
+    the rank files the held and inline records name (None: any)."""
+    fidx = files.positions() if rows is None else files.positions_near(rows)
     inline: dict[str, TensorEntry] = {}
     for c in explicit:
         if c.record is not None:

@@ -21,7 +21,7 @@ turns into the columns (``RankFileColumns.of``).
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import NamedTuple
@@ -200,6 +200,31 @@ class GatheredFiles(_NamedThenRanked):
         if self._at is None:
             self._at = dict(zip(chain(self.named, self._rank_names()), range(len(self))))
         return self._at
+
+    def positions_near(self, rows: Iterable[int]) -> dict[str, int]:
+        """The places of the named files and of the rank files in ``rows`` (those the records
+        the index holds name: a few ranks' of 16,384), without a map of every name (5 ms); a
+        name outside them is looked up in ``positions()`` when asked."""
+        near = _Positions(self)
+        near.update(zip(self.named, range(len(self.named))))
+        names, first = self._ranked.names, len(self.named)
+        near.update((names[r], first + r) for r in rows)
+        return near
+
+
+class _Positions(dict):
+    """Some files' places; any other's from the full map, made on the first miss."""
+
+    def __init__(self, files: GatheredFiles) -> None:
+        super().__init__()
+        self._files = files
+
+    def __missing__(self, name: str) -> int:
+        every = self._files.positions()
+        if name not in every:
+            raise KeyError(name)
+        self.update(every)
+        return every[name]
 
 
 class RankFiles:
