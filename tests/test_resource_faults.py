@@ -395,6 +395,27 @@ def test_a_long_pause_hands_what_it_made_to_the_oldest_generation():
         gc.enable()
 
 
+def test_a_long_pause_that_ends_beside_training_leaves_young_objects_young():
+    """A pause that ends on another thread than the main one (a flush thread of an async save,
+    while training runs) promotes nothing: the training's young objects, a reference cycle
+    that holds a GPU tensor among them, must not wait for a full collection."""
+    gc.enable()
+    gc.collect()
+    made = []
+
+    def flush_thread():
+        with paused_gc():
+            made.extend(_Young() for _ in range(PROMOTE_AFTER + 1000))
+
+    try:
+        t = threading.Thread(target=flush_thread)
+        t.start()
+        t.join()
+        assert _generation_of(made[-1]) in (0, 1), "a pause that ended beside training promoted its objects"
+    finally:
+        gc.enable()
+
+
 def test_a_long_pause_leaves_the_applications_frozen_objects_frozen():
     """An application that froze its objects (``gc.freeze()`` before forking workers) keeps
     them frozen: the pause's objects are then left to the young collection."""

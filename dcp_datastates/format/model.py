@@ -65,9 +65,12 @@ def _promote_young() -> None:
     generation (``gc.freeze`` then ``gc.unfreeze``), where full collections walk them, instead of
     leaving them all to the next young collection: the pause's objects are records that live
     until the save or load ends and hold no cycles, and walking them young took 60 ms after a
-    20,000-tensor local plan.  Not where the application has frozen objects itself, whose
-    freeze ``gc.unfreeze`` would end."""
-    if gc.get_count()[0] > PROMOTE_AFTER and gc.get_freeze_count() == 0:
+    20,000-tensor local plan.  Only on the main thread, inside a save's or a load's call (its
+    plans, its manifest): a pause that ends on a flush thread runs beside training, whose own
+    young objects (a reference cycle holding a GPU tensor) must not wait for a full collection.
+    Not where the application has frozen objects itself, whose freeze ``gc.unfreeze`` would end."""
+    if (gc.get_count()[0] > PROMOTE_AFTER and gc.get_freeze_count() == 0
+            and threading.current_thread() is threading.main_thread()):
         gc.freeze()
         gc.unfreeze()
 
