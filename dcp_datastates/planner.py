@@ -165,6 +165,7 @@ def _flattened(state_dict) -> tuple[dict, dict] | None:
 
 
 def _walk(flat: dict, paths: dict, prefix: str, path: tuple, d: dict) -> bool:
+    """``_flattened``'s pass over dict ``d`` at ``path``; False where DCP's traversal is needed."""
     for k, v in d.items():
         if type(k) is not str:
             return False

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import ManifestError
