@@ -25,6 +25,7 @@ from torch.futures import Future
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_items import _timed  # noqa: E402
+from state import small_tensors_state  # noqa: E402
 
 from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter  # noqa: E402
 
@@ -98,8 +99,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/dcpds-floor")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    state = {f"layers.{i // 8}.p{i % 8}": torch.randn(args.floats) for i in range(args.tensors)}
+    state = small_tensors_state(args.tensors, args.floats)
     ours, theirs = os.path.join(args.dir, "ours"), os.path.join(args.dir, "dcp")
     t: dict[str, list[float]] = {k: [] for k in ("save, null writer", "save, FileSystemWriter", "save, ours",
                                                  "load, null reader", "load, null reader, our planner",

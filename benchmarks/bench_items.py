@@ -20,13 +20,17 @@ import gc
 import os
 import shutil
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import (DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner, DataStatesWriter,
-                            async_save)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from state import small_tensors_state  # noqa: E402
+
+from dcp_datastates import (DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner,  # noqa: E402
+                            DataStatesWriter, async_save)
 
 
 def _timed(fn) -> float:
@@ -57,8 +61,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/dcpds-items")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    state = {f"layers.{i // 8}.p{i % 8}": torch.randn(args.floats) for i in range(args.tensors)}
+    state = small_tensors_state(args.tensors, args.floats)
     systems = {
         "ours": (lambda p: DataStatesWriter(p), lambda p: DataStatesReader(p)),
         "dcp": (lambda p: dcp.FileSystemWriter(p), lambda p: dcp.FileSystemReader(p)),

@@ -25,8 +25,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter
-from dcp_datastates.tiers import StorageTier
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from state import small_tensors_state  # noqa: E402
+
+from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter  # noqa: E402
+from dcp_datastates.tiers import StorageTier  # noqa: E402
 
 
 def _server() -> tuple[subprocess.Popen, str]:
@@ -60,8 +63,7 @@ def main() -> None:
         import boto3  # the test extra, like moto
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
                      region_name="us-east-1").create_bucket(Bucket="bench")
-        torch.manual_seed(0)
-        state = {f"layers.{i // 8}.p{i % 8}": torch.randn(args.floats) for i in range(args.tensors)}
+        state = small_tensors_state(args.tensors, args.floats)
         ours, theirs = "s3://bench/ours", "s3://bench/dcp"
         saves: dict[str, list[float]] = {"ours": [], "dcp": []}
         for rep in range(args.reps):  # each save over the previous one (overwrite)

@@ -16,14 +16,18 @@ import functools
 import gc
 import os
 import shutil
+import sys
 import time
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-import dcp_datastates.writer as writer_module
-from dcp_datastates import DataStatesSavePlanner, DataStatesWriter
-from dcp_datastates.engine import snapshot
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from state import small_tensors_state  # noqa: E402
+
+import dcp_datastates.writer as writer_module  # noqa: E402
+from dcp_datastates import DataStatesSavePlanner, DataStatesWriter  # noqa: E402
+from dcp_datastates.engine import snapshot  # noqa: E402
 
 PHASES = [(writer_module, "lay_out"), (snapshot.SnapshotEngine, "_stage"), (snapshot.SnapshotEngine, "_flush_batch"),
           (writer_module, "_write_results"), (DataStatesWriter, "write_data"), (writer_module, "_manifest_for"),
@@ -50,8 +54,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/dcpds-save-phases")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    state = {f"layers.{i // 8}.p{i % 8}": torch.randn(args.floats) for i in range(args.tensors)}
+    state = small_tensors_state(args.tensors, args.floats)
     spent: dict[str, float] = {}
     for owner, name in PHASES:
         _timed(spent, owner, name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from operator import itemgetter
 from typing import Callable, NamedTuple
@@ -66,13 +67,12 @@ class HeldColumns:
             return cls()
         key, chunk, tail_at, files, offsets, nbytes = zip(*records)
         nsegs = list(map(len, files))
-        if nsegs.count(1) == len(nsegs):  # one segment each (most records): each column's first
-            first = itemgetter(0)
-            return cls(list(map(at.__getitem__, key)), list(chunk), list(tail_at), nsegs,
-                       list(map(first, files)), list(map(first, offsets)), list(map(first, nbytes)))
+        if nsegs.count(1) == len(nsegs):  # one segment each (most records): each record's first
+            segs = partial(map, itemgetter(0))
+        else:
+            segs = chain.from_iterable
         return cls(list(map(at.__getitem__, key)), list(chunk), list(tail_at), nsegs,
-                   list(chain.from_iterable(files)), list(chain.from_iterable(offsets)),
-                   list(chain.from_iterable(nbytes)))
+                   list(segs(files)), list(segs(offsets)), list(segs(nbytes)))
 
     def to_wire(self, fidx: dict[str, int]) -> dict:
         """The columns in (tensor, chunk) order, as the reader looks records up; raises
