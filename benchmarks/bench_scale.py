@@ -63,9 +63,9 @@ from dcp_datastates.tiers import StorageTier  # noqa: E402
 from dcp_datastates.format.build import build_manifest  # noqa: E402
 from dcp_datastates.format.columnar import tail_offsets  # noqa: E402
 from dcp_datastates.format.listed import HeldRecord  # noqa: E402
-from dcp_datastates.format.ranked import OwnFile, PartRef  # noqa: E402
+from dcp_datastates.format.ranked import PartRef  # noqa: E402
 from dcp_datastates.format.names import part_file_name  # noqa: E402
-from dcp_datastates.format.records import PartRecord  # noqa: E402
+from dcp_datastates.format.records import PartRecord, RareRecord  # noqa: E402
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt  # noqa: E402
 from dcp_datastates.planner import RULES_KEY  # noqa: E402
 from dcp_datastates.writer import PART_INDEX, _index_for  # noqa: E402
@@ -250,8 +250,9 @@ def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int
         listed = [(ts[ti].fqn, tuple(o), tuple(z), None if ts[ti].shape else exts[(ti, tuple(o))])
                   for ti, o, z in rows_of[r]]
         results.append([WriteResult(index=PART_INDEX, size_in_bytes=ref.size,
-                                    storage_data=PartRecord(r, ref, {}, {}, listed, {}, held=held, own=tuple(
-                                        OwnFile(r, 0, size, f) for f, size in files.items())))])
+                                    storage_data=PartRecord.of(
+                                        r, SAVE_ID, ref, sum(files.values()), [(0, size, f) for f, size in files.items()],
+                                        list(held), RareRecord(explicit=listed)))])
     sdm = {t.fqn: TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), []) for t in ts}
     md = Metadata(state_dict_metadata=sdm, planner_data={RULES_KEY: table, **{t.fqn: t.fqn.split(".") for t in ts}})
     return md, results

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import uuid
+from itertools import compress, count
 from operator import attrgetter
 
 import torch
@@ -51,11 +52,11 @@ from .format.build import build_manifest
 from .format.columnar import tail_offsets
 from .format.index import ExplicitChunk, HeldColumns, IndexTensor, index_wire
 from .format.listed import HeldRecord
-from .format.ranked import GatheredFiles, OwnFile, PartRef, RankFileColumns
+from .format.ranked import GatheredFiles, PartRef
 from .format.manifest import Chunk, Manifest, encode_index, encode_part
 from .format.model import _Bad
 from .format.names import data_file_stripe, part_file_name, rank_manifest_name
-from .format.records import ItemRecord, PartRecord, RankRecord
+from .format.records import Gathered, ItemRecord, PartRecord, RankRecord, RareRecord
 from .format.rules import RuleTable
 from .planner import RULES_KEY, SMALL_ITEM_BYTES, Placed, lay_out, records_for
 from .session import SLOT_WAIT_S, SaveSlot, SaveSession, hold_step
@@ -532,11 +533,11 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     w._part_file = {name: len(body)}
     w.last_stats["part_bytes"] = len(body)
     stripes = {f: data_file_stripe(f, grank, w.save_id) for f in files}
-    own = tuple(OwnFile(grank, s, files[f], f) for f, s in stripes.items() if s is not None)
-    others = {f: size for f, size in files.items() if stripes[f] is None}
+    own = [(s, files[f], f) for f, s in stripes.items() if s is not None]
+    rare = RareRecord({f: size for f, size in files.items() if stripes[f] is None}, homes, explicit, values, usage[1])
     return WriteResult(index=PART_INDEX, size_in_bytes=len(body),
-                       storage_data=PartRecord(grank, ref, others, homes, explicit, values, usage,
-                                               dict(rank_rec.timings) if rank_rec else {}, held, own))
+                       storage_data=PartRecord.of(grank, w.save_id, ref, usage[0], own, held, rare,
+                                                  rank_rec.timings if rank_rec else None))
 
 
 def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: str, rules: RuleTable,
@@ -546,43 +547,32 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     tensors = [IndexTensor(fqn, dtype_name(md.properties.dtype), tuple(md.size), rules.rules.get(fqn))
                for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
     at = {t.fqn: i for i, t in enumerate(tensors)}
-    suffix = part_file_name(0, save_id)[len("part-r00000"):]
-    parts, own, held, rare, owned = [], [], [], [], 0
-    rows = []  # the rows of own files that held and inline records name: a few ranks'
-    for rr in results:  # once per rank (16,384 times at scale): rows gathered here, made columns below
-        for wr in rr:
-            rec = wr.storage_data
-            if not isinstance(rec, PartRecord):
-                raise CheckpointError("a rank wrote no metadata part although the save planner gave "
-                                      "sharding rules (are all ranks using DataStatesSavePlanner?)", checkpoint=path)
-            part = rec.part
-            if not part.name.endswith(suffix):  # the rank's own name for it: the index makes it from rank and save
-                raise CheckpointError(f"rank {rec.rank} wrote metadata part {part.name!r}, not this save's",
-                                      checkpoint=path)
-            parts.append(part)
-            owned += rec.usage[0]
-            if rec.held or rec.explicit:
-                rows += range(len(own), len(own) + len(rec.own))
-            own += rec.own
-            if rec.held:
-                held += rec.held
-            if rec.files or rec.homes or rec.values or rec.explicit or rec.usage[1]:  # most ranks: none
-                rare.append(rec)
-    ranked, held = RankFileColumns.of(own, parts), HeldColumns.of(held, at)
-    named, homes, values, explicit, shared, seen = {}, {}, {}, [], {}, set()
-    for rec in rare:
-        for home, n in rec.usage[1].items():
+    records = [wr.storage_data for rr in results for wr in rr]  # one per rank
+    if not all(map(PartRecord.__instancecheck__, records)):
+        raise CheckpointError("a rank wrote no metadata part although the save planner gave "
+                              "sharding rules (are all ranks using DataStatesSavePlanner?)", checkpoint=path)
+    try:  # every rank's packed rows at once (16,384 at scale); the few ranks with more, one by one
+        g = Gathered.of(records, save_id)
+    except _Bad as e:
+        raise CheckpointError(f"the ranks' records do not make an index: {e}", checkpoint=path) from None
+    which = list(compress(count(), map(attrgetter("rare"), records)))  # the few ranks with more
+    rare = [records[i].rare for i in which]
+    named, homes, values, explicit, shared, seen, named_held = {}, {}, {}, [], {}, set(), []
+    for i, rec in zip(which, rare):
+        rank = records[i].rank
+        for home, n in rec.shared.items():
             shared[home] = shared.get(home, 0) + n
         named.update(rec.files)  # files not named by rank (another save's), by name
         homes.update(rec.homes)
         values.update(rec.values)
+        named_held += rec.held
         for fqn, offs, sizes, ext in rec.explicit:
             if (fqn, offs) not in seen:  # a replicated item written by several ranks: keep one
                 seen.add((fqn, offs))
-                explicit.append(ExplicitChunk(at[fqn], offs, sizes, rec.rank,
+                explicit.append(ExplicitChunk(at[fqn], offs, sizes, rank,
                                               None if ext is None else Chunk(offs, sizes, ext)))
-    files = GatheredFiles(named, ranked)
-    ranks = list(map(attrgetter("rank"), parts))
+    files = GatheredFiles(named, g.files)
+    ranks = g.ranks.tolist()
     ranks.sort()  # DCP gathers by rank: already in order, so the sort is cheap
     world = max(dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
                 ranks[-1] + 1 if ranks else 1)
@@ -590,7 +580,9 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                  tensors={}, values=values, planner_data=_planner_data(metadata), homes=homes, version=4,
                  created_unix=time.time(), torch_version=torch.__version__, writer=f"dcp-datastates {__version__}")
     try:
-        wire = index_wire(list(rules.meshes), tensors, explicit, files, ranked, (owned, shared), held, rows)
+        fidx = files.positions_near(g.rows_of(which))  # the rows of the ranks with inline or named records
+        held = HeldColumns.join(g.held(at, len(named)), HeldColumns.of(named_held, at, fidx))
+        wire = index_wire(list(rules.meshes), tensors, explicit, files, g.files, (g.owned, shared), held, fidx)
     except _Bad as e:
         raise CheckpointError(f"the ranks' records do not make an index: {e}", checkpoint=path) from None
     return m, encode_index(m, wire)

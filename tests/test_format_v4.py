@@ -7,6 +7,7 @@ import random
 import shutil
 import struct
 import zlib
+from functools import partial
 
 import msgpack
 import xxhash
@@ -32,8 +33,8 @@ from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.model import Extent, Seg, _Bad
 from dcp_datastates.format.names import data_file_name, part_file_name
 from dcp_datastates.format.paths import paths_from_wire, paths_wire
-from dcp_datastates.format.ranked import FileMap, GatheredFiles, OwnFile, PartRef, RankFileColumns, RankFiles, open_tail, seal_tail
-from dcp_datastates.format.records import PartRecord
+from dcp_datastates.format.ranked import FileMap, GatheredFiles, PartRef, RankFileColumns, RankFiles, open_tail, seal_tail
+from dcp_datastates.format.records import Gathered, PartRecord, RareRecord
 from dcp_datastates.planner import plan_reads
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt
 from dcp_datastates.tiers import StorageTier
@@ -367,26 +368,73 @@ def test_held_records_are_sorted_and_each_box_once():
     ext = lambda *segs: Extent(list(segs), sum(g.nbytes for g in segs), Digests(bytes(16)))  # noqa: E731
     rank0 = (HeldRecord.of("b", 0, ext(seg(0, 8)), 0),)  # two ranks' records, gathered as the coordinator does
     rank1 = (HeldRecord.of("a", 2, ext(seg(8, 4096), seg(4104, 8)), 32), HeldRecord.of("a", 1, ext(seg(5000, 8)), 16))
-    w = HeldColumns.of([*rank0, *rank1], {"a": 0, "b": 1}).to_wire({"f": 0})
+    w = HeldColumns.of([*rank0, *rank1], {"a": 0, "b": 1}, {"f": 0}).to_wire()
     col = lambda k: np.frombuffer(w[k], "<i8").tolist()  # noqa: E731
     assert (col("tensor"), col("chunk"), col("nsegs"), col("tail_at")) == ([0, 0, 1], [1, 2, 0], [1, 2, 1], [16, 32, 0])
     assert col("seg_offset") == [5000, 8, 4104, 0] and col("seg_nbytes") == [8, 4096, 8, 8]
     again = HeldRecord.of("a", 1, ext(seg(0, 8)), 0)
     with pytest.raises(_Bad, match="two ranks"):
-        HeldColumns.of([*rank0, *rank1, again], {"a": 0, "b": 1}).to_wire({"f": 0})
+        HeldColumns.of([*rank0, *rank1, again], {"a": 0, "b": 1}, {"f": 0}).to_wire()
+
+
+def test_packed_records_gather_as_named_ones():
+    """The coordinator reads every rank's packed rows at once: own files and parts become the
+    rank-file columns, held records in own files their columns, the same as the records made
+    by name; a record in another save's file travels by name.  Rows that do not add up, a
+    segment in a file its rank did not write, or a part of another save are refused."""
+    sid, other = "0123456789ab", "ba9876543210"
+    old = data_file_name(1, other, 0)  # an earlier save's file, which an incremental save refers to
+    seg = lambda f, off, n: Seg(f, off, n)  # noqa: E731
+    ext = lambda *segs: Extent(list(segs), sum(g.nbytes for g in segs), Digests(bytes(16)))  # noqa: E731
+    d = partial(data_file_name, save_id=sid)
+    ranks = {  # rank: own files (stripe, size), held records
+        5: ([(0, 900), (1, 40)], [HeldRecord.of("a", 3, ext(seg(d(5, stripe=1), 0, 8)), 0),
+                                  HeldRecord.of("b", 0, ext(seg(d(5, stripe=0), 8, 4096), seg(d(5, stripe=1), 8, 8)), 32)]),
+        2: ([(0, 500)], []),
+        7: ([(0, 64)], [HeldRecord.of("a", 1, ext(seg(old, 64, 8)), 16), HeldRecord.of("a", 0, ext(seg(d(7, stripe=0), 0, 8)), 0)]),
+    }
+    recs = []
+    for r, (own, held) in ranks.items():
+        ref = PartRef(r, part_file_name(r, sid), 1000 + r, 100 + r)
+        rare = RareRecord(files={old: 72} if r == 7 else {})
+        recs.append(PartRecord.of(r, sid, ref, sum(z for _, z in own), [(s, z, d(r, stripe=s)) for s, z in own], held, rare))
+    assert [rec.rare is None for rec in recs] == [True, True, False] and recs[2].held_keys == ("a",)
+    g = Gathered.of(recs, sid)
+    assert g.ranks.tolist() == [5, 2, 7] and g.owned == 1504 and g.rows_of([2, 0]) == [3, 0, 1]
+    files = GatheredFiles({old: 72}, g.files)
+    want = [old, d(5, stripe=0), d(5, stripe=1), d(2, stripe=0), d(7, stripe=0)] + [part_file_name(r, sid) for r in (5, 2, 7)]
+    assert list(files) == want and list(files.values()) == [72, 900, 40, 500, 64, 1005, 1002, 1007]
+    assert g.files.part_head.tolist() == [105, 102, 107]
+    at, fidx = {"a": 0, "b": 1}, files.positions()
+    got = HeldColumns.join(g.held(at, 1), HeldColumns.of(list(recs[2].rare.held), at, fidx)).to_wire()
+    assert got == HeldColumns.of([h for _, held in ranks.values() for h in held], at, fidx).to_wire()
+    assert np.frombuffer(got["seg_file"], "<i8").tolist() == [4, 0, 2, 1, 2]  # a0, a1, a3, b0 (two segments)
+    with pytest.raises(_Bad, match="not this save's"):
+        Gathered.of(recs, other)
+    bad = PartRecord(5, recs[0].rows[:-8], recs[0].held_keys)
+    with pytest.raises(_Bad, match="does not add up"):
+        Gathered.of([bad], sid)
+    rows = np.frombuffer(recs[0].rows, "<i8").copy()
+    rows[-3] = 2  # rank 5's last segment in its third own file, which it has not
+    with pytest.raises(_Bad, match="did not write"):
+        Gathered.of([PartRecord(5, rows.tobytes(), recs[0].held_keys)], sid)
+    with pytest.raises(_Bad, match="keys do not add up"):
+        Gathered.of([PartRecord(5, recs[0].rows, ("a",))], sid)
+    with pytest.raises(_Bad, match="which the save has not"):
+        g.held({"a": 0}, 1)
 
 
 def test_file_map_names_rank_files_only_when_asked():
     """An index's files by name: rank files found by reading the name (one spelling only, this
     save only), named files as given; walking it gives every name and size in order."""
     sid, other = "0123456789ab", "ba9876543210"
-    own = [OwnFile(r, 0, 100 + r, data_file_name(r, sid, 0)) for r in (3, 0, 7)] + [
-        OwnFile(7, 2, 50, data_file_name(7, sid, 2))]
-    cols = RankFileColumns.of(own, [PartRef(r, part_file_name(r, sid), 4000 + r, 100) for r in (0, 3, 7)])
+    col = partial(np.array, dtype=np.int64)  # own files of ranks 3, 0, 7 (two), then parts of 0, 3, 7
+    cols = RankFileColumns(sid, col([3, 0, 7, 7]), col([0, 0, 0, 2]), col([103, 100, 107, 50]),
+                           col([0, 3, 7]), col([4000, 4003, 4007]), col([100, 100, 100]))
     ranked = RankFiles(cols.to_wire()["rank_files"], 8, sid)
     old = data_file_name(1, other, 0)  # an earlier save's file, which an incremental save refers to
     files = FileMap({old: 9}, ranked)
-    want = {old: 9, **dict(zip(cols.file_names(), cols.size + [p.size for p in cols.parts]))}
+    want = {old: 9, **dict(zip(cols.file_names(), cols.file_sizes()))}
     assert dict(files.items()) == want and list(files) == list(want) and len(files) == 8 and files == want
     assert files[data_file_name(7, sid, 2)] == 50 and files[part_file_name(3, sid)] == 4003 and files[old] == 9
     for absent in (data_file_name(7, sid, 1), data_file_name(7, other, 0), part_file_name(5, sid),
@@ -414,7 +462,8 @@ def test_coordinator_refuses_a_part_of_another_save():
     """A rank's part record naming another save's part (a rank left over from an earlier save)
     fails the commit: the index would name this save's part of that rank, which is not there."""
     ref = PartRef(0, part_file_name(0, "aaaaaaaaaaaa"), 100, 50)
-    results = [[WriteResult(index=PART_INDEX, size_in_bytes=100, storage_data=PartRecord(0, ref, {}, {}, [], {}))]]
+    rec = PartRecord.of(0, "aaaaaaaaaaaa", ref, 0, [], [], RareRecord())
+    results = [[WriteResult(index=PART_INDEX, size_in_bytes=100, storage_data=rec)]]
     with pytest.raises(CheckpointError, match="not this save's"):
         _index_for(Metadata(state_dict_metadata={}), results, "bbbbbbbbbbbb", RuleTable.of([], {}), "/ck")
     _index_for(Metadata(state_dict_metadata={}), results, "aaaaaaaaaaaa", RuleTable.of([], {}), "/ck")

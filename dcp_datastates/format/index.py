@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,11 +65,11 @@ class ExplicitChunk:
 
 def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
                files: GatheredFiles, ranked: RankFileColumns, usage: tuple[int, dict[str, int]],
-               held: HeldColumns | None = None, rows: Iterable[int] | None = None) -> dict:
+               held: HeldColumns | None = None, fidx: dict[str, int] | None = None) -> dict:
     """The version 4 fields of the manifest body: ``files.named`` those not named by rank
-    (listed first), ``ranked`` each rank's own data files and part (``ranked.py``); ``rows``:
-    the rank files the held and inline records name (None: any)."""
-    fidx = files.positions() if rows is None else files.positions_near(rows)
+    (listed first), ``ranked`` each rank's own data files and part (``ranked.py``); ``fidx``:
+    the places of the files the inline records name (None: ``files.positions()``)."""
+    fidx = files.positions() if fidx is None else fidx
     inline: dict[str, TensorEntry] = {}
     for c in explicit:
         if c.record is not None:
@@ -88,7 +87,7 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
                      "owner": int_bytes([c.owner for c in explicit]),
                      "offsets": int_bytes([x for c in explicit for x in c.offsets]),
                      "sizes": int_bytes([x for c in explicit for x in c.sizes])},
-        "held": (held or HeldColumns()).to_wire(fidx),
+        "held": (held or HeldColumns()).to_wire(),
     }
 
 

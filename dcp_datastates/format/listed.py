@@ -11,7 +11,6 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
-from operator import itemgetter
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -25,6 +24,7 @@ from .ranked import MAX_PART_BYTES, PartTable
 _I8 = np.dtype("<i8")
 _BULK = 1 << 17  # listed chunks converted to Python lists at once (see Listed._lists)
 MAX_DIM = 1 << 48
+_NONE = np.zeros(0, dtype=_I8)
 INLINE = -1  # the owner of a chunk whose record is in the index's "inline" table
 
 
@@ -50,50 +50,52 @@ class HeldRecord(NamedTuple):
 @dataclass(slots=True)
 class HeldColumns:
     """Records of replicated boxes, which the index holds (a rank loading one reads no part),
-    as columns: the tensor, the box's chunk number, where its digests start in the writer's
-    part tail, and the extent's segments."""
-    tensor: list[int] = field(default_factory=list)
-    chunk: list[int] = field(default_factory=list)
-    tail_at: list[int] = field(default_factory=list)
-    nsegs: list[int] = field(default_factory=list)
-    seg_file: list[str] = field(default_factory=list)
-    seg_offset: list[int] = field(default_factory=list)
-    seg_nbytes: list[int] = field(default_factory=list)
+    as int64 columns: per record the tensor, the box's chunk number, where its digests start in
+    the writer's part tail and its number of segments; per segment its file's place in the
+    index's file list, its offset and its length (segments in the order of their records)."""
+    tensor: np.ndarray = field(default_factory=lambda: _NONE)
+    chunk: np.ndarray = field(default_factory=lambda: _NONE)
+    tail_at: np.ndarray = field(default_factory=lambda: _NONE)
+    nsegs: np.ndarray = field(default_factory=lambda: _NONE)
+    seg_file: np.ndarray = field(default_factory=lambda: _NONE)
+    seg_offset: np.ndarray = field(default_factory=lambda: _NONE)
+    seg_nbytes: np.ndarray = field(default_factory=lambda: _NONE)
 
     @classmethod
-    def of(cls, records: list[HeldRecord], at: dict[str, int]) -> "HeldColumns":
-        """Every rank's records, with ``at`` giving each key's tensor number: transposed at once."""
+    def of(cls, records: list[HeldRecord], at: dict[str, int], fidx: dict[str, int]) -> "HeldColumns":
+        """Records that name their files (``at``: each key's tensor number, ``fidx``: each
+        file's place), transposed at once."""
         if not records:
             return cls()
         key, chunk, tail_at, files, offsets, nbytes = zip(*records)
         nsegs = list(map(len, files))
-        if nsegs.count(1) == len(nsegs):  # one segment each (most records): each record's first
-            segs = partial(map, itemgetter(0))
-        else:
-            segs = chain.from_iterable
-        return cls(list(map(at.__getitem__, key)), list(chunk), list(tail_at), nsegs,
-                   list(segs(files)), list(segs(offsets)), list(segs(nbytes)))
+        segs = chain.from_iterable
+        col = partial(np.asarray, dtype=_I8)
+        return cls(col(list(map(at.__getitem__, key))), col(chunk), col(tail_at), col(nsegs),
+                   col(list(map(fidx.__getitem__, segs(files)))), col(list(segs(offsets))), col(list(segs(nbytes))))
 
-    def to_wire(self, fidx: dict[str, int]) -> dict:
+    @classmethod
+    def join(cls, *parts: "HeldColumns") -> "HeldColumns":
+        """The records of ``parts``, one after the other."""
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__slots__))
+
+    def to_wire(self) -> dict:
         """The columns in (tensor, chunk) order, as the reader looks records up; raises
         ``_Bad`` where two ranks sent the same box (the save must not commit)."""
-        tensor, chunk = np.asarray(self.tensor, dtype=_I8), np.asarray(self.chunk, dtype=_I8)
+        tensor, chunk, nsegs = self.tensor, self.chunk, self.nsegs
         order = np.lexsort((chunk, tensor))
         if len(order) > 1 and not np.all(np.diff(tensor[order] * (1 << 24) + chunk[order]) > 0):
             raise _Bad("two ranks sent the record of one replicated box")
-        nsegs = np.asarray(self.nsegs, dtype=_I8)
         first = _starts(nsegs)
         if len(order) and int(nsegs.max()) > 1:  # each record's segments, records in order
             k = nsegs[order]
             segs = np.repeat(first[order] - _starts(k), k) + np.arange(int(k.sum()), dtype=_I8)
         else:
             segs = first[order]
-        sfile = np.fromiter(map(fidx.__getitem__, self.seg_file), dtype=_I8, count=len(self.seg_file))
         return {"tensor": tensor[order].tobytes(), "chunk": chunk[order].tobytes(),
-                "tail_at": np.asarray(self.tail_at, dtype=_I8)[order].tobytes(), "nsegs": nsegs[order].tobytes(),
-                "seg_file": sfile[segs].tobytes(),
-                "seg_offset": np.asarray(self.seg_offset, dtype=_I8)[segs].tobytes(),
-                "seg_nbytes": np.asarray(self.seg_nbytes, dtype=_I8)[segs].tobytes()}
+                "tail_at": self.tail_at[order].tobytes(), "nsegs": nsegs[order].tobytes(),
+                "seg_file": self.seg_file[segs].tobytes(), "seg_offset": self.seg_offset[segs].tobytes(),
+                "seg_nbytes": self.seg_nbytes[segs].tobytes()}
 
 
 class Listed:

@@ -14,8 +14,8 @@ of the block digests before it.  Columns are validated in bulk; a name is made o
 save id that is a plain hex id, so a crafted index cannot name a file outside the checkpoint.
 A decoded index makes a name only when asked for (``FileMap``, ``FileList``: a rank uses a few
 of the 32,768) and finds a name by reading it; a part's ``PartRef`` is made when first asked
-for.  On the way in, a rank sends its own files as ``OwnFile`` rows, which the coordinator
-turns into the columns (``RankFileColumns.of``).
+for.  On the way in, each rank's own files and part arrive packed in its ``PartRecord``
+(``records.py``), which the coordinator turns into the columns (``RankFileColumns``) at once.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
-from .columnar import MAX_FILE_BYTES, FileList, int_bytes, int_column
+from .columnar import MAX_FILE_BYTES, FileList, int_column
 from .model import _Bad
 from .names import SAVE_ID, rank_file_name, rank_file_names, rank_file_of
 
@@ -80,48 +79,43 @@ def open_tail(data: bytes, save_id: str, rank: int) -> bytes:
     return digests
 
 
-class OwnFile(NamedTuple):
-    """One of a rank's own data files of this save (``PartRecord.own``): its name follows from
-    rank, stripe and save id, so the index stores only its size."""
-    rank: int
-    stripe: int
-    size: int
-    name: str
-
-
 @dataclass(slots=True)
 class RankFileColumns:
     """What the coordinator gathers for the index: each rank's own data files of this save
-    (rank, stripe, size) and its part; ``names`` in the order of the rows, parts last."""
-    rank: list[int] = field(default_factory=list)
-    stripe: list[int] = field(default_factory=list)
-    size: list[int] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    parts: list[PartRef] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, own: list[OwnFile], parts: list[PartRef]) -> "RankFileColumns":
-        """Every rank's own files and its part: the rows transposed at once."""
-        if not own:
-            return cls(parts=parts)
-        rank, stripe, size, names = zip(*own)
-        return cls(list(rank), list(stripe), list(size), list(names), parts)
+    (rank, stripe, size: rows in the order the ranks were gathered) and each rank's part (rank,
+    size, head); names are made from rank, stripe and ``save_id`` when asked for."""
+    save_id: str
+    rank: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
+    stripe: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
+    size: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
+    part_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
+    part_size: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
+    part_head: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
 
     def to_wire(self) -> dict:
-        ps = self.parts
-        rank = np.asarray(self.rank + [p.rank for p in ps], dtype=_I8)
-        return {"rank_files": {"rank": int_bytes(np.diff(rank, prepend=0)),  # steps: they pack to little
-                               "stripe": int_bytes(self.stripe + [PART] * len(ps)),
-                               "size": int_bytes(self.size + [p.size for p in ps])},
-                "parts": {"head": int_bytes([p.head for p in ps])}}
+        rank = np.concatenate([self.rank, self.part_rank])
+        return {"rank_files": {"rank": np.diff(rank, prepend=0).tobytes(),  # steps: they pack to little
+                               "stripe": np.concatenate([self.stripe, np.full(len(self.part_rank), PART, _I8)]).tobytes(),
+                               "size": np.concatenate([self.size, self.part_size]).tobytes()},
+                "parts": {"head": self.part_head.tobytes()}}
+
+    def name(self, row: int) -> str:
+        """The name of own file ``row``."""
+        return rank_file_name(int(self.rank[row]), int(self.stripe[row]), self.save_id)
 
     def file_names(self) -> list[str]:
         """The rows' names in wire order."""
-        return self.names + [p.name for p in self.parts]
+        return rank_file_names(self.rank.tolist() + self.part_rank.tolist(),
+                               self.stripe.tolist() + [PART] * len(self.part_rank), self.save_id)
 
     def file_sizes(self) -> list[int]:
         """The rows' sizes in wire order."""
-        return self.size + [p.size for p in self.parts]
+        return self.size.tolist() + self.part_size.tolist()
+
+    def size_of(self, row: int) -> int:
+        """The size of the file in row ``row`` of the wire order."""
+        own = len(self.size)
+        return int(self.size[row]) if row < own else int(self.part_size[row - own])
 
 
 class _NamedThenRanked(Mapping):
@@ -186,14 +180,11 @@ class GatheredFiles(_NamedThenRanked):
         return self._ranked.file_sizes()
 
     def _rank_count(self) -> int:
-        return len(self._ranked.size) + len(self._ranked.parts)
+        return len(self._ranked.size) + len(self._ranked.part_size)
 
     def _rank_size(self, name: str) -> int | None:
         at = self.positions().get(name)
-        if at is None:
-            return None
-        row, own = at - len(self.named), self._ranked.size
-        return own[row] if row < len(own) else self._ranked.parts[row - len(own)].size
+        return None if at is None else self._ranked.size_of(at - len(self.named))
 
     def positions(self) -> dict[str, int]:
         """Each file's place in the index's file order, by name."""
@@ -207,8 +198,8 @@ class GatheredFiles(_NamedThenRanked):
         every name; a name outside them is looked up in ``positions()`` when asked."""
         near = _Positions(self)
         near.update(zip(self.named, range(len(self.named))))
-        names, first = self._ranked.names, len(self.named)
-        near.update((names[r], first + r) for r in rows)
+        name, first = self._ranked.name, len(self.named)
+        near.update((name(r), first + r) for r in rows)
         return near
 
 
