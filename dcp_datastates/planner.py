@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import ChainMap
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,11 @@ import xxhash
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan, SavePlanner,
-                                                  WriteItem, WriteItemType)
+                                                  TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -94,10 +97,13 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         return plan
 
     def create_local_plan(self) -> SavePlan:
-        """DCP's local plan.  With rules: the rank's table rides in ``planner_data`` and
-        replicated boxes it does not write are gone."""
+        """DCP's local plan (``_plain_plan``'s where the state is plain tensors and values).
+        With rules: the rank's table rides in ``planner_data`` and replicated boxes it does not
+        write are gone."""
         with paused_gc():  # a few write items per tensor, none cyclic (format/model.py)
-            plan = super().create_local_plan()
+            plan = _plain_plan(self)
+            if plan is None:
+                plan = super().create_local_plan()
         self.rules = None
         if self.sharding_rules and _world() > 1 and isinstance(self.state_dict, dict):
             self.rules, items = _rules(self.state_dict, plan.items if plan.usable else self.plan.items)
@@ -122,6 +128,17 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         large = dedup_save_plans(large, self.dedup_save_to_lowest_rank)
         return [dataclasses.replace(p, items=a.items + b.items) for p, a, b in zip(all_plans, large, small)]
 
+    def _create_global_plan(self, all_plans: list[SavePlan]):
+        """DCP's global plan and metadata (``_whole_plans``' where every tensor is written whole
+        by one item, which needs no check of bounds or overlaps)."""
+        out = _whole_plans(self._dedup_save_plans(all_plans))
+        if out is None:
+            return super()._create_global_plan(all_plans)
+        plans, md = out
+        if self.flatten_state_dict:
+            md.planner_data = dict(ChainMap(*[p.planner_data for p in plans]))
+        return plans, md
+
     def create_global_plan(self, all_plans: list[SavePlan]):
         """DCP's global plan; the ranks' rule tables merged into the global metadata's
         ``planner_data`` (where the writer's ``finish`` finds them)."""
@@ -143,6 +160,81 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             if key is not None:
                 self._rank_tables[key] = tables
         return out, md
+
+
+# TensorProperties' fields, where they are what a tensor's dtype, layout, grad and pinning give
+# (torch 2.11 to 2.14; 2.15 adds strides): one object serves every tensor alike
+_PROPERTIES_BY_KIND = {f.name for f in dataclasses.fields(TensorProperties)} == {
+    "dtype", "layout", "requires_grad", "memory_format", "pin_memory"}
+
+
+def _plain_plan(planner: DefaultSavePlanner) -> SavePlan | None:
+    """DCP's local plan of a flat state whose values are plain tensors (``torch.Tensor``,
+    ``Parameter``) and values DCP saves as bytes, made directly (DCP's makes five records and a
+    ``torch.Size`` per tensor through generic helpers: 0.09 s of a 20,000-tensor save), with each
+    item's index hint set as DCP's global plan sets it.  None where DCP's own is needed: plan
+    caching, a state not a dict, DTensors, sharded or subclassed tensors, objects that make
+    their own write items."""
+    state = planner.state_dict
+    if getattr(planner, "_enable_plan_caching", False) or type(state) is not dict:
+        return None
+    items: list[WriteItem] = []
+    zeros: dict[int, torch.Size] = {}
+    kinds: dict[tuple, TensorProperties] = {}
+    tensor, byte_io = WriteItemType.TENSOR, WriteItemType.BYTE_IO
+    for fqn, obj in state.items():
+        t = type(obj)
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            size = obj.size()
+            off = zeros.get(len(size))
+            if off is None:
+                off = zeros[len(size)] = torch.Size([0] * len(size))
+            if _PROPERTIES_BY_KIND:
+                kind = (obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned())
+                props = kinds.get(kind)
+                if props is None:
+                    props = kinds[kind] = TensorProperties.create_from_tensor(obj)
+            else:
+                props = TensorProperties.create_from_tensor(obj)
+            items.append(WriteItem(index=MetadataIndex(fqn, off, 0), type=tensor, tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=off, sizes=size), properties=props, size=size)))
+        elif isinstance(obj, (torch.Tensor, ShardedTensor)) or hasattr(obj, "__create_write_items__"):
+            return None
+        else:
+            items.append(WriteItem(index=MetadataIndex(fqn), type=byte_io))
+    plan = SavePlan(items, planner_data=planner.mappings) if planner.flatten_state_dict else SavePlan(items)
+    planner.plan = plan
+    return plan
+
+
+def _whole_plans(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata] | None:
+    """DCP's global plan and metadata of deduplicated plans in which every tensor is written
+    whole by one item, made directly: items already hinted (``_plain_plan``'s) are kept, others
+    hinted as DCP does.  One chunk that is its whole tensor is inside it and overlaps nothing,
+    so DCP's checks of the plan have nothing to find.  None for any other plan."""
+    md: dict = {}
+    out = []
+    tensor, byte_io = WriteItemType.TENSOR, WriteItemType.BYTE_IO
+    for plan in plans:
+        items = plan.items
+        for k, item in enumerate(items):
+            fqn = item.index.fqn
+            if fqn in md:
+                return None
+            if item.type == byte_io:
+                md[fqn] = BytesStorageMetadata()
+                continue
+            td = item.tensor_data
+            if item.type != tensor or td is None or td.chunk is None or td.chunk.sizes != td.size \
+                    or any(td.chunk.offsets):
+                return None
+            md[fqn] = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[td.chunk])
+            if item.index.index != 0:
+                if items is plan.items:
+                    items = list(items)
+                items[k] = dataclasses.replace(item, index=dataclasses.replace(item.index, index=0))
+        out.append(plan if items is plan.items else dataclasses.replace(plan, items=items))
+    return out, Metadata(md)
 
 
 SMALL_ITEM_BYTES = 64 << 10

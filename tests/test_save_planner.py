@@ -8,6 +8,8 @@ import collections
 import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_datastates import DataStatesSavePlanner
 
@@ -80,3 +82,52 @@ def test_set_up_without_flattening_keeps_the_state():
     ours = _set_up(DataStatesSavePlanner(flatten_state_dict=False), state)
     dcps = _set_up(DefaultSavePlanner(flatten_state_dict=False), state)
     assert ours.state_dict == dcps.state_dict and ours.mappings == dcps.mappings == {}
+
+
+def _hints(plans):
+    return [[(i.index.fqn, i.index.index) for i in p.items] for p in plans]
+
+
+def _global(planner, plans):
+    out, md = planner.create_global_plan(plans)
+    return out, md, _hints(out)
+
+
+@pytest.mark.parametrize("name", sorted(STATES))
+@pytest.mark.parametrize("caching", [False, True])
+def test_plans_are_dcps(name, caching):
+    """The local plan made directly, and the global plan and metadata of whole tensors, are
+    what DCP's planner makes: items, index hints, metadata and paths (with DCP's plan cache
+    on, DCP's own way)."""
+    state = STATES[name]()
+    ours = _set_up(DataStatesSavePlanner(enable_plan_caching=caching), state)
+    dcps = _set_up(DefaultSavePlanner(enable_plan_caching=caching), state)
+    local = ours.create_local_plan()
+    assert local == dcps.create_local_plan() and ours.plan == dcps.plan
+    assert _global(ours, [local]) == _global(dcps, [dcps.plan])
+
+
+def _plan_of(state):
+    return _set_up(DefaultSavePlanner(), state).create_local_plan()
+
+
+def test_global_plan_of_several_ranks_is_dcps():
+    """Ranks' plans: a plain tensor every rank holds (deduplicated), one only a rank holds,
+    a hint DCP has not set; then a tensor in two chunks (DCP's way, which checks them), and two
+    overlapping chunks, which DCP refuses and so must we.  (Without sharding rules, whose
+    dedup gives small items to the lowest rank instead.)"""
+    whole = [_plan_of({"shared": _t(4), "r0": _t(2), "v": 1}), _plan_of({"shared": _t(4), "r1": _t(3)})]
+    ours, dcps = DataStatesSavePlanner(sharding_rules=False), DefaultSavePlanner()
+    for p in (ours, dcps):
+        _set_up(p, {})
+    assert _global(ours, whole) == _global(dcps, whole)
+    assert _hints(_global(ours, whole)[0]) == [[("shared", 0), ("r0", 0), ("v", None)], [("r1", 0)]]
+    row = lambda off, n: WriteItem(index=MetadataIndex("w", torch.Size([off])), type=WriteItemType.SHARD,  # noqa: E731
+                                   tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size([off]), torch.Size([n])),
+                                                               TensorProperties(torch.float32), torch.Size([4])))
+    split = [SavePlan([row(0, 2)], planner_data={}), SavePlan([row(2, 2)], planner_data={})]
+    got = _global(ours, split)
+    assert got == _global(dcps, split) and got[2] == [[("w", 0)], [("w", 1)]]
+    for p in (ours, dcps):
+        with pytest.raises(ValueError, match="overlapping"):
+            p.create_global_plan([SavePlan([row(0, 3)], planner_data={}), SavePlan([row(2, 2)], planner_data={})])
