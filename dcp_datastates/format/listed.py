@@ -29,10 +29,11 @@ INLINE = -1  # the owner of a chunk whose record is in the index's "inline" tabl
 
 
 class HeldRecord(NamedTuple):
-    """The record of one replicated box a rank wrote (``PartRecord.held``): the tensor's key,
-    the box's chunk number under the tensor's rule (which gives the box and its writer), where
-    its block digests start in the writer's part tail, and its segments as three parallel
-    tuples.  Plain tuples, so that the coordinator turns every rank's into columns at once."""
+    """The record of one replicated box a rank wrote: the tensor's key, the box's chunk number
+    under the tensor's rule (which gives the box and its writer), where its block digests start
+    in the writer's part tail, and its segments as three parallel tuples.  ``PartRecord.of``
+    packs those whose segments lie in the rank's own files into its rows; the others travel
+    as they are (``RareRecord.held``)."""
     key: str
     chunk: int
     tail_at: int
