@@ -105,6 +105,19 @@ def test_rules_save_once_and_reshard(ruled):
     run_ranks(2, workers.rules_load, ours, False)
 
 
+def test_a_held_record_in_an_earlier_saves_file(tmp_path):
+    """An incremental save whose replicated box is unchanged: the box's record travels by name
+    (``RareRecord.held``), and the index's record names the earlier save's file; both saves
+    load on both ranks."""
+    run_ranks(2, workers.held_incremental, str(tmp_path))
+    first, second = (load_manifest(StorageTier(str(tmp_path / f"step-{i}"))) for i in range(2))
+    rep = [next(i for i, t in enumerate(m.index.tensors) if t.fqn == "rep") for m in (first, second)]
+    assert all(m.index.held.has(i) for m, i in zip((first, second), rep))
+    files = [{g.file for c in m.tensors["rep"].chunks for g in c.extent.segs} for m in (first, second)]
+    assert files[0] and files[1] == files[0] and all(first.save_id in f for f in files[1])
+    assert {g.file for c in second.tensors["row"].chunks for g in c.extent.segs}.isdisjoint(files[0])
+
+
 def test_a_box_that_is_one_listed_chunk_is_found_directly(ruled):
     """A rank whose box is exactly one listed chunk (a same-size restart of a tensor without a
     rule) gets that chunk alone, as the sweep over every chunk finds it; other boxes are swept."""

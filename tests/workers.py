@@ -529,6 +529,27 @@ def rules_save(rank, world, ours_dir):
     dcp.save(sd, storage_writer=DataStatesWriter(ours_dir), planner=DataStatesSavePlanner())
 
 
+def held_incremental(rank, world, base):
+    """Two saves of a replicated DTensor (its box written by one replica, its record in the
+    index) and a sharded one; the second incremental on the first, with the replicated tensor
+    unchanged: its record then names the first save's file.  Both load on every rank."""
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(3)
+    rep = distribute_tensor(torch.randn(1 << 20, generator=g), mesh, [Replicate()])  # 4 MiB: one dedup unit
+    for step in range(2):
+        row = distribute_tensor(torch.full((8, 4), float(step)), mesh, [Shard(0)])
+        w = DataStatesWriter(os.path.join(base, f"step-{step}"), dedup_unit_bytes=1 << 20,
+                             incremental_base=os.path.join(base, "step-0") if step else None)
+        dcp.save({"rep": rep, "row": row}, storage_writer=w, planner=DataStatesSavePlanner())
+    for step in range(2):
+        out = {"rep": distribute_tensor(torch.zeros(1 << 20), mesh, [Replicate()]),
+               "row": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])}
+        dcp.load(out, storage_reader=DataStatesReader(os.path.join(base, f"step-{step}")),
+                 planner=DataStatesLoadPlanner())
+        assert torch.equal(out["rep"].full_tensor(), rep.full_tensor()), (rank, step)
+        assert bool(torch.all(out["row"].full_tensor() == step)), (rank, step)
+
+
 def rules_load(rank, world, ours_dir, planner):
     full = _rules_full()
     mesh = init_device_mesh("cpu", (world,))

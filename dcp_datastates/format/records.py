@@ -11,7 +11,7 @@ objects per rank was most of its commit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from operator import attrgetter
 
@@ -98,7 +98,7 @@ class PartRecord:
         ``held``: its replicated boxes' records, packed where every segment lies in an own file."""
         place = {name: j for j, (_, _, name) in enumerate(own)}
         packed = [h for h in held if all(f in place for f in h.files)]
-        rare.held = tuple(h for h in held if not all(f in place for f in h.files))
+        rare = replace(rare, held=tuple(h for h in held if not all(f in place for f in h.files)))
         head = [rank, int(save_id, 16), part.size, part.head, owned, len(own), len(packed),
                 sum(len(h.files) for h in packed)]
         segs = [(place[f], o, n) for h in packed for f, o, n in zip(h.files, h.offsets, h.nbytes)]
