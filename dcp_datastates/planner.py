@@ -129,9 +129,11 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         return [dataclasses.replace(p, items=a.items + b.items) for p, a, b in zip(all_plans, large, small)]
 
     def _create_global_plan(self, all_plans: list[SavePlan]):
-        """DCP's global plan and metadata (``_whole_plans``' where every tensor is written whole
-        by one item, which needs no check of bounds or overlaps)."""
-        out = _whole_plans(self._dedup_save_plans(all_plans))
+        """DCP's global plan and metadata (``_whole_plans``' where every tensor is written whole,
+        which needs no check of bounds or overlaps).  Plans with shards (FSDP) are seen at their
+        first item and go to DCP's whole, deduplicated once."""
+        whole = all(map(_whole, itertools.chain.from_iterable(p.items for p in all_plans)))
+        out = _whole_plans(self._dedup_save_plans(all_plans)) if whole else None
         if out is None:
             return super()._create_global_plan(all_plans)
         plans, md = out
@@ -184,7 +186,7 @@ def _plain_plan(planner: DefaultSavePlanner) -> SavePlan | None:
     tensor, byte_io = WriteItemType.TENSOR, WriteItemType.BYTE_IO
     for fqn, obj in state.items():
         t = type(obj)
-        if t is torch.Tensor or t is torch.nn.Parameter:
+        if t in _PLAIN:
             size = obj.size()
             off = zeros.get(len(size))
             if off is None:
@@ -207,27 +209,32 @@ def _plain_plan(planner: DefaultSavePlanner) -> SavePlan | None:
     return plan
 
 
+def _whole(item: WriteItem) -> bool:
+    """Whether ``item`` is a value, or a tensor written whole as one chunk."""
+    if item.type == WriteItemType.BYTE_IO:
+        return True
+    td = item.tensor_data
+    return (item.type == WriteItemType.TENSOR and td is not None and td.chunk is not None
+            and td.chunk.sizes == td.size and not any(td.chunk.offsets))
+
+
 def _whole_plans(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata] | None:
-    """DCP's global plan and metadata of deduplicated plans in which every tensor is written
-    whole by one item, made directly: items already hinted (``_plain_plan``'s) are kept, others
-    hinted as DCP does.  One chunk that is its whole tensor is inside it and overlaps nothing,
-    so DCP's checks of the plan have nothing to find.  None for any other plan."""
+    """DCP's global plan and metadata of deduplicated plans whose items are all ``_whole``,
+    made directly: items already hinted (``_plain_plan``'s) are kept, others hinted as DCP
+    does.  One chunk that is its whole tensor is inside it and overlaps nothing, so DCP's checks
+    of the plan have nothing to find.  None where a key is written twice (DCP's way refuses it)."""
     md: dict = {}
     out = []
-    tensor, byte_io = WriteItemType.TENSOR, WriteItemType.BYTE_IO
     for plan in plans:
         items = plan.items
         for k, item in enumerate(items):
             fqn = item.index.fqn
             if fqn in md:
                 return None
-            if item.type == byte_io:
+            if item.type == WriteItemType.BYTE_IO:
                 md[fqn] = BytesStorageMetadata()
                 continue
             td = item.tensor_data
-            if item.type != tensor or td is None or td.chunk is None or td.chunk.sizes != td.size \
-                    or any(td.chunk.offsets):
-                return None
             md[fqn] = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[td.chunk])
             if item.index.index != 0:
                 if items is plan.items:

@@ -536,8 +536,7 @@ def _write_part(w: DataStatesWriter, placed: list[Placed], out: list[WriteResult
     own = [(s, files[f], f) for f, s in stripes.items() if s is not None]
     rare = RareRecord({f: size for f, size in files.items() if stripes[f] is None}, homes, explicit, values, usage[1])
     return WriteResult(index=PART_INDEX, size_in_bytes=len(body),
-                       storage_data=PartRecord.of(grank, w.save_id, ref, usage[0], own, held, rare,
-                                                  rank_rec.timings if rank_rec else None))
+                       storage_data=PartRecord.of(grank, w.save_id, ref, usage[0], own, held, rare))
 
 
 def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: str, rules: RuleTable,
@@ -558,8 +557,7 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
     which = list(compress(count(), map(attrgetter("rare"), records)))  # the few ranks with more
     rare = [records[i].rare for i in which]
     named, homes, values, explicit, shared, seen, named_held = {}, {}, {}, [], {}, set(), []
-    for i, rec in zip(which, rare):
-        rank = records[i].rank
+    for rank, rec in zip(g.ranks[which].tolist(), rare):
         for home, n in rec.shared.items():
             shared[home] = shared.get(home, 0) + n
         named.update(rec.files)  # files not named by rank (another save's), by name

@@ -424,15 +424,15 @@ def test_packed_records_gather_as_named_ones():
     assert np.frombuffer(got["seg_file"], "<i8").tolist() == [4, 0, 2, 1, 2]  # a0, a1, a3, b0 (two segments)
     with pytest.raises(_Bad, match="not this save's"):
         Gathered.of(recs, other)
-    bad = PartRecord(5, recs[0].rows[:-8], recs[0].held_keys)
+    bad = PartRecord(recs[0].rows[:-8], recs[0].held_keys)
     with pytest.raises(_Bad, match="does not add up"):
         Gathered.of([bad], sid)
     rows = np.frombuffer(recs[0].rows, "<i8").copy()
     rows[-3] = 2  # rank 5's last segment in its third own file, which it has not
     with pytest.raises(_Bad, match="did not write"):
-        Gathered.of([PartRecord(5, rows.tobytes(), recs[0].held_keys)], sid)
+        Gathered.of([PartRecord(rows.tobytes(), recs[0].held_keys)], sid)
     with pytest.raises(_Bad, match="keys do not add up"):
-        Gathered.of([PartRecord(5, recs[0].rows, ("a",))], sid)
+        Gathered.of([PartRecord(recs[0].rows, ("a",))], sid)
     with pytest.raises(_Bad, match="which the save has not"):
         g.held({"a": 0}, 1)
 

@@ -45,6 +45,10 @@ MAX_FILE_BYTES = 1 << 50
 _I8 = np.dtype("<i8")
 
 
+NO_INTS = np.zeros(0, dtype=_I8)  # an empty int64 column, shared: never written to
+NO_INTS.setflags(write=False)
+
+
 def int_bytes(values) -> bytes:
     """A column of ints as little-endian int64 bytes (what ``int_column`` reads back)."""
     return np.asarray(values, dtype=_I8).tobytes()
@@ -143,6 +147,12 @@ def _starts(counts: np.ndarray) -> np.ndarray:
     if len(counts) > 1:
         np.cumsum(counts[:-1], out=out[1:])
     return out
+
+
+def _runs(first: np.ndarray, counts: np.ndarray, step: int = 1) -> np.ndarray:
+    """Runs of indices laid end to end: for each i, ``counts[i]`` of them from ``first[i]``,
+    ``step`` apart."""
+    return np.repeat(first - step * _starts(counts), counts) + step * np.arange(int(counts.sum()), dtype=_I8)
 
 
 class FileList(Sequence):
@@ -245,7 +255,7 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
     sizes = _ints(table, "sizes", nd_total, 0, MAX_DIM)
     cstart = _starts(cnd)
     # each chunk dimension against its tensor's: offset + size <= size of the tensor
-    gidx = np.repeat(_starts(ndim)[chunk_t] - cstart, cnd) + np.arange(nd_total, dtype=_I8)
+    gidx = _runs(_starts(ndim)[chunk_t], cnd)
     over = np.nonzero(offs + sizes > gsize[gidx])[0]
     if len(over):
         c = int(np.searchsorted(cstart, over[0], side="right") - 1)

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .checksum import DIGEST_BYTES, DigestTail, Digests
-from .columnar import _SMALL, FileList, _disjoint, _starts, int_column, segment_columns
+from .columnar import NO_INTS, _SMALL, FileList, _disjoint, _runs, _starts, int_column, segment_columns
 from .model import Chunk, Extent, Seg, _Bad, box_hits, check_tiling
 from .ranked import MAX_PART_BYTES, PartTable
 
@@ -24,7 +24,6 @@ from .ranked import MAX_PART_BYTES, PartTable
 _I8 = np.dtype("<i8")
 _BULK = 1 << 17  # listed chunks converted to Python lists at once (see Listed._lists)
 MAX_DIM = 1 << 48
-_NONE = np.zeros(0, dtype=_I8)
 INLINE = -1  # the owner of a chunk whose record is in the index's "inline" table
 
 
@@ -54,13 +53,13 @@ class HeldColumns:
     as int64 columns: per record the tensor, the box's chunk number, where its digests start in
     the writer's part tail and its number of segments; per segment its file's place in the
     index's file list, its offset and its length (segments in the order of their records)."""
-    tensor: np.ndarray = field(default_factory=lambda: _NONE)
-    chunk: np.ndarray = field(default_factory=lambda: _NONE)
-    tail_at: np.ndarray = field(default_factory=lambda: _NONE)
-    nsegs: np.ndarray = field(default_factory=lambda: _NONE)
-    seg_file: np.ndarray = field(default_factory=lambda: _NONE)
-    seg_offset: np.ndarray = field(default_factory=lambda: _NONE)
-    seg_nbytes: np.ndarray = field(default_factory=lambda: _NONE)
+    tensor: np.ndarray = field(default_factory=lambda: NO_INTS)
+    chunk: np.ndarray = field(default_factory=lambda: NO_INTS)
+    tail_at: np.ndarray = field(default_factory=lambda: NO_INTS)
+    nsegs: np.ndarray = field(default_factory=lambda: NO_INTS)
+    seg_file: np.ndarray = field(default_factory=lambda: NO_INTS)
+    seg_offset: np.ndarray = field(default_factory=lambda: NO_INTS)
+    seg_nbytes: np.ndarray = field(default_factory=lambda: NO_INTS)
 
     @classmethod
     def of(cls, records: list[HeldRecord], at: dict[str, int], fidx: dict[str, int]) -> "HeldColumns":
@@ -89,8 +88,7 @@ class HeldColumns:
             raise _Bad("two ranks sent the record of one replicated box")
         first = _starts(nsegs)
         if len(order) and int(nsegs.max()) > 1:  # each record's segments, records in order
-            k = nsegs[order]
-            segs = np.repeat(first[order] - _starts(k), k) + np.arange(int(k.sum()), dtype=_I8)
+            segs = _runs(first[order], nsegs[order])
         else:
             segs = first[order]
         return {"tensor": tensor[order].tobytes(), "chunk": chunk[order].tobytes(),

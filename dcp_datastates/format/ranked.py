@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -85,12 +85,12 @@ class RankFileColumns:
     (rank, stripe, size: rows in the order the ranks were gathered) and each rank's part (rank,
     size, head); names are made from rank, stripe and ``save_id`` when asked for."""
     save_id: str
-    rank: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
-    stripe: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
-    size: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
-    part_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
-    part_size: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
-    part_head: np.ndarray = field(default_factory=lambda: np.zeros(0, _I8))
+    rank: np.ndarray
+    stripe: np.ndarray
+    size: np.ndarray
+    part_rank: np.ndarray
+    part_size: np.ndarray
+    part_head: np.ndarray
 
     def to_wire(self) -> dict:
         rank = np.concatenate([self.rank, self.part_rank])
@@ -194,8 +194,9 @@ class GatheredFiles(_NamedThenRanked):
 
     def positions_near(self, rows: Iterable[int]) -> dict[str, int]:
         """The places of the named files and of the rank files in ``rows`` (the files of the
-        ranks that sent held or inline records: 8,859 of 16,384 at HSDP scale), without a map of
-        every name; a name outside them is looked up in ``positions()`` when asked."""
+        few ranks whose records name files: inline chunks, held records in another save's
+        files), without a map of every name; a name outside them is looked up in
+        ``positions()`` when asked."""
         near = _Positions(self)
         near.update(zip(self.named, range(len(self.named))))
         name, first = self._ranked.name, len(self.named)

@@ -17,7 +17,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .columnar import _starts
+from .columnar import _runs, _starts
 from .listed import HeldColumns, HeldRecord
 from .manifest import Extent, ValueEntry
 from .model import _Bad
@@ -84,21 +84,22 @@ class PartRecord:
     needs of every rank travels as one bytes object (``rows``: its metadata part, its own data
     files, the records of the replicated boxes it wrote in those files), with the keys of those
     boxes beside it: at 16,384 ranks the coordinator reads them all at once, not rank by rank.
-    The rest, which most ranks do not have, is in ``rare``."""
-    rank: int  # the global rank, as the meshes number them
+    The rest, which most ranks do not have, is in ``rare``.  (The rank, as the meshes number
+    it, is the first of its rows.)"""
     rows: bytes
     held_keys: tuple[str, ...] = ()
     rare: RareRecord | None = None
-    timings: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, rank: int, save_id: str, part: PartRef, owned: int, own: list[tuple[int, int, str]],
-           held: list[HeldRecord], rare: RareRecord, timings: dict[str, float] | None = None) -> "PartRecord":
+           held: list[HeldRecord], rare: RareRecord) -> "PartRecord":
         """``own``: the rank's own data files as (stripe, size, name); ``owned``: their bytes;
         ``held``: its replicated boxes' records, packed where every segment lies in an own file."""
         place = {name: j for j, (_, _, name) in enumerate(own)}
-        packed = [h for h in held if all(f in place for f in h.files)]
-        rare = replace(rare, held=tuple(h for h in held if not all(f in place for f in h.files)))
+        packed, by_name = [], []
+        for h in held:
+            (packed if all(f in place for f in h.files) else by_name).append(h)
+        rare = replace(rare, held=tuple(by_name))
         head = [rank, int(save_id, 16), part.size, part.head, owned, len(own), len(packed),
                 sum(len(h.files) for h in packed)]
         segs = [(place[f], o, n) for h in packed for f, o, n in zip(h.files, h.offsets, h.nbytes)]
@@ -106,7 +107,7 @@ class PartRecord:
                         + [x for h in packed for x in (h.chunk, h.tail_at, len(h.files))]
                         + [x for g in segs for x in g], dtype=_I8)
         quiet = not (rare.files or rare.homes or rare.explicit or rare.values or rare.shared or rare.held)
-        return cls(rank, rows.tobytes(), tuple(h.key for h in packed), None if quiet else rare, dict(timings or {}))
+        return cls(rows.tobytes(), tuple(h.key for h in packed), None if quiet else rare)
 
 
 @dataclass(slots=True)
@@ -174,11 +175,10 @@ class Gathered:
     def rows_of(self, which: list[int]) -> list[int]:
         """The rows of the own files of the ranks at places ``which`` in gathered order."""
         at = np.asarray(which, dtype=_I8)
-        k = self.own_count[at]
-        return (np.repeat(self.own_start[at] - _starts(k), k) + np.arange(int(k.sum()), dtype=_I8)).tolist()
+        return _runs(self.own_start[at], self.own_count[at]).tolist()
 
 
 def _rows(a: np.ndarray, first: np.ndarray, count: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
     """The ``width`` columns of rows that start at ``first`` (one run of ``count`` rows per rank) in ``a``."""
-    at = np.repeat(first - width * _starts(count), count) + width * np.arange(int(count.sum()), dtype=_I8)
+    at = _runs(first, count, width)
     return tuple(a[at + k] for k in range(width))
