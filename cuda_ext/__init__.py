@@ -24,33 +24,35 @@ import ctypes
 import logging
 import os
 import threading
+import warnings
+from typing import Any
 
 import torch
-import warnings
 
 log = logging.getLogger(__name__)
 
-_rt = None
+# cuda-python's runtime module: compiled, without type stubs, so it is typed ``Any`` here.
+_rt: Any = None
 _rt_loaded = False
 _available: bool | None = None
 _reason = ""
 _lock = threading.Lock()
 
 
-def _runtime():
+def _runtime() -> Any:
     """The cuda-python runtime module, or None (never raises, never warns)."""
     global _rt, _rt_loaded
     if _rt_loaded:
         return _rt
     _rt_loaded = True
     try:
-        from cuda.bindings import runtime as rt
+        from cuda.bindings import runtime as rt  # pyright: ignore[reportAttributeAccessIssue] (compiled)
         _rt = rt
     except ImportError:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                from cuda import cudart as rt  # cuda-python <= 12.6.0
+                from cuda import cudart as rt  # pyright: ignore[reportAttributeAccessIssue] (<= 12.6.0)
             _rt = rt
         except ImportError:
             _rt = None
@@ -61,7 +63,7 @@ class CudaError(RuntimeError):
     pass
 
 
-def check(result, what: str = ""):
+def check(result, what: str = "") -> Any:
     """Unpack a cuda-python ``(err, *values)`` tuple; raise :class:`CudaError` on failure."""
     err, *vals = result
     if int(err) != 0:
@@ -95,7 +97,7 @@ def available() -> bool:
             try:
                 n = check(_runtime().cudaGetDeviceCount(), "cudaGetDeviceCount")
                 ok, why = n > 0, "" if n > 0 else "no CUDA device"
-            except Exception as e:  # older bindings raise without a driver
+            except Exception as e:  # noqa: BLE001 - older bindings raise their own types without a driver
                 why = f"CUDA runtime unusable: {e}"
         _available, _reason = ok, why
         if not ok:
@@ -223,10 +225,10 @@ def record_ready(device: int) -> Event:
     return ev
 
 
-_streams: dict[int, object] = {}
+_streams: dict[int, Any] = {}  # a cudaStream_t per device, created once: streams are per process
 
 
-def copy_stream(device: int):
+def copy_stream(device: int) -> Any:
     """The device's non-blocking copy stream (one per device, created once)."""
     with _lock:
         s = _streams.get(device)

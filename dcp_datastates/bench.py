@@ -9,10 +9,11 @@ import time
 
 import torch
 import torch.distributed.checkpoint as dcp
-from .reader import DataStatesReader
-from .writer import DataStatesWriter
+
 from .guard import async_save
+from .reader import DataStatesReader
 from .tiers.direct_io import evict_from_page_cache
+from .writer import DataStatesWriter
 
 
 def transformer_state(total_gb: float = 1.5, hidden: int = 2048, vocab: int = 32000) -> dict:
@@ -115,7 +116,7 @@ def write_charts(out: str, rows: list[dict], timeline: dict) -> list[str]:
               ("tier-1 data written", timeline.get("snapshot_done_s", 0.0), timeline.get("data_written_s", 0.0)),
               ("tier-1 commit", timeline.get("data_written_s", 0.0), timeline.get("committed_s", 0.0)),
               ("persistent tier commit", timeline.get("committed_s", 0.0), timeline.get("persisted_s", 0.0))]
-    for i, (label, a, b) in enumerate(stages):
+    for i, (_label, a, b) in enumerate(stages):
         ax.barh(i, max(b - a, 0.001), left=a)
         ax.text(b, i, f" {b:.2f}s", va="center", fontsize=8)
     ax.set_yticks(range(len(stages)))

@@ -18,15 +18,19 @@ import sys
 import warnings
 
 import msgpack
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import convert
 from ._version import __version__
 from .bench import run_bench
 from .cli_demo import run_demo
-from torch.distributed.checkpoint.api import CheckpointException
-
-from .errors import (CheckpointError, ForeignFormatError, NotACheckpointError, PickleNotAllowedError,
-                     UnsupportedFormatVersion)
+from .errors import (
+    CheckpointError,
+    ForeignFormatError,
+    NotACheckpointError,
+    PickleNotAllowedError,
+    UnsupportedFormatVersion,
+)
 from .format import MANIFEST_NAME
 from .format.names import PERSISTED_RECORD
 from .format.values import decode_value

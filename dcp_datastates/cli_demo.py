@@ -17,26 +17,27 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-import torch.nn as nn
+
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.checkpoint.state_dict import get_state_dict
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from .writer import DataStatesWriter
 import torch.multiprocessing as mp
+import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-from .reader import DataStatesReader
-from .verify import verify_checkpoint
-from .reader import load_manifest
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from .bench import write_charts
+from .checkpointer import Checkpointer
+from .reader import DataStatesReader, load_manifest
 from .tiers import StorageTier
 from .tiers.direct_io import evict_from_page_cache
-from .checkpointer import Checkpointer
-import tempfile
-from .bench import write_charts
+from .verify import verify_checkpoint
+from .writer import DataStatesWriter
 
 
 def _port() -> int:
@@ -85,7 +86,7 @@ def _compare_rank(rank, world, port, out_dir, width, depth, q):
         for name, make in (("dcp-datastates", lambda p: DataStatesWriter(p, overwrite=True)),
                            ("FileSystemWriter", lambda p: dcp.FileSystemWriter(p, thread_count=4))):
             path = os.path.join(out_dir, name)
-            for attempt in range(2):  # the first save of a process pays one-time setup; time the second
+            for _attempt in range(2):  # the first save of a process pays one-time setup; time the second
                 dist.barrier()
                 t0 = time.perf_counter()
                 dcp.save(sd, storage_writer=make(path))

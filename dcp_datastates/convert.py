@@ -19,8 +19,8 @@ import fnmatch
 import itertools
 import json
 import logging
-import os
 import math
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field

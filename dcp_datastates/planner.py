@@ -23,14 +23,28 @@ from collections import ChainMap
 import torch
 import torch.distributed as dist
 import xxhash
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan, SavePlanner,
-                                                  TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -41,15 +55,14 @@ from .errors import CheckpointError, ProviderError, UnsupportedValueError
 from .format import dtype_name
 from .format.checksum import Digests
 from .format.layout import place_regions, stripe_count
+from .format.limits import FormatViolation
 from .format.manifest import Extent, Seg, ValueEntry
 from .format.model import ChunkMetadataView, paused_gc
 from .format.names import data_file_name
 from .format.records import ItemRecord
-from .format.model import _Bad
 from .format.rules import Geometry, Mesh, RuleTable, ShardRule, merge_tables, salt
 from .providers import ObjectProvider, TensorRegion, provider_for, type_provider_for
 from .tiers.incremental import Base
-
 
 RULES_KEY = "\x00dcp_datastates.rules"  # in a plan's and the global metadata's planner_data
 
@@ -156,7 +169,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         if any(t is not None for t in tables):
             try:
                 merged = merge_tables(tables)
-            except _Bad as e:
+            except FormatViolation as e:
                 raise CheckpointError(f"cannot save: {e}") from None
             md.planner_data = {**(md.planner_data or {}), RULES_KEY: merged}
             if key is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import logging
 import math
 import os
@@ -24,35 +25,44 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta,
-    TensorProperties, TensorStorageMetadata,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from .errors import (ChecksumMismatch, CoverageError, DataFileError, ManifestError,
-                     NotACheckpointError, PickleNotAllowedError)
+from .engine import upload
+from .engine.upload import DeviceUpload, pinned_slab
+from .errors import (
+    ChecksumMismatch,
+    CoverageError,
+    DataFileError,
+    ManifestError,
+    NotACheckpointError,
+    PickleNotAllowedError,
+    ProviderError,
+)
 from .format import MANIFEST_NAME, Manifest, dtype_from_name, verify_blocks
 from .format.manifest import Chunk, Extent, paused_gc
 from .format.model import ChunkMetadataView
 from .format.values import decode_value
-from .errors import ProviderError
 from .planner import deliver_object
 from .providers import rebuild
-from .tiers import StorageTier
-from .tiers.manifests import part_loader
-from .tiers.manifests import load_manifest  # noqa: F401 (re-exported: tests and tools use it)
-from .engine import upload
-from .engine.upload import DeviceUpload, pinned_slab
-from .tiers import read_path
-from .tiers.storage import open_regular
+from .tiers import StorageTier, read_path
 from .tiers.direct_io import DIRECT_MIN, STAGE_BYTES, StagingBuffer, dio_alignment, read_range
-import itertools
-import torch.distributed as dist
+from .tiers.manifests import (
+    load_manifest,  # noqa: F401 (re-exported: tests and tools use it)
+)
+from .tiers.storage import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +169,7 @@ class DataStatesReader(StorageReader):
         errors = []
         for tier in self._tiers(every=True):
             try:
-                m = load_manifest(tier)
+                m = load_manifest(tier, [x for x in self._tiers() if x.url != tier.url])
                 if self.save_id is not None and m.save_id != self.save_id:
                     self._skip.add(tier.url)
                     raise ManifestError(f"holds save {m.save_id} of this step, not save {self.save_id} "
@@ -170,8 +180,6 @@ class DataStatesReader(StorageReader):
                     log.warning("no usable manifest on %s (%s); trying the next tier", tier.url, e)
                 continue
             self.manifest_tier = tier.url
-            if m.index is not None:  # format 4: parts from this tier first, then the others
-                m.index.loaders = [part_loader(t) for t in [tier, *(x for x in self._tiers() if x.url != tier.url)]]
             if errors:
                 log.warning("manifest served by %s", tier.url)
             return m
@@ -754,7 +762,7 @@ class _ReadTask:
             return
         strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
         first = sum(o * s for o, s in zip(offs, strides)) * item
-        last = (sum((o + l - 1) * s for o, l, s in zip(offs, lens, strides)) + 1) * item
+        last = (sum((o + n - 1) * s for o, n, s in zip(offs, lens, strides)) + 1) * item
         r0 = first // block_size * block_size
         r1 = min(-(-last // block_size) * block_size, ext.nbytes)
         self.base = r0  # chunk byte offset of buffer position 0

@@ -11,6 +11,7 @@ from .format.names import DATA_FILE, STEP_DIR, is_manifest_name
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
 
+
 def _rank_of(file: str) -> int | None:
     m = DATA_FILE.match(file)
     return int(m.group(1)) if m else None
@@ -54,10 +55,9 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
     problems = []
     extents = []
     if m.index is not None:  # format 4: every part's head and digest tail, also those no chunk record needs
-        for rank in sorted(m.index.parts):
+        for rank in m.index.part_ranks():
             try:
-                m.index.part(rank)
-                m.index.tail(rank).load()
+                m.index.check_part(rank)
             except ManifestError as e:
                 problems.append(str(e))
     for fqn, t in m.tensors.items():

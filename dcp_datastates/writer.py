@@ -47,19 +47,18 @@ from .engine.host_cache import default_host_cache_bytes, prepare_host_cache, sha
 from .engine.live import any_gpu, copy_small, iter_tensors, ready_point, versions, want_pinned
 from .errors import CheckpointError, CheckpointExistsError
 from .format import BLOCK_SIZE, MANIFEST_NAME, dtype_name, encode_manifest
-from .format.manifest import paused_gc
 from .format.build import build_manifest
 from .format.columnar import tail_offsets
 from .format.index import ExplicitChunk, HeldColumns, IndexTensor, index_wire
+from .format.limits import FormatViolation
 from .format.listed import HeldRecord
-from .format.ranked import GatheredFiles, PartRef
-from .format.manifest import Chunk, Manifest, encode_index, encode_part
-from .format.model import _Bad
+from .format.manifest import Chunk, Manifest, encode_index, encode_part, paused_gc
 from .format.names import data_file_stripe, part_file_name, rank_manifest_name
+from .format.ranked import GatheredFiles, PartRef
 from .format.records import Gathered, ItemRecord, PartRecord, RankRecord, RareRecord
 from .format.rules import RuleTable
 from .planner import RULES_KEY, SMALL_ITEM_BYTES, Placed, lay_out, records_for
-from .session import SLOT_WAIT_S, SaveSlot, SaveSession, hold_step
+from .session import SLOT_WAIT_S, SaveSession, SaveSlot, hold_step
 from .tiers import StorageTier
 from .tiers.incremental import Base, load_base
 from .tiers.manifests import committed_here
@@ -552,7 +551,7 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
                               "sharding rules (are all ranks using DataStatesSavePlanner?)", checkpoint=path)
     try:  # every rank's packed rows at once (16,384 at scale); the few ranks with more, one by one
         g = Gathered.of(records, save_id)
-    except _Bad as e:
+    except FormatViolation as e:
         raise CheckpointError(f"the ranks' records do not make an index: {e}", checkpoint=path) from None
     which = list(compress(count(), map(attrgetter("rare"), records)))  # the few ranks with more
     rare = [records[i].rare for i in which]
@@ -581,7 +580,7 @@ def _index_for(metadata: Metadata, results: list[list[WriteResult]], save_id: st
         fidx = files.positions_near(g.rows_of(which))  # the rows of the ranks with inline or named records
         held = HeldColumns.join(g.held(at, len(named)), HeldColumns.of(named_held, at, fidx))
         wire = index_wire(list(rules.meshes), tensors, explicit, files, g.files, (g.owned, shared), held, fidx)
-    except _Bad as e:
+    except FormatViolation as e:
         raise CheckpointError(f"the ranks' records do not make an index: {e}", checkpoint=path) from None
     return m, encode_index(m, wire)
 

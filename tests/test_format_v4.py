@@ -10,13 +10,11 @@ import zlib
 from functools import partial
 
 import msgpack
-import xxhash
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -28,15 +26,24 @@ from dcp_datastates.errors import CheckpointError, ManifestError
 from dcp_datastates.format import manifest as manifest_mod
 from dcp_datastates.format.checksum import Digests
 from dcp_datastates.format.columnar import encode_table
+from dcp_datastates.format.limits import FormatViolation
 from dcp_datastates.format.listed import HeldColumns, HeldRecord
 from dcp_datastates.format.manifest import MAGIC, decode_manifest
-from dcp_datastates.format.model import Extent, Seg, _Bad
+from dcp_datastates.format.model import Extent, Seg
 from dcp_datastates.format.names import data_file_name, part_file_name
 from dcp_datastates.format.paths import paths_from_wire, paths_wire
-from dcp_datastates.format.ranked import FileMap, GatheredFiles, PartRef, RankFileColumns, RankFiles, open_tail, seal_tail
+from dcp_datastates.format.ranked import (
+    FileMap,
+    GatheredFiles,
+    PartRef,
+    RankFileColumns,
+    RankFiles,
+    open_tail,
+    seal_tail,
+)
 from dcp_datastates.format.records import Gathered, PartRecord, RareRecord
-from dcp_datastates.planner import plan_reads
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt
+from dcp_datastates.planner import plan_reads
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest
 from dcp_datastates.writer import PART_INDEX, _index_for
@@ -386,7 +393,7 @@ def test_held_records_are_sorted_and_each_box_once():
     assert (col("tensor"), col("chunk"), col("nsegs"), col("tail_at")) == ([0, 0, 1], [1, 2, 0], [1, 2, 1], [16, 32, 0])
     assert col("seg_offset") == [5000, 8, 4104, 0] and col("seg_nbytes") == [8, 4096, 8, 8]
     again = HeldRecord.of("a", 1, ext(seg(0, 8)), 0)
-    with pytest.raises(_Bad, match="two ranks"):
+    with pytest.raises(FormatViolation, match="two ranks"):
         HeldColumns.of([*rank0, *rank1, again], {"a": 0, "b": 1}, {"f": 0}).to_wire()
 
 
@@ -422,18 +429,18 @@ def test_packed_records_gather_as_named_ones():
     got = HeldColumns.join(g.held(at, 1), HeldColumns.of(list(recs[2].rare.held), at, fidx)).to_wire()
     assert got == HeldColumns.of([h for _, held in ranks.values() for h in held], at, fidx).to_wire()
     assert np.frombuffer(got["seg_file"], "<i8").tolist() == [4, 0, 2, 1, 2]  # a0, a1, a3, b0 (two segments)
-    with pytest.raises(_Bad, match="not this save's"):
+    with pytest.raises(FormatViolation, match="not this save's"):
         Gathered.of(recs, other)
     bad = PartRecord(recs[0].rows[:-8], recs[0].held_keys)
-    with pytest.raises(_Bad, match="does not add up"):
+    with pytest.raises(FormatViolation, match="does not add up"):
         Gathered.of([bad], sid)
     rows = np.frombuffer(recs[0].rows, "<i8").copy()
     rows[-3] = 2  # rank 5's last segment in its third own file, which it has not
-    with pytest.raises(_Bad, match="did not write"):
+    with pytest.raises(FormatViolation, match="did not write"):
         Gathered.of([PartRecord(rows.tobytes(), recs[0].held_keys)], sid)
-    with pytest.raises(_Bad, match="keys do not add up"):
+    with pytest.raises(FormatViolation, match="keys do not add up"):
         Gathered.of([PartRecord(recs[0].rows, ("a",))], sid)
-    with pytest.raises(_Bad, match="which the save has not"):
+    with pytest.raises(FormatViolation, match="which the save has not"):
         g.held({"a": 0}, 1)
 
 
@@ -456,7 +463,7 @@ def test_file_map_names_rank_files_only_when_asked():
     positions = files.positions()
     assert [positions[i] for i in range(len(positions))] == list(want.items())
     assert positions.sizes().tolist() == list(want.values())
-    with pytest.raises(_Bad, match="also listed by name"):
+    with pytest.raises(FormatViolation, match="also listed by name"):
         FileMap({part_file_name(0, sid): 4000}, ranked)
     written = GatheredFiles({old: 9}, cols)  # the coordinator's side: the same files in the same order
     assert list(written) == list(want) and dict(written.items()) == want and written == files and len(written) == 8
@@ -491,7 +498,7 @@ def test_part_tail_names_its_save_and_rank():
                                  ("ba9876543210", 2, tail, "save 0123456789ab rank 2"),
                                  ("0123456789ab", 2, bytes([tail[0] ^ 1]) + tail[1:], "do not match their footer"),
                                  ("0123456789ab", 2, tail[-10:], "shorter than its footer")]:
-        with pytest.raises(_Bad, match=why):
+        with pytest.raises(FormatViolation, match=why):
             open_tail(data, sid, rank)
 
 
@@ -563,18 +570,16 @@ def test_part_digests_are_read_with_the_data(ruled, tmp_path):
         b = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([b[0] ^ 1]))
-    r = DataStatesReader(ck)
-    r.read_metadata()
-    index = r.manifest.index
     reads = []
 
-    def counted(load):  # the storage interface, wrapped: which byte ranges of which parts are read
-        def wrapped(fname, start, end):
-            reads.append((fname, start, end))
-            return load(fname, start, end)
-        return wrapped
-    index.loaders = [counted(x) for x in index.loaders]
-    chunks = [c for t in r.manifest.tensors.values() for c in t.chunks]  # every record: the heads only
+    class Counted(StorageTier):  # the storage interface, wrapped: which byte ranges of which parts are read
+        def read_into(self, fname, offset, buf):
+            if fname.startswith("part-"):
+                reads.append((fname, offset, offset + len(buf)))
+            return super().read_into(fname, offset, buf)
+    m = load_manifest(Counted(ck))
+    index = m.index
+    chunks = [c for t in m.tensors.values() for c in t.chunks]  # every record: the heads only
     assert reads and all(start == 0 and end == index.parts[int(f[6:11])].head for f, start, end in reads)
     ref = index.parts[1]
     mine = [c for c in index.part(1).tensors.values() for c in c.chunks]
@@ -628,5 +633,5 @@ def test_flattening_paths_round_trip_by_pattern():
     assert {**paths_from_wire(wire, names), **rest} == pd
     assert all(type(x) is int for x in paths_from_wire(wire, names)["opt.param_groups.0.lr"][2:3])
     for bad in ([[5], []], [None, [0]]):  # a cut past the name's dots; a word made an index
-        with pytest.raises(_Bad):
+        with pytest.raises(FormatViolation):
             paths_from_wire({"patterns": [bad], "of": np.zeros(1, "<i8").tobytes()}, ["model.w"])

@@ -21,9 +21,10 @@ from concurrent.futures import Future
 
 import torch
 
-from ..format.layout import ALIGNMENT, align_up
 import cuda_ext
 from cuda_ext import pinned_buffer
+
+from ..format.layout import ALIGNMENT, align_up
 
 log = logging.getLogger(__name__)
 

@@ -37,13 +37,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import queue
-from collections import deque
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
+
+import cuda_ext
 
 from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
@@ -53,7 +55,6 @@ from ..tiers.activity import job_ended as _job_ended
 from ..tiers.activity import job_started as _job_started
 from .device_cache import DeviceCache
 from .host_cache import HostCache
-import cuda_ext
 
 log = logging.getLogger(__name__)
 
@@ -543,7 +544,7 @@ class SnapshotEngine:
                 if d != it.base.sums[first + j]:
                     return False
                 it.sums[first + j] = d
-            for a, z, r in _units(p, job.unit_bytes):
+            for _a, _z, r in _units(p, job.unit_bytes):
                 if r is None:  # equal bytes, but the base's file is not on this tier
                     return False
                 reuse.append((it, r))

@@ -29,6 +29,7 @@ def build_manifest(*, shapes: dict[str, tuple[str, tuple[int, ...]]],
                 homes.update(rec.rank.homes)
                 ranks.append(rec.rank.rank)
             if rec.kind == "value":
+                assert rec.value is not None, "a value record carries its value"
                 values[fqn] = rec.value
                 continue
             if rec.kind == "provider-value":

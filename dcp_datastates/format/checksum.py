@@ -78,7 +78,9 @@ class Digests(Sequence):
     __slots__ = ("_joined", "_tail", "_at", "_n")
 
     def __init__(self, joined: bytes) -> None:
-        self._joined, self._tail, self._at, self._n = joined, None, 0, len(joined)
+        self._joined: bytes | None = joined
+        self._tail: DigestTail | None = None
+        self._at, self._n = 0, len(joined)
 
     @classmethod
     def tail(cls, source: DigestTail, at: int, nbytes: int) -> "Digests":
@@ -88,9 +90,11 @@ class Digests(Sequence):
 
     @property
     def joined(self) -> bytes:
-        if self._joined is None:
-            self._joined = self._tail.read(self._at, self._n)
-        return self._joined
+        joined = self._joined
+        if joined is None:
+            assert self._tail is not None, "digests are either joined or in a tail"
+            joined = self._joined = self._tail.read(self._at, self._n)
+        return joined
 
     def __len__(self) -> int:
         return self._n // DIGEST_BYTES
@@ -110,7 +114,7 @@ class Digests(Sequence):
             return self.joined == other.joined
         return list(self) == list(other) if isinstance(other, (list, tuple)) else NotImplemented
 
-    __hash__ = None  # mutable peers (lists) compare equal
+    __hash__ = None  # type: ignore[assignment]  # mutable peers (lists) compare equal
 
 
 def join_digests(sums) -> bytes:
@@ -129,7 +133,7 @@ def _digest_like(ref, data) -> bytes | int:
     return xxhash.xxh3_128_digest(data)
 
 
-def verify_blocks(buf, sums: list, first_block: int, block_size: int = BLOCK_SIZE) -> int | None:
+def verify_blocks(buf, sums: Sequence, first_block: int, block_size: int = BLOCK_SIZE) -> int | None:
     """Check ``buf``, which starts at block ``first_block`` of an extent.
 
     Returns the index of the first bad block, or ``None`` when all match.

@@ -33,25 +33,16 @@ from typing import Callable
 
 import numpy as np
 
-from .checksum import DIGEST_BYTES, DigestTail, Digests, join_digests
-from .dtypes import dtype_from_name
 from ..errors import ManifestError
-from .model import Chunk, Extent, Seg, TensorEntry, _Bad, box_hits, check_tiling
-
-MAX_NDIM = 64
-MAX_DIM = 1 << 48
-MAX_ENTRIES = 1 << 24
-MAX_FILE_BYTES = 1 << 50
-_I8 = np.dtype("<i8")
-
-
-NO_INTS = np.zeros(0, dtype=_I8)  # an empty int64 column, shared: never written to
-NO_INTS.setflags(write=False)
+from .checksum import DIGEST_BYTES, Digests, DigestTail, join_digests
+from .dtypes import dtype_from_name
+from .limits import INT64, MAX_DIM, MAX_ENTRIES, MAX_FILE_BYTES, MAX_NDIM, FormatViolation
+from .model import BareBox, Chunk, Extent, Seg, TensorEntry, box_hits, check_tiling
 
 
 def int_bytes(values) -> bytes:
     """A column of ints as little-endian int64 bytes (what ``int_column`` reads back)."""
-    return np.asarray(values, dtype=_I8).tobytes()
+    return np.asarray(values, dtype=INT64).tobytes()
 
 
 def encode_table(tensors: dict[str, TensorEntry], file_index: dict[str, int], special_wire) -> dict:
@@ -115,13 +106,13 @@ def int_column(d: dict, key: str, n: int | None = None, lo: int = 0, hi: int = M
     value in [lo, hi]; ``what`` names the map in errors."""
     raw = d.get(key) if isinstance(d, dict) else None
     if not isinstance(raw, bytes) or len(raw) % 8:
-        raise _Bad(f"{what} {key!r} must be bytes of little-endian int64")
-    a = np.frombuffer(raw, dtype=_I8)
+        raise FormatViolation(f"{what} {key!r} must be bytes of little-endian int64")
+    a = np.frombuffer(raw, dtype=INT64)
     if n is not None and len(a) != n:
-        raise _Bad(f"{what} {key!r} holds {len(a)} entries, expected {n}")
+        raise FormatViolation(f"{what} {key!r} holds {len(a)} entries, expected {n}")
     if len(a) and (int(a.min()) < lo or int(a.max()) > hi):
         bad = int(a.min()) if int(a.min()) < lo else int(a.max())
-        raise _Bad(f"{what} {key!r} holds {bad}, " + ("a negative value" if bad < 0 else f"outside [{lo}, {hi}]"))
+        raise FormatViolation(f"{what} {key!r} holds {bad}, " + ("a negative value" if bad < 0 else f"outside [{lo}, {hi}]"))
     return a
 
 
@@ -133,7 +124,7 @@ def byte_column(d: dict, key: str, n: int, what: str = "field") -> np.ndarray:
     """Column ``key`` of map ``d``: ``n`` bytes, one uint8 per entry."""
     raw = d.get(key) if isinstance(d, dict) else None
     if not isinstance(raw, bytes) or len(raw) != n:
-        raise _Bad(f"{what} {key!r} must be {n} bytes")
+        raise FormatViolation(f"{what} {key!r} must be {n} bytes")
     return np.frombuffer(raw, dtype=np.uint8)
 
 
@@ -143,7 +134,7 @@ def _bytes(table: dict, key: str, n: int) -> np.ndarray:
 
 def _starts(counts: np.ndarray) -> np.ndarray:
     """Where each run of ``counts`` starts in the concatenation."""
-    out = np.zeros(len(counts), dtype=_I8)
+    out = np.zeros(len(counts), dtype=INT64)
     if len(counts) > 1:
         np.cumsum(counts[:-1], out=out[1:])
     return out
@@ -152,7 +143,11 @@ def _starts(counts: np.ndarray) -> np.ndarray:
 def _runs(first: np.ndarray, counts: np.ndarray, step: int = 1) -> np.ndarray:
     """Runs of indices laid end to end: for each i, ``counts[i]`` of them from ``first[i]``,
     ``step`` apart."""
-    return np.repeat(first - step * _starts(counts), counts) + step * np.arange(int(counts.sum()), dtype=_I8)
+    return np.repeat(first - step * _starts(counts), counts) + step * np.arange(int(counts.sum()), dtype=INT64)
+
+
+def _no_more_names(j: int) -> str:
+    raise IndexError(j)
 
 
 class FileList(Sequence):
@@ -163,9 +158,9 @@ class FileList(Sequence):
     __slots__ = ("_listed", "_more", "_name_of")
 
     def __init__(self, listed: list[tuple[str, int]], more_sizes: np.ndarray | None = None,
-                 name_of: Callable[[int], str] | None = None) -> None:
+                 name_of: Callable[[int], str] = _no_more_names) -> None:
         self._listed = listed
-        self._more = np.zeros(0, dtype=_I8) if more_sizes is None else more_sizes
+        self._more = np.zeros(0, dtype=INT64) if more_sizes is None else more_sizes
         self._name_of = name_of
 
     def __len__(self) -> int:
@@ -187,7 +182,7 @@ class FileList(Sequence):
 
     def sizes(self) -> np.ndarray:
         """Every file's size, by position."""
-        return np.concatenate([np.asarray([s for _, s in self._listed], dtype=_I8), self._more])
+        return np.concatenate([np.asarray([s for _, s in self._listed], dtype=INT64), self._more])
 
 
 def segment_columns(d: dict, counts: np.ndarray, files: Sequence[tuple[str, int]], block_size: int,
@@ -197,28 +192,28 @@ def segment_columns(d: dict, counts: np.ndarray, files: Sequence[tuple[str, int]
     every segment but an extent's last a whole number of checksum blocks.  Returns the three
     columns and where each extent's segments start."""
     ns = int(counts.sum())
-    fsizes = files.sizes() if isinstance(files, FileList) else np.asarray([s for _, s in files], dtype=_I8)
-    fsizes = fsizes if len(fsizes) else np.zeros(1, dtype=_I8)
+    fsizes = files.sizes() if isinstance(files, FileList) else np.asarray([s for _, s in files], dtype=INT64)
+    fsizes = fsizes if len(fsizes) else np.zeros(1, dtype=INT64)
     sfile = int_column(d, "seg_file", ns, 0, max(0, len(files) - 1), what)
     soff = int_column(d, "seg_offset", ns, 0, MAX_FILE_BYTES, what)
     sn = int_column(d, "seg_nbytes", ns, 0, MAX_FILE_BYTES, what)
     if ns and not files:
-        raise _Bad("extent refers to a file not listed in the manifest")
+        raise FormatViolation("extent refers to a file not listed in the manifest")
     past = np.nonzero(soff + sn > fsizes[sfile])[0]
     if len(past):
         i = int(past[0])
-        raise _Bad(f"extent [{int(soff[i])}, {int(soff[i] + sn[i])}) runs past the end of "
+        raise FormatViolation(f"extent [{int(soff[i])}, {int(soff[i] + sn[i])}) runs past the end of "
                    f"{files[int(sfile[i])][0]} ({files[int(sfile[i])][1]} bytes)")
     start = _starts(counts)
     if ns:
         last = np.zeros(ns, dtype=bool)
         last[(start + counts - 1)[counts > 0]] = True
         if np.any(~last & (sn % block_size != 0)):
-            raise _Bad("a segment other than an extent's last ends inside a checksum block")
+            raise FormatViolation("a segment other than an extent's last ends inside a checksum block")
     return sfile, soff, sn, start
 
 
-def decode_table(table, files: list[tuple[str, int]], block_size: int, special_chunk,
+def decode_table(table, files: Sequence[tuple[str, int]], block_size: int, special_chunk,
                  source: str = "<memory>", tail: DigestTail | None = None) -> dict[str, TensorEntry]:
     """Validate the columns in bulk; the tensors' records are built when first asked for.
     ``files``: the manifest's (name, size) list that ``seg_file`` indexes;
@@ -226,29 +221,29 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
     the caller); ``source``: the file, named by errors found later (overlapping chunks);
     ``tail``: the block digests, when the manifest keeps them out of its table (a format 4 part)."""
     if not isinstance(table, dict):
-        raise _Bad("the tensor table must be a map")
+        raise FormatViolation("the tensor table must be a map")
     names = table.get("names")
     if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
-        raise _Bad("table field 'names' must be a list of strings")
+        raise FormatViolation("table field 'names' must be a list of strings")
     nt = len(names)
     if len(set(names)) != nt:
-        raise _Bad("tensor names must be distinct")
+        raise FormatViolation("tensor names must be distinct")
     dnames = table.get("dtypes")
     if not isinstance(dnames, list) or not all(isinstance(x, str) for x in dnames):
-        raise _Bad("table field 'dtypes' must be a list of strings")
-    itemsizes = np.asarray([dtype_from_name(d).itemsize for d in dnames] or [1], dtype=_I8)
-    dcode = _bytes(table, "dtype", nt).astype(_I8)
+        raise FormatViolation("table field 'dtypes' must be a list of strings")
+    itemsizes = np.asarray([dtype_from_name(d).itemsize for d in dnames] or [1], dtype=INT64)
+    dcode = _bytes(table, "dtype", nt).astype(INT64)
     if nt and int(dcode.max()) >= len(dnames):
-        raise _Bad("a tensor's dtype code is not in 'dtypes'")
-    ndim = _bytes(table, "ndim", nt).astype(_I8)
+        raise FormatViolation("a tensor's dtype code is not in 'dtypes'")
+    ndim = _bytes(table, "ndim", nt).astype(INT64)
     if nt and int(ndim.max()) > MAX_NDIM:
-        raise _Bad(f"a tensor has more than {MAX_NDIM} dimensions (at most {MAX_NDIM})")
+        raise FormatViolation(f"a tensor has more than {MAX_NDIM} dimensions (at most {MAX_NDIM})")
     gsize = _ints(table, "size", int(ndim.sum()), 0, MAX_DIM)
     nchunks = _ints(table, "nchunks", nt, 0, MAX_ENTRIES)
     nc = int(nchunks.sum())
     if nc > MAX_ENTRIES:
-        raise _Bad(f"more than {MAX_ENTRIES} chunks")
-    chunk_t = np.repeat(np.arange(nt, dtype=_I8), nchunks)
+        raise FormatViolation(f"more than {MAX_ENTRIES} chunks")
+    chunk_t = np.repeat(np.arange(nt, dtype=INT64), nchunks)
     cnd = ndim[chunk_t]
     nd_total = int(cnd.sum())
     offs = _ints(table, "offsets", nd_total, 0, MAX_DIM)
@@ -259,14 +254,14 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
     over = np.nonzero(offs + sizes > gsize[gidx])[0]
     if len(over):
         c = int(np.searchsorted(cstart, over[0], side="right") - 1)
-        raise _Bad(f"{names[int(chunk_t[c])]}: a chunk leaves the tensor (dimension {int(over[0] - cstart[c])})")
+        raise FormatViolation(f"{names[int(chunk_t[c])]}: a chunk leaves the tensor (dimension {int(over[0] - cstart[c])})")
     # elements and bytes of each chunk (0-d chunks hold one element)
-    numel = np.ones(nc, dtype=_I8)
+    numel = np.ones(nc, dtype=INT64)
     has = np.nonzero(cnd)[0]
     if len(has):
         approx = np.multiply.reduceat(sizes.astype(np.float64), cstart[has])
         if float(approx.max()) > MAX_FILE_BYTES:
-            raise _Bad("a chunk is absurdly large")
+            raise FormatViolation("a chunk is absurdly large")
         numel[has] = np.multiply.reduceat(sizes, cstart[has])
     nbytes = numel * itemsizes[dcode[chunk_t]] if nc else numel
     nsegs = _ints(table, "nsegs", nc, -1, MAX_ENTRIES)
@@ -274,24 +269,24 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
     segc = np.where(plain, nsegs, 0)
     ns = int(segc.sum())
     if ns > MAX_ENTRIES:
-        raise _Bad("too many segments")
+        raise FormatViolation("too many segments")
     sfile, soff, sn, sstart = segment_columns(table, segc, files, block_size, "table field")
     held = np.concatenate([[0], np.cumsum(sn)])
     total = held[sstart + segc] - held[sstart]
     wrong = np.nonzero(plain & ((total != nbytes) | ((nbytes > 0) & (segc == 0))))[0]
     if len(wrong):
         c = int(wrong[0])
-        raise _Bad(f"{names[int(chunk_t[c])]}: segments hold {int(total[c])} bytes, the chunk needs {int(nbytes[c])}")
+        raise FormatViolation(f"{names[int(chunk_t[c])]}: segments hold {int(total[c])} bytes, the chunk needs {int(nbytes[c])}")
     nsums = np.where(plain, np.maximum(1, -(-nbytes // block_size)), 0)
     sums = table.get("sums") if tail is None else tail
     if tail is not None and "sums" in table:
-        raise _Bad("block digests are both in the table and in the file's tail")
+        raise FormatViolation("block digests are both in the table and in the file's tail")
     got = tail.nbytes if tail is not None else (len(sums) if isinstance(sums, bytes) else -1)
     if got != int(nsums.sum()) * DIGEST_BYTES:
-        raise _Bad(f"table field 'sums': expected {int(nsums.sum())} block digests of {DIGEST_BYTES} bytes")
+        raise FormatViolation(f"table field 'sums': expected {int(nsums.sum())} block digests of {DIGEST_BYTES} bytes")
     special = table.get("special") or {}
     if not isinstance(special, dict) or sorted(special) != sorted(str(i) for i in np.nonzero(~plain)[0].tolist()):
-        raise _Bad("table field 'special' must hold exactly the chunks whose 'nsegs' is -1")
+        raise FormatViolation("table field 'special' must hold exactly the chunks whose 'nsegs' is -1")
     table = Table(names, ndim, gsize, nchunks, cstart, offs, sizes, numel, nbytes, nsegs, sstart,
                   sfile, soff, sn, nsums, sums, files, source)
     for key, wire in special.items():  # provider chunks: few, validated now
@@ -299,19 +294,11 @@ def decode_table(table, files: list[tuple[str, int]], block_size: int, special_c
         t = int(chunk_t[c])
         table.special[c] = special_chunk(names[t], *table.box(c, t), wire)
     dims, first = gsize.tolist(), table.first_dim.tolist()  # every tensor's size from two lists, not per tensor arrays
-    return {fqn: TensorEntry(dnames[d], tuple(dims[a:a + k]), None, source=(table, t))
+    return {fqn: TensorEntry(dnames[d], tuple(dims[a:a + k]), table=table, row=t)
             for t, (fqn, d, a, k) in enumerate(zip(names, dcode.tolist(), first, ndim.tolist()))}
 
 
 _SMALL = 32  # tensors with at most this many chunks are checked and searched in plain Python
-
-
-class _Box:
-    """A box for ``check_tiling`` without building the chunk record."""
-    __slots__ = ("offsets", "sizes")
-
-    def __init__(self, offsets: tuple, sizes: tuple) -> None:
-        self.offsets, self.sizes = offsets, sizes
 
 
 def _disjoint(offs: np.ndarray, sizes: np.ndarray) -> bool:
@@ -321,7 +308,7 @@ def _disjoint(offs: np.ndarray, sizes: np.ndarray) -> bool:
     narrower group for the next dimension (the bands of a sharding grid).  False when that does
     not settle it (the caller runs the exact sweep) or when two boxes coincide."""
     n, nd = offs.shape
-    group = np.zeros(n, dtype=_I8)
+    group = np.zeros(n, dtype=INT64)
     for d in sorted(range(nd), key=lambda k: -len(np.unique(offs[:, k]))):
         start, end = offs[:, d], offs[:, d] + sizes[:, d]
         order = np.lexsort((start, group))
@@ -338,7 +325,10 @@ def _disjoint(offs: np.ndarray, sizes: np.ndarray) -> bool:
 
 class Table:
     """The validated columns of a version 3 manifest.  A tensor's chunk records are built when
-    first asked for (``TensorEntry.chunks``); ``find`` and ``overlapping`` work on the columns."""
+    first asked for (``TensorEntry.chunks``); ``find`` and ``overlapping`` work on the columns.
+    A ``model.ChunkTable``."""
+
+    lazy = True
 
     def __init__(self, names, ndim, gsize, nchunks, chunk_dim, offs, sizes, numel, nbytes, nsegs,
                  first_seg, sfile, soff, sn, nsums, sums, files, source: str) -> None:
@@ -362,7 +352,7 @@ class Table:
         table: sorted by their start along the first dimension, each ends before the next
         starts (FSDP's shards, and any split of dimension 0).  The others are checked alone."""
         if self._stacked is None:
-            t_of = np.repeat(np.arange(len(self.nchunks), dtype=_I8), self.nchunks)
+            t_of = np.repeat(np.arange(len(self.nchunks), dtype=INT64), self.nchunks)
             live = np.nonzero((self.ndim[t_of] > 0) & (self.numel > 0))[0]
             tid = t_of[live]
             start = self.offs[self.chunk_dim[live]]
@@ -459,7 +449,7 @@ class Table:
         """Every chunk record of tensor ``t``: empty chunks folded into one, boxes disjoint."""
         try:
             return self._records(t)
-        except _Bad as e:
+        except FormatViolation as e:
             raise self._invalid(e) from None
 
     def _records(self, t: int) -> list[Chunk]:
@@ -474,7 +464,7 @@ class Table:
         with the most distinct offsets); records are built only when that is not conclusive."""
         try:
             self._check(t)
-        except _Bad as e:
+        except FormatViolation as e:
             raise self._invalid(e) from None
 
     def _check(self, t: int) -> None:
@@ -487,7 +477,7 @@ class Table:
             self._checked.add(t)
             return
         if int(self.nchunks[t]) <= _SMALL:  # a few boxes: the sweep on plain tuples is cheaper
-            check_tiling(self.names[t], [_Box(o, z) for o, z in self.box_list(t)])
+            check_tiling(self.names[t], [BareBox(o, z) for o, z in self.box_list(t)])
             self._checked.add(t)
             return
         offs, sizes = self._boxes(t)
@@ -514,7 +504,7 @@ class Table:
         if offs.shape[1] == 0:
             hit = np.arange(len(offs)) if offsets == () else np.array([], dtype=np.int64)
         else:
-            hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=_I8), axis=1))[0]
+            hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=INT64), axis=1))[0]
         return self.chunk(int(self.first_chunk[t]) + int(hit[0]), t) if len(hit) else None
 
     def record_at(self, t: int, at, key: tuple) -> Chunk | None:
@@ -553,6 +543,6 @@ class Table:
         hit = np.zeros(len(offs), dtype=bool)
         live = np.all(sizes > 0, axis=1)
         for lo, n in boxes:
-            lo_a, hi_a = np.asarray(lo, dtype=_I8), np.asarray(lo, dtype=_I8) + np.asarray(n, dtype=_I8)
+            lo_a, hi_a = np.asarray(lo, dtype=INT64), np.asarray(lo, dtype=INT64) + np.asarray(n, dtype=INT64)
             hit |= live & np.all(offs < hi_a, axis=1) & np.all(offs + sizes > lo_a, axis=1)
         return np.nonzero(hit)[0].tolist()

@@ -25,22 +25,21 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import TypeVar
 
 from ..errors import ManifestError
 from .checksum import DigestTail
 from .columnar import byte_column, decode_table, encode_table, int_bytes, int_column
 from .dtypes import dtype_from_name
+from .limits import MAX_DIM, MAX_NDIM, MAX_RULES, FormatViolation
 from .listed import INLINE, Held, HeldColumns, Listed
-from .model import Chunk, Manifest, TensorEntry, _Bad
+from .model import Chunk, Manifest, TensorEntry
 from .ranked import FileMap, GatheredFiles, PartRef, PartTable, RankFileColumns, RankFiles, open_tail
 from .rules import Geometry, Mesh, ShardRule, salt
 
 INDEX_VERSION = 4
-MAX_NDIM = 64
-MAX_DIM = 1 << 48
-MAX_RULES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,20 +109,20 @@ def _tensors_wire(tensors: list[IndexTensor]) -> dict:
 def _tensors_from_wire(raw, meshes: list[Mesh]) -> list[IndexTensor]:
     """The tensor list, its columns validated in bulk and each distinct rule once per rank."""
     if not isinstance(raw, dict):
-        raise _Bad("tensor_list must be a map of columns")
+        raise FormatViolation("tensor_list must be a map of columns")
     names, dnames, rwires = raw.get("names"), raw.get("dtypes"), raw.get("rules")
     if not isinstance(names, list) or not all(type(x) is str for x in names):
-        raise _Bad("tensor_list.names must be a list of strings")
+        raise FormatViolation("tensor_list.names must be a list of strings")
     if len(set(names)) != len(names):
-        raise _Bad("a tensor is listed twice")
+        raise FormatViolation("a tensor is listed twice")
     if not isinstance(dnames, list) or not isinstance(rwires, list) or len(dnames) > 256 or len(rwires) > MAX_RULES:
-        raise _Bad("tensor_list.dtypes and tensor_list.rules must be lists")
+        raise FormatViolation("tensor_list.dtypes and tensor_list.rules must be lists")
     for d in dnames:
         dtype_from_name(d)  # raises on a dtype outside the fixed table
     n = len(names)
     dcode, nd = (byte_column(raw, k, n, "tensor_list") for k in ("dtype", "ndim"))
     if n and (int(dcode.max()) >= len(dnames) or int(nd.max()) > MAX_NDIM):
-        raise _Bad("a tensor's dtype code or dimension count is out of range")
+        raise FormatViolation("a tensor's dtype code or dimension count is out of range")
     size = int_column(raw, "size", int(nd.sum()), 0, MAX_DIM, "tensor_list")
     rcode = int_column(raw, "rule", n, -1, len(rwires) - 1, "tensor_list")
     rules: dict[tuple[int, int], ShardRule] = {}  # (rule, ndim): few, each validated once
@@ -137,32 +136,40 @@ def _tensors_from_wire(raw, meshes: list[Mesh]) -> list[IndexTensor]:
     return out
 
 
+# Reads bytes [start, end) of the metadata part named so (short only at the file's end); one per
+# copy of the checkpoint, given to the index when it is decoded (``decode_manifest(parts=...)``).
+PartReader = Callable[[str, int, int], bytes]
+_T = TypeVar("_T")
+
+
 def _no_provider(chunk):
     raise ValueError("provider chunks are never inline")
 
 
 class IndexTable:
     """The decoded index: the source of its tensors' chunks (``TensorEntry``), loading the
-    parts that hold their records on demand through ``loader`` (set by the tier that read it)."""
+    parts that hold their records on demand through ``loader`` (set by the tier that read it).
+    A ``model.ChunkTable``."""
+
+    lazy = True
 
     def __init__(self, body: dict, *, files: FileMap, ranked: RankFiles, homes: dict[str, str], world: int,
                  save_id: str, source: str, block_size: int,
-                 decode: Callable[[bytes, str, Callable], Manifest]) -> None:
+                 decode: Callable[[bytes, str, Callable], Manifest], parts: Sequence[PartReader] = ()) -> None:
         self.source, self.save_id, self.files, self.homes, self._decode = source, save_id, files, homes, decode
-        # readers of a part's bytes [start, end) by name, fastest tier first; set by the tier that read the index
-        self.loaders: list[Callable[[str, int, int], bytes]] = []
+        self._parts = tuple(parts)  # readers of the parts, fastest copy first
         self._lock = threading.Lock()
         self._tails_lock = threading.Lock()
         self._loaded: dict[int, Manifest | ManifestError] = {}
         raw_meshes = body.get("meshes")
         if not isinstance(raw_meshes, list) or len(raw_meshes) > 1 << 16:
-            raise _Bad("meshes must be a list")
+            raise FormatViolation("meshes must be a list")
         self.meshes = [Mesh.from_wire(w, world) for w in raw_meshes]
         self.parts = PartTable(body.get("parts"), ranked, world)
         for m in self.meshes:  # every rank a rule can name has a part
             missing = self.parts.missing(m.ranks)
             if missing:
-                raise _Bad(f"mesh ranks {missing[:8]} have no metadata part")
+                raise FormatViolation(f"mesh ranks {missing[:8]} have no metadata part")
         self.tensors: list[IndexTensor] = _tensors_from_wire(body.get("tensor_list"), self.meshes)
         self._geoms: dict[int, Geometry | None] = {}
         self._seen: dict[tuple, dict] = {}  # the boxes geometries of one ``layout_key`` share
@@ -174,21 +181,21 @@ class IndexTable:
         if not (isinstance(raw_usage, list) and len(raw_usage) == 2 and isinstance(raw_usage[0], int)
                 and isinstance(raw_usage[1], dict) and raw_usage[0] >= 0
                 and all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in raw_usage[1].items())):
-            raise _Bad("usage must be [owned bytes, {home: shared bytes}]")
+            raise FormatViolation("usage must be [owned bytes, {home: shared bytes}]")
         self.usage: tuple[int, dict[str, int]] = (raw_usage[0], dict(raw_usage[1]))
         self.inline = decode_table(body.get("inline"), positions, block_size, _no_special, source)
         if int((self.listed.owner == INLINE).sum()) != sum(e.count() for e in self.inline.values()):
-            raise _Bad("the inline table does not hold exactly the chunks listed as inline")
+            raise FormatViolation("the inline table does not hold exactly the chunks listed as inline")
 
     # ------------------------------------------------------ TensorEntry's source
     def geom(self, t: int) -> Geometry | None:
         """Tensor ``t``'s rule as geometry (None: its chunks are listed), made on first use."""
-        g = self._geoms.get(t, False)
-        if g is False:
-            x = self.tensors[t]
-            g = self._geoms[t] = None if x.rule is None else Geometry(
-                x.size, self.meshes[x.rule.mesh], x.rule, salt(x.fqn), dtype_from_name(x.dtype).itemsize,
-                self._seen.setdefault(self.layout_key(t), {}))
+        if t in self._geoms:
+            return self._geoms[t]
+        x = self.tensors[t]
+        g = self._geoms[t] = None if x.rule is None else Geometry(
+            x.size, self.meshes[x.rule.mesh], x.rule, salt(x.fqn), dtype_from_name(x.dtype).itemsize,
+            self._seen.setdefault((x.size, x.rule), {}))
         return g
 
     def count(self, t: int) -> int:
@@ -232,7 +239,7 @@ class IndexTable:
         if self.tensors[t].rule is None:
             try:
                 self.listed.check(t, self.tensors[t].fqn)
-            except _Bad as e:
+            except FormatViolation as e:
                 raise ManifestError(f"invalid manifest: {e}", checkpoint=self.source) from None
 
     def chunk_at(self, t: int, i: int) -> Chunk:
@@ -273,6 +280,18 @@ class IndexTable:
         i = self.listed.position(t, tuple(offsets))
         return None if i is None else self.chunk_at(t, i)
 
+    # ---------------------------------------------------------- PartIndex
+    def part_ranks(self) -> list[int]:
+        return sorted(self.parts)
+
+    def check_part(self, rank: int) -> None:
+        self.part(rank)
+        self.tail(rank).load()
+
+    def find_box(self, t: int, offsets: tuple, sizes: tuple) -> Chunk | None:
+        i = self.exact(t, (tuple(offsets), tuple(sizes)))
+        return None if i is None else self.chunk_at(t, i)
+
     def records(self, t: int) -> list[Chunk]:
         return [self.chunk_at(t, i) for i in range(self.count(t))]
 
@@ -285,7 +304,7 @@ class IndexTable:
         if g is not None and self.held.has(t):  # a replicated box: its record is in the index
             try:
                 return self.held.chunk_of(t, i, offsets, sizes, owner, self.tail, math.prod(sizes) * g.itemsize)
-            except _Bad as e:
+            except FormatViolation as e:
                 raise ManifestError(f"invalid manifest: {e}", checkpoint=self.source, key=fqn) from None
         entry = self.inline.get(fqn) if owner == INLINE else self.part(owner).tensors.get(fqn)
         chunk = None if entry is None else entry.find_box(offsets, sizes)  # the part must hold that very box
@@ -311,11 +330,11 @@ class IndexTable:
             if got is not None:
                 return got
             try:
-                self._loaded[rank] = self._load_part(rank)
+                m = self._loaded[rank] = self._load_part(rank)
             except ManifestError as e:
                 self._loaded[rank] = e
                 raise
-            return self._loaded[rank]
+            return m
 
     def _load_part(self, rank: int) -> Manifest:
         ref = self.parts.get(rank)
@@ -335,20 +354,20 @@ class IndexTable:
         """The part's head, decoded: a version 3 manifest of this save and this rank alone."""
         m = self._decode(data, f"{self.source}/{ref.name}", lambda n, digest: self._own_tail(ref, n))
         if m.save_id != self.save_id or m.version != 3 or m.ranks != [ref.rank]:
-            raise _Bad(f"it holds save {m.save_id} ranks {m.ranks[:4]}, not rank {ref.rank} of save {self.save_id}")
+            raise FormatViolation(f"it holds save {m.save_id} ranks {m.ranks[:4]}, not rank {ref.rank} of save {self.save_id}")
         return m
 
-    def _read(self, ref: PartRef, start: int, end: int, accept: Callable[[bytes], object], what: str):
+    def _read(self, ref: PartRef, start: int, end: int, accept: Callable[[bytes], _T], what: str) -> _T:
         """``accept`` of bytes [start, end) of part ``ref``, from the first tier whose copy it
         accepts (a part checks itself and names its save and rank: any tier's copy will do)."""
         why = "this index was decoded without a way to read its parts"
-        for load in self.loaders:
+        for load in self._parts:
             try:
                 got = load(ref.name, start, end)
                 if len(got) != end - start:
-                    raise _Bad(f"{len(got)} bytes where the index gives {end - start}")
+                    raise FormatViolation(f"{len(got)} bytes where the index gives {end - start}")
                 return accept(got)
-            except (OSError, ManifestError, _Bad) as e:  # this copy will not do: the next tier's may
+            except (OSError, ManifestError, FormatViolation) as e:  # this copy will not do: the next tier's may
                 why = f"refused: {getattr(e, 'reason', e)}"
         advice = "" if "re-save" in why else "; restore it from another tier or re-save"
         raise ManifestError(f"{what} {why}{advice}", checkpoint=self.source, file=ref.name)
@@ -376,10 +395,10 @@ class IndexTable:
     def _own_tail(self, ref: PartRef, n: int) -> DigestTail:
         """The tail a part's head announces: ``n`` bytes of digests, the rest of the part."""
         if n != ref.digests:
-            raise _Bad(f"its block digests ({n} bytes after a {ref.head}-byte head) are not the "
+            raise FormatViolation(f"its block digests ({n} bytes after a {ref.head}-byte head) are not the "
                        f"{ref.digests} bytes the index leaves them")
         return self.tail(ref.rank)
 
 
 def _no_special(fqn, offsets, sizes, wire):
-    raise _Bad(f"{fqn}: an inline chunk must be a plain tensor chunk")
+    raise FormatViolation(f"{fqn}: an inline chunk must be a plain tensor chunk")

@@ -15,15 +15,13 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .checksum import DIGEST_BYTES, DigestTail, Digests
-from .columnar import NO_INTS, _SMALL, FileList, _disjoint, _runs, _starts, int_column, segment_columns
-from .model import Chunk, Extent, Seg, _Bad, box_hits, check_tiling
-from .ranked import MAX_PART_BYTES, PartTable
+from .checksum import DIGEST_BYTES, Digests, DigestTail
+from .columnar import _SMALL, FileList, _disjoint, _runs, _starts, int_column, segment_columns
+from .limits import INT64, MAX_DIM, MAX_PART_BYTES, NO_INTS, FormatViolation
+from .model import BareBox, Chunk, Extent, Seg, box_hits, check_tiling
+from .ranked import PartTable
 
-
-_I8 = np.dtype("<i8")
 _BULK = 1 << 17  # listed chunks converted to Python lists at once (see Listed._lists)
-MAX_DIM = 1 << 48
 INLINE = -1  # the owner of a chunk whose record is in the index's "inline" table
 
 
@@ -70,7 +68,7 @@ class HeldColumns:
         key, chunk, tail_at, files, offsets, nbytes = zip(*records)
         nsegs = list(map(len, files))
         segs = chain.from_iterable
-        col = partial(np.asarray, dtype=_I8)
+        col = partial(np.asarray, dtype=INT64)
         return cls(col(list(map(at.__getitem__, key))), col(chunk), col(tail_at), col(nsegs),
                    col(list(map(fidx.__getitem__, segs(files)))), col(list(segs(offsets))), col(list(segs(nbytes))))
 
@@ -81,11 +79,11 @@ class HeldColumns:
 
     def to_wire(self) -> dict:
         """The columns in (tensor, chunk) order, as the reader looks records up; raises
-        ``_Bad`` where two ranks sent the same box (the save must not commit)."""
+        ``FormatViolation`` where two ranks sent the same box (the save must not commit)."""
         tensor, chunk, nsegs = self.tensor, self.chunk, self.nsegs
         order = np.lexsort((chunk, tensor))
         if len(order) > 1 and not np.all(np.diff(tensor[order] * (1 << 24) + chunk[order]) > 0):
-            raise _Bad("two ranks sent the record of one replicated box")
+            raise FormatViolation("two ranks sent the record of one replicated box")
         first = _starts(nsegs)
         if len(order) and int(nsegs.max()) > 1:  # each record's segments, records in order
             segs = _runs(first[order], nsegs[order])
@@ -106,22 +104,22 @@ class Listed:
         t = int_column(raw, "tensor", None, 0, max(0, len(tensors) - 1), what)
         owner = int_column(raw, "owner", len(t), INLINE, world - 1, what)
         if parts.missing(owner[owner != INLINE]):
-            raise _Bad("an explicit chunk's owner has no metadata part")
+            raise FormatViolation("an explicit chunk's owner has no metadata part")
         if len(t) and any(tensors[i].rule is not None for i in np.unique(t).tolist()):
-            raise _Bad("a tensor with a sharding rule also lists explicit chunks")
-        tnd = np.array([len(x.size) for x in tensors], dtype=_I8)
-        nd = tnd[t] if len(t) else np.zeros(0, _I8)
+            raise FormatViolation("a tensor with a sharding rule also lists explicit chunks")
+        tnd = np.array([len(x.size) for x in tensors], dtype=INT64)
+        nd = tnd[t] if len(t) else np.zeros(0, INT64)
         total = int(nd.sum())
         self.offs = int_column(raw, "offsets", total, 0, MAX_DIM, what)
         self.sizes = int_column(raw, "sizes", total, 0, MAX_DIM, what)
         self.cstart = _starts(nd)
         if total:
-            tsz = np.array([x for ts in tensors for x in ts.size], dtype=_I8)
+            tsz = np.array([x for ts in tensors for x in ts.size], dtype=INT64)
             tstart = _starts(tnd)
             chunk = np.repeat(np.arange(len(t)), nd)
             dim = np.arange(total) - self.cstart[chunk]
             if np.any(self.offs + self.sizes > tsz[tstart[t[chunk]] + dim]):
-                raise _Bad("an explicit chunk extends beyond its tensor")
+                raise FormatViolation("an explicit chunk extends beyond its tensor")
         self.t, self.owner, self.nd = t, owner, nd
         self._order = np.argsort(t, kind="stable")
         self._sorted = t[self._order]
@@ -234,7 +232,7 @@ class Listed:
             offs, sizes = self._boxes(ti)
             live = np.all(sizes > 0, axis=1)
             if not _disjoint(offs[live], sizes[live]):
-                check_tiling(fqn, [_Box(*self.box(int(c))) for c in rows.tolist()])
+                check_tiling(fqn, [BareBox(*self.box(int(c))) for c in rows.tolist()])
         self._checked.add(ti)
 
     def overlapping(self, ti: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
@@ -246,8 +244,8 @@ class Listed:
         hit = np.zeros(len(offs), dtype=bool)
         live = np.all(sizes > 0, axis=1)
         for lo, n in boxes:
-            lo_a = np.asarray(lo, dtype=_I8)
-            hit |= live & np.all(offs < lo_a + np.asarray(n, dtype=_I8), axis=1) & np.all(offs + sizes > lo_a, axis=1)
+            lo_a = np.asarray(lo, dtype=INT64)
+            hit |= live & np.all(offs < lo_a + np.asarray(n, dtype=INT64), axis=1) & np.all(offs + sizes > lo_a, axis=1)
         return np.nonzero(hit)[0].tolist()
 
     def position(self, ti: int, offsets: tuple) -> int | None:
@@ -262,7 +260,7 @@ class Listed:
         offs, _ = self._boxes(ti)
         if offs.shape[1] == 0:
             return 0 if len(offs) and offsets == () else None
-        hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=_I8), axis=1))[0]
+        hit = np.nonzero(np.all(offs == np.asarray(offsets, dtype=INT64), axis=1))[0]
         return int(hit[0]) if len(hit) else None
 
 
@@ -277,10 +275,10 @@ class Held:
         n = len(t)
         chunk = int_column(raw, "chunk", n, 0, world - 1, "held")  # a rule has at most a chunk per rank
         if n > 1 and not np.all(np.diff(t * (1 << 24) + chunk) > 0):
-            raise _Bad("held records are not in (tensor, chunk) order, each once")
+            raise FormatViolation("held records are not in (tensor, chunk) order, each once")
         with_ = np.unique(t).tolist()
         if any(tensors[i].rule is None for i in with_):
-            raise _Bad("a held chunk's tensor has no sharding rule")
+            raise FormatViolation("a held chunk's tensor has no sharding rule")
         self.tail_at = int_column(raw, "tail_at", n, 0, MAX_PART_BYTES, "held")
         nsegs = int_column(raw, "nsegs", n, 0, 1 << 16, "held")
         self.sfile, self.soff, self.sn, self.first = segment_columns(raw, nsegs, files, block_size, "held")
@@ -313,7 +311,8 @@ class Held:
         ``owner``): it must hold exactly the box's ``nbytes``, its digests in the writer's tail."""
         c = self._row(t, i)
         if c is None:
-            raise _Bad(f"no held chunk at {list(offsets)}")
+            raise FormatViolation(f"no held chunk at {list(offsets)}")
+        assert self._lists is not None, "_row made the lists"
         _, _, _, tail_at, first, nsegs, sfile, soff, sn = self._lists
         a, k = first[c], nsegs[c]
         name = self.files.name
@@ -323,16 +322,10 @@ class Held:
             segs = [Seg(name(sfile[j]), soff[j], sn[j]) for j in range(a, a + k)]
             held = sum(sn[a:a + k])
         if held != nbytes:
-            raise _Bad(f"the held chunk at {list(offsets)} holds {held} bytes, its box {nbytes}")
+            raise FormatViolation(f"the held chunk at {list(offsets)} holds {held} bytes, its box {nbytes}")
         src = tail(owner)
         at, nd = tail_at[c], max(1, -(-nbytes // self.block_size)) * DIGEST_BYTES
         if at + nd > src.nbytes:
-            raise _Bad(f"the held chunk at {list(offsets)} has its block digests past its part's")
+            raise FormatViolation(f"the held chunk at {list(offsets)} has its block digests past its part's")
         return Chunk(tuple(offsets), tuple(sizes), Extent(segs, nbytes, Digests.tail(src, at, nd)))
 
-
-class _Box:
-    __slots__ = ("offsets", "sizes")
-
-    def __init__(self, offsets: tuple, sizes: tuple) -> None:
-        self.offsets, self.sizes = offsets, sizes

@@ -22,38 +22,52 @@ import math
 import re
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import msgpack
 import xxhash
 
 from ..errors import ForeignFormatError, ManifestError, UnsupportedFormatVersion
-from .checksum import DIGEST_BYTES, DigestTail, Digests
+from .checksum import DIGEST_BYTES, Digests, DigestTail
 from .columnar import decode_table, encode_table
-from .model import (  # noqa: F401 (the model is re-exported: most layers import it from here)
-    FORMAT_VERSION, Chunk, Extent, Manifest, Seg, TensorEntry, ValueEntry, _Bad, check_tiling, paused_gc)
 from .dtypes import dtype_from_name
-from .index import INDEX_VERSION, IndexTable
+from .index import INDEX_VERSION, IndexTable, PartReader
+from .limits import (
+    MAX_DIM,
+    MAX_ENTRIES,
+    MAX_FILE_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+    MAX_TREE_DEPTH,
+    MAX_WORLD,
+    FormatViolation,
+)
+from .model import (  # noqa: F401 (the model is re-exported: most layers import it from here)
+    FORMAT_VERSION,
+    Chunk,
+    Extent,
+    Manifest,
+    Seg,
+    TensorEntry,
+    ValueEntry,
+    check_tiling,
+    paused_gc,
+)
+from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 from .paths import paths_from_wire, paths_wire
 from .ranked import FileMap, RankFiles, seal_tail
-from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 
 MAGIC = b"\xffDCP-DATASTATES\n"
 FORMAT_NAME = "dcp-datastates"
 READABLE_VERSIONS = (1, 2, 3, 4)
 
 
-MAX_MANIFEST_BYTES = 1 << 31
-MAX_NDIM = 64
-MAX_DIM = 1 << 48
-MAX_FILE_BYTES = 1 << 50
-MAX_WORLD = 1 << 22
-MAX_ENTRIES = 1 << 24
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 
 
 def _chunk_to_wire(c: Chunk) -> dict:
-    d = {"o": list(c.offsets), "s": list(c.sizes)}
+    d: dict[str, object] = {"o": list(c.offsets), "s": list(c.sizes)}
     if c.extent is not None:
         d["x"] = c.extent.to_wire()
     if c.provider is not None:
@@ -139,95 +153,104 @@ def _encode(m: Manifest, version: int, index: dict | None = None, *, pack: bool 
     if pack:
         rest = {k: v for k, v in body.items() if k not in _HEADER_FIELDS}
         body = {k: body[k] for k in _HEADER_FIELDS}
-        body["packed"] = zlib.compress(msgpack.packb(rest, use_bin_type=True), PACK_LEVEL)
-    payload = msgpack.packb(body, use_bin_type=True)
+        body["packed"] = zlib.compress(_packb(rest), PACK_LEVEL)
+    payload = _packb(body)
     return MAGIC + payload + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload))
+
+
+def _packb(obj) -> bytes:
+    data = msgpack.packb(obj, use_bin_type=True)
+    assert data is not None, "packb returns bytes without a stream"
+    return data
 
 
 # ----------------------------------------------------------------- decoding
 
-def _req(d: dict, key: str, typ):
+def _req(d: dict, key: str, typ) -> Any:
     if not isinstance(d, dict) or key not in d:
-        raise _Bad(f"missing field {key!r}")
+        raise FormatViolation(f"missing field {key!r}")
     v = d[key]
     if typ is int and (isinstance(v, bool) or not isinstance(v, int)):
-        raise _Bad(f"field {key!r} must be an integer, got {type(v).__name__}")
+        raise FormatViolation(f"field {key!r} must be an integer, got {type(v).__name__}")
     if typ is not int and not isinstance(v, typ):
-        raise _Bad(f"field {key!r} must be {typ}, got {type(v).__name__}")
+        raise FormatViolation(f"field {key!r} must be {typ}, got {type(v).__name__}")
     return v
 
 
 def _int(v, what: str, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise _Bad(f"{what} must be an integer, got {type(v).__name__}")
+        raise FormatViolation(f"{what} must be an integer, got {type(v).__name__}")
     if v < lo:
-        raise _Bad(f"{what} is negative ({v})" if lo == 0 else f"{what}={v} below {lo}")
+        raise FormatViolation(f"{what} is negative ({v})" if lo == 0 else f"{what}={v} below {lo}")
     if v > hi:
-        raise _Bad(f"{what}={v} is absurdly large (limit {hi})")
+        raise FormatViolation(f"{what}={v} is absurdly large (limit {hi})")
     return v
 
 
 def _dims(v, what: str) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > MAX_NDIM:
-        raise _Bad(f"{what} must be a list of at most {MAX_NDIM} integers")
+        raise FormatViolation(f"{what} must be a list of at most {MAX_NDIM} integers")
     return tuple(_int(x, what, 0, MAX_DIM) for x in v)
 
 
 def check_file_name(name) -> str:
     if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name:
-        raise _Bad(f"file name {name!r} is not a plain name inside the checkpoint directory")
+        raise FormatViolation(f"file name {name!r} is not a plain name inside the checkpoint directory")
     return name
 
 
-def _sums(v, want: int, version: int, what: str) -> list:
+def _sums(v, want: int, version: int, what: str) -> Sequence:
     if version == 1:
         if not isinstance(v, list) or len(v) != want:
-            raise _Bad(f"{what}: expected {want} block checksums")
+            raise FormatViolation(f"{what}: expected {want} block checksums")
         for s in v:
             _int(s, f"{what} checksum", 0, (1 << 64) - 1)
         return v
     if not isinstance(v, bytes) or len(v) != want * DIGEST_BYTES:
-        raise _Bad(f"{what}: expected {want} block digests of {DIGEST_BYTES} bytes")
+        raise FormatViolation(f"{what}: expected {want} block digests of {DIGEST_BYTES} bytes")
     return Digests(v)
 
 
-def _seg(v, files: dict[str, int], what: str) -> Seg:
+def _seg(v, files: Mapping[str, int], what: str) -> Seg:
     if not isinstance(v, list) or len(v) != 3:
-        raise _Bad(f"{what}: a segment must be [file, offset, nbytes]")
+        raise FormatViolation(f"{what}: a segment must be [file, offset, nbytes]")
     name = check_file_name(v[0])
     if name not in files:
-        raise _Bad(f"{what}: extent refers to file {name!r} not listed in the manifest")
+        raise FormatViolation(f"{what}: extent refers to file {name!r} not listed in the manifest")
     off = _int(v[1], f"{what} offset")
     n = _int(v[2], f"{what} nbytes")
     if off + n > files[name]:
-        raise _Bad(f"{what}: extent [{off}, {off + n}) runs past the end of {name} ({files[name]} bytes)")
+        raise FormatViolation(f"{what}: extent [{off}, {off + n}) runs past the end of {name} ({files[name]} bytes)")
     return Seg(name, off, n)
 
 
-def _extent(v, files: dict[str, int], block_size: int, what: str, version: int = FORMAT_VERSION) -> Extent:
+def _extent(v, files: Mapping[str, int], block_size: int, what: str, version: int = FORMAT_VERSION) -> Extent:
     if version == 1:
         if not isinstance(v, list) or len(v) != 4:
-            raise _Bad(f"{what}: extent must be [file, offset, nbytes, sums]")
+            raise FormatViolation(f"{what}: extent must be [file, offset, nbytes, sums]")
         seg = _seg(v[:3], files, what)
         return Extent([seg], seg.nbytes, _sums(v[3], max(1, math.ceil(seg.nbytes / block_size)), 1, what))
     if not isinstance(v, list) or len(v) != 3 or not isinstance(v[0], list):
-        raise _Bad(f"{what}: extent must be [segments, nbytes, digests]")
+        raise FormatViolation(f"{what}: extent must be [segments, nbytes, digests]")
     n = _int(v[1], f"{what} nbytes")
     if len(v[0]) > MAX_ENTRIES:
-        raise _Bad(f"{what}: too many segments")
+        raise FormatViolation(f"{what}: too many segments")
     segs = [_seg(x, files, what) for x in v[0]]
     if sum(s.nbytes for s in segs) != n or (n and not segs):
-        raise _Bad(f"{what}: segments hold {sum(s.nbytes for s in segs)} bytes, the extent {n}")
+        raise FormatViolation(f"{what}: segments hold {sum(s.nbytes for s in segs)} bytes, the extent {n}")
     if any(s.nbytes % block_size for s in segs[:-1]):
-        raise _Bad(f"{what}: a segment other than the last ends inside a checksum block")
+        raise FormatViolation(f"{what}: a segment other than the last ends inside a checksum block")
     return Extent(segs, n, _sums(v[2], max(1, math.ceil(n / block_size)), version, what))
 
 
 def decode_manifest(data: bytes, *, source: str = "<memory>",
-                    tail: Callable[[int, bytes], DigestTail] | None = None) -> Manifest:
+                    tail: Callable[[int, bytes], DigestTail] | None = None,
+                    parts: Sequence[PartReader] = ()) -> Manifest:
     """Parse and validate manifest bytes; raise :class:`ManifestError` naming ``source``.
     ``tail(nbytes, digest)``: the source of block digests kept in the file's tail (a format 4
-    part, decoded by its index); a manifest that keeps them there is refused without one."""
+    part, decoded by its index); a manifest that keeps them there is refused without one.
+    ``parts``: where a format 4 index reads its ranks' metadata parts, fastest copy first (an
+    index decoded without one refuses to build a record that lives in a part)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest is {len(data)} bytes, beyond the {MAX_MANIFEST_BYTES} limit",
                             checkpoint=source)
@@ -247,21 +270,21 @@ def decode_manifest(data: bytes, *, source: str = "<memory>",
         raise ManifestError("manifest checksum mismatch: the file is truncated or corrupt; "
                             "restore it from another tier or re-save", checkpoint=source)
     with paused_gc():
-        return _decode_body(payload, source, tail)
+        return _decode_body(payload, source, tail, parts)
 
 
-def _decode_body(payload: bytes, source: str, tail=None) -> Manifest:
+def _decode_body(payload: bytes, source: str, tail=None, parts: Sequence[PartReader] = ()) -> Manifest:
     try:
         body = _unpack_streaming(payload)
-    except _Bad as e:
+    except FormatViolation as e:
         raise ManifestError(f"invalid manifest: {e}", checkpoint=source) from None
     except Exception as e:  # msgpack raises many types on hostile input
         raise ManifestError(f"manifest body does not decode: {e}", checkpoint=source) from e
     try:
-        return _from_body(body, source, tail)
+        return _from_body(body, source, tail, parts)
     except UnsupportedFormatVersion as e:
         raise UnsupportedFormatVersion(str(e.args[0]), checkpoint=source) from None
-    except (_Bad, ValueError, TypeError, KeyError, AttributeError, OverflowError,
+    except (FormatViolation, ValueError, TypeError, KeyError, AttributeError, OverflowError,
             msgpack.UnpackException) as e:
         raise ManifestError(f"invalid manifest: {e}", checkpoint=source) from None
 
@@ -270,16 +293,16 @@ def _inflate(packed) -> bytes:
     """A packed body, inflated to at most ``MAX_MANIFEST_BYTES`` (a crafted stream that would
     inflate further is refused before it does)."""
     if not isinstance(packed, bytes):
-        raise _Bad("packed must be bytes")
+        raise FormatViolation("packed must be bytes")
     z = zlib.decompressobj()
     try:
         out = z.decompress(packed, MAX_MANIFEST_BYTES)
     except zlib.error as e:
-        raise _Bad(f"the packed body does not inflate ({e})") from None
+        raise FormatViolation(f"the packed body does not inflate ({e})") from None
     if z.unconsumed_tail:
-        raise _Bad(f"the packed body inflates beyond {MAX_MANIFEST_BYTES} bytes")
+        raise FormatViolation(f"the packed body inflates beyond {MAX_MANIFEST_BYTES} bytes")
     if not z.eof or z.unused_data:
-        raise _Bad("the packed body is truncated or followed by extra bytes")
+        raise FormatViolation("the packed body is truncated or followed by extra bytes")
     return out
 
 
@@ -302,7 +325,7 @@ class _ChunkStream:
         try:
             n = up.read_array_header()
         except (ValueError, msgpack.UnpackException) as e:
-            raise _Bad(f"chunks must be a list ({e})") from None
+            raise FormatViolation(f"chunks must be a list ({e})") from None
         for _ in range(n):
             yield up.unpack()
 
@@ -314,11 +337,11 @@ def _skip_span(up: msgpack.Unpacker) -> tuple[int, int]:
 
 
 def _map_header(up: msgpack.Unpacker, what: str) -> int:
-    """The entry count of the map ``up`` is at, or ``_Bad(what)``."""
+    """The entry count of the map ``up`` is at, or ``FormatViolation(what)``."""
     try:
         return up.read_map_header()
     except (ValueError, msgpack.UnpackException):
-        raise _Bad(what) from None
+        raise FormatViolation(what) from None
 
 
 def _unpack_streaming(payload: bytes, outer: bool = True) -> dict:
@@ -335,13 +358,13 @@ def _unpack_streaming(payload: bytes, outer: bool = True) -> dict:
         else:
             body[key] = up.unpack()
     if up.tell() != len(payload):
-        raise _Bad("extra bytes after the body")
+        raise FormatViolation("extra bytes after the body")
     if "packed" in body:
         if not outer:
-            raise _Bad("a packed body packs another")
+            raise FormatViolation("a packed body packs another")
         inner = _unpack_streaming(_inflate(body.pop("packed")), outer=False)
         if any(k in body for k in inner):
-            raise _Bad("the packed body repeats a field of the header")
+            raise FormatViolation("the packed body repeats a field of the header")
         body.update(inner)
     if span is None:
         return body
@@ -352,7 +375,7 @@ def _unpack_streaming(payload: bytes, outer: bool = True) -> dict:
     for _ in range(nt):
         fqn = tup.unpack()
         if not isinstance(fqn, str) or fqn in tensors:
-            raise _Bad("tensor keys must be distinct strings")
+            raise FormatViolation("tensor keys must be distinct strings")
         nk = _map_header(tup, f"tensor {fqn!r} must be a map")
         t: dict = {}
         for _ in range(nk):
@@ -367,26 +390,25 @@ def _unpack_streaming(payload: bytes, outer: bool = True) -> dict:
     return body
 
 
-MAX_TREE_DEPTH = 32
 
 
 def _check_tree(tree, parts: dict, fqn: str, prefix: str = "", depth: int = 0) -> None:
     """A provider tree must name each leaf part exactly once, nest at most
     ``MAX_TREE_DEPTH`` levels, and hold only provider names and maps."""
     if depth > MAX_TREE_DEPTH:
-        raise _Bad(f"{fqn}: providers nest deeper than {MAX_TREE_DEPTH} levels")
+        raise FormatViolation(f"{fqn}: providers nest deeper than {MAX_TREE_DEPTH} levels")
     if not isinstance(tree, dict):
-        raise _Bad(f"{fqn}: provider tree must be a map")
+        raise FormatViolation(f"{fqn}: provider tree must be a map")
     for k, sub in tree.items():
         if not isinstance(k, str) or not k or "/" in k:
-            raise _Bad(f"{fqn}: provider part name {k!r} is not a plain name")
+            raise FormatViolation(f"{fqn}: provider part name {k!r} is not a plain name")
         path = f"{prefix}{k}"
         if sub is None:
             if path not in parts:
-                raise _Bad(f"{fqn}: provider tree names part {path!r}, which is not stored")
+                raise FormatViolation(f"{fqn}: provider tree names part {path!r}, which is not stored")
             continue
         if not isinstance(sub, dict) or not isinstance(sub.get("p"), str) or "t" not in sub:
-            raise _Bad(f"{fqn}: nested provider at {path!r} is malformed")
+            raise FormatViolation(f"{fqn}: nested provider at {path!r} is malformed")
         _check_tree(sub["t"], parts, fqn, path + "/", depth + 1)
 
 
@@ -403,24 +425,24 @@ def _provider_fields(chunk: Chunk, c: dict, files, block_size: int, version: int
     for pname, pv in _req(c, "parts", dict).items():
         if not isinstance(pname, str) or not isinstance(pv, list) or len(pv) != 3 \
                 or not isinstance(pv[0], str):
-            raise _Bad(f"{fqn}: provider part {pname!r} is malformed")
+            raise FormatViolation(f"{fqn}: provider part {pname!r} is malformed")
         pdt = dtype_from_name(pv[0])
         pshape = _dims(pv[1], f"{fqn}.{pname} shape")
         pext = _extent(pv[2], files, block_size, f"{fqn}.{pname}", version)
         if pext.nbytes != math.prod(pshape) * pdt.itemsize:
-            raise _Bad(f"{fqn}.{pname}: extent size does not match its shape")
+            raise FormatViolation(f"{fqn}.{pname}: extent size does not match its shape")
         chunk.parts[pname] = (pv[0], pshape, pext)
     if "t" in c:
         _check_tree(c["t"], chunk.parts, fqn)
         if sorted(_leaves(c["t"])) != sorted(chunk.parts):
-            raise _Bad(f"{fqn}: provider tree and stored parts differ")
+            raise FormatViolation(f"{fqn}: provider tree and stored parts differ")
         chunk.tree = c["t"]
 
 
 def _special_chunk(fqn: str, offsets: tuple, sizes: tuple, wire, files, block_size: int, version: int) -> Chunk:
     """A provider chunk of a version 3 table (stored as the version 2 chunk map)."""
     if not isinstance(wire, dict) or "p" not in wire or "x" in wire:
-        raise _Bad(f"{fqn}: a special chunk must be a provider's")
+        raise FormatViolation(f"{fqn}: a special chunk must be a provider's")
     chunk = Chunk(offsets, sizes, None)
     _provider_fields(chunk, wire, files, block_size, version, fqn)
     return chunk
@@ -432,7 +454,7 @@ def _tensors_v2(body, files: dict[str, int], block_size: int, version: int) -> d
     n_chunks = 0
     for fqn, t in _req(body, "tensors", dict).items():
         if not isinstance(fqn, str):
-            raise _Bad("tensor keys must be strings")
+            raise FormatViolation("tensor keys must be strings")
         dtype = _req(t, "dtype", str)
         item = dtype_from_name(dtype).itemsize
         size = _dims(_req(t, "size", list), f"{fqn} size")
@@ -442,23 +464,23 @@ def _tensors_v2(body, files: dict[str, int], block_size: int, version: int) -> d
             offs = _dims(_req(c, "o", list), f"{fqn} chunk offsets")
             sizes = _dims(_req(c, "s", list), f"{fqn} chunk sizes")
             if len(offs) != len(size) or len(sizes) != len(size):
-                raise _Bad(f"{fqn}: chunk rank does not match tensor rank {len(size)}")
+                raise FormatViolation(f"{fqn}: chunk rank does not match tensor rank {len(size)}")
             for o, s, g in zip(offs, sizes, size):
                 if o + s > g:
-                    raise _Bad(f"{fqn}: chunk at {list(offs)} of size {list(sizes)} leaves the tensor {list(size)}")
+                    raise FormatViolation(f"{fqn}: chunk at {list(offs)} of size {list(sizes)} leaves the tensor {list(size)}")
             ext = None
             if "x" in c:
                 ext = _extent(c["x"], files, block_size, fqn, version)
                 if ext.nbytes != math.prod(sizes) * item:
-                    raise _Bad(f"{fqn}: extent holds {ext.nbytes} bytes, chunk needs {math.prod(sizes) * item}")
+                    raise FormatViolation(f"{fqn}: extent holds {ext.nbytes} bytes, chunk needs {math.prod(sizes) * item}")
             chunk = Chunk(offs, sizes, ext)
             if "p" in c:
                 _provider_fields(chunk, c, files, block_size, version, fqn)
             elif ext is None:
-                raise _Bad(f"{fqn}: chunk has neither an extent nor a provider")
+                raise FormatViolation(f"{fqn}: chunk has neither an extent nor a provider")
             n_chunks += 1
             if n_chunks > MAX_ENTRIES:
-                raise _Bad(f"more than {MAX_ENTRIES} chunks")
+                raise FormatViolation(f"more than {MAX_ENTRIES} chunks")
             if not math.prod(sizes):
                 if has_empty:  # holds no byte and covers nothing: one represents them all
                     continue
@@ -469,11 +491,11 @@ def _tensors_v2(body, files: dict[str, int], block_size: int, version: int) -> d
     return tensors
 
 
-def _values(body, files: dict[str, int], block_size: int, version: int) -> dict[str, ValueEntry]:
+def _values(body, files: Mapping[str, int], block_size: int, version: int) -> dict[str, ValueEntry]:
     values: dict[str, ValueEntry] = {}
     for fqn, v in _req(body, "values", dict).items():
         if not isinstance(fqn, str):
-            raise _Bad("value keys must be strings")
+            raise FormatViolation("value keys must be strings")
         if isinstance(v, list) and len(v) == 4 and v[0] == "provider" and isinstance(v[3], dict) \
                 and "p" in v[3]:
             node = Chunk((), (), None)
@@ -482,7 +504,7 @@ def _values(body, files: dict[str, int], block_size: int, version: int) -> dict[
             continue
         if not isinstance(v, list) or len(v) != 3 or v[0] not in ("msgpack", "pickle", "torch") \
                 or not isinstance(v[1], bytes):
-            raise _Bad(f"value {fqn!r} is malformed")
+            raise FormatViolation(f"value {fqn!r} is malformed")
         values[fqn] = ValueEntry(v[0], v[1], _int(v[2], f"{fqn} checksum", 0, (1 << 64) - 1))
     return values
 
@@ -493,18 +515,18 @@ def _tail_of(body: dict, tail) -> DigestTail | None:
         return None
     w = body["sums_tail"]
     if not (isinstance(w, list) and len(w) == 2 and isinstance(w[1], bytes) and len(w[1]) == DIGEST_BYTES):
-        raise _Bad("sums_tail must be [length, xxh3-128 digest]")
+        raise FormatViolation("sums_tail must be [length, xxh3-128 digest]")
     n = _int(w[0], "sums_tail length", 0, MAX_MANIFEST_BYTES)
     if tail is None:
-        raise _Bad("its block digests are in the file's tail: read it through the index that names it")
+        raise FormatViolation("its block digests are in the file's tail: read it through the index that names it")
     return tail(n, w[1])
 
 
-def _from_body(body, source: str = "<memory>", tail=None) -> Manifest:
+def _from_body(body, source: str = "<memory>", tail=None, parts: Sequence[PartReader] = ()) -> Manifest:
     if not isinstance(body, dict):
-        raise _Bad("body must be a map")
+        raise FormatViolation("body must be a map")
     if body.get("format") != FORMAT_NAME:
-        raise _Bad(f"format is {body.get('format')!r}, expected {FORMAT_NAME!r}")
+        raise FormatViolation(f"format is {body.get('format')!r}, expected {FORMAT_NAME!r}")
     version = _req(body, "version", int)
     if version not in READABLE_VERSIONS:
         raise UnsupportedFormatVersion(
@@ -513,64 +535,65 @@ def _from_body(body, source: str = "<memory>", tail=None) -> Manifest:
     block_size = _int(_req(body, "block_size", int), "block_size", 4096, 1 << 34)
     world = _int(_req(body, "world_size", int), "world_size", 1, MAX_WORLD)
     ranks = [_int(r, "rank", 0, world - 1) for r in _req(body, "ranks", list)]
-    files: dict[str, int] = {}
+    named: dict[str, int] = {}
     if version >= 3:  # a list, so that the tensor table can refer to files by position
         for pair in _req(body, "files", list):
             if not isinstance(pair, list) or len(pair) != 2:
-                raise _Bad("files must be a list of [name, size] pairs")
-            if check_file_name(pair[0]) in files:
-                raise _Bad(f"file {pair[0]!r} is listed twice")
-            files[pair[0]] = _int(pair[1], f"size of {pair[0]}")
+                raise FormatViolation("files must be a list of [name, size] pairs")
+            if check_file_name(pair[0]) in named:
+                raise FormatViolation(f"file {pair[0]!r} is listed twice")
+            named[pair[0]] = _int(pair[1], f"size of {pair[0]}")
     else:
         for name, size in _req(body, "files", dict).items():
-            files[check_file_name(name)] = _int(size, f"size of {name}")
-    ranked = None
+            named[check_file_name(name)] = _int(size, f"size of {name}")
+    ranked = file_map = None
+    files: Mapping[str, int] = named
     if version >= INDEX_VERSION:  # after those listed by name, each rank's own files (ranked.py)
         ranked = RankFiles(body.get("rank_files"), world, _save_id(body))
-        files = FileMap(files, ranked)
+        files = file_map = FileMap(named, ranked)
     homes: dict[str, str] = {}
     raw_homes = (body.get("homes") or {}) if version >= 2 else {}
     if not isinstance(raw_homes, dict):
-        raise _Bad("homes must be a map")
+        raise FormatViolation("homes must be a map")
     for name, home in raw_homes.items():
         if check_file_name(name) not in files:
-            raise _Bad(f"home given for file {name!r}, which the manifest does not list")
+            raise FormatViolation(f"home given for file {name!r}, which the manifest does not list")
         if not name.endswith(".dsd"):  # only data files are ever read from a sibling directory
-            raise _Bad(f"file {name!r} in another directory is not a data file (*.dsd)")
+            raise FormatViolation(f"file {name!r} in another directory is not a data file (*.dsd)")
         homes[name] = check_file_name(home)
     index = None
-    if ranked is not None:
-        index = IndexTable(body, files=files, ranked=ranked, homes=homes, world=world, save_id=_save_id(body),
-                           source=source, block_size=block_size,
+    if ranked is not None and file_map is not None:
+        index = IndexTable(body, files=file_map, ranked=ranked, homes=homes, world=world, save_id=_save_id(body),
+                           source=source, block_size=block_size, parts=parts,
                            decode=lambda data, where, tail: decode_manifest(data, source=where, tail=tail))
-        tensors = {t.fqn: TensorEntry(t.dtype, t.size, source=(index, i)) for i, t in enumerate(index.tensors)}  # dtypes checked
+        tensors = {t.fqn: TensorEntry(t.dtype, t.size, table=index, row=i) for i, t in enumerate(index.tensors)}  # dtypes checked
         if ranks:
-            raise _Bad("an index lists no ranks: its parts give them")
+            raise FormatViolation("an index lists no ranks: its parts give them")
         ranks = index.parts.ranks()
     elif version >= 3:
         tensors = decode_table(_req(body, "table", dict), list(files.items()), block_size,
                                lambda fqn, o, z, w: _special_chunk(fqn, o, z, w, files, block_size, version),
                                source, _tail_of(body, tail))
     else:
-        tensors = _tensors_v2(body, files, block_size, version)
+        tensors = _tensors_v2(body, named, block_size, version)
     values = _values(body, files, block_size, version)
     planner_data = _req(body, "planner_data", dict)
     for k, path in planner_data.items():
         if not isinstance(k, str) or not isinstance(path, list) or not all(isinstance(p, (str, int)) for p in path):
-            raise _Bad(f"planner_data for {k!r} must be a list of str/int")
+            raise FormatViolation(f"planner_data for {k!r} must be a list of str/int")
     if index is not None:  # the tensors' paths, cut from their names by pattern
         planner_data = {**paths_from_wire(body.get("paths"), [t.fqn for t in index.tensors]), **planner_data}
     save_id = _save_id(body)
     for key, typ in (("created_unix", (int, float)), ("torch", str), ("writer", str)):
         if key in body and body[key] is not None and not isinstance(body[key], typ):
-            raise _Bad(f"field {key!r} has the wrong type ({type(body[key]).__name__})")
+            raise FormatViolation(f"field {key!r} has the wrong type ({type(body[key]).__name__})")
     return Manifest(
         save_id=save_id, world_size=world, ranks=ranks, files=files,
         tensors=tensors, values=values, planner_data=planner_data, homes=homes, version=version,
         block_size=block_size,
         created_unix=float(body.get("created_unix", 0.0) or 0.0),
         torch_version=str(body.get("torch", "")), writer=str(body.get("writer", "")),
-        extra=body.get("extra") if isinstance(body.get("extra"), dict) else {},
+        extra=extra if isinstance(extra := body.get("extra"), dict) else {},
         index=index,
     )
 
@@ -578,7 +601,7 @@ def _from_body(body, source: str = "<memory>", tail=None) -> Manifest:
 def _save_id(body: dict) -> str:
     save_id = body.get("save_id", "")
     if not isinstance(save_id, str):
-        raise _Bad("save_id must be a string")
+        raise FormatViolation("save_id must be a string")
     return save_id
 
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 import gc
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from ..errors import ManifestError
 from .checksum import BLOCK_SIZE, join_digests, split_digests
+from .limits import FormatViolation
 
 FORMAT_VERSION = 3  # written now; manifest.py reads the versions it lists
 
@@ -92,10 +94,6 @@ def paused_gc() -> _GcPause:
     return _GC_PAUSE
 
 
-class _Bad(Exception):
-    """A manifest field breaks the format (turned into ``ManifestError`` naming the file)."""
-
-
 @dataclass(slots=True)
 class Seg:
     """``nbytes`` contiguous bytes at ``offset`` in data file ``file``."""
@@ -114,10 +112,10 @@ class Extent:
     straddles two files."""
     segs: list[Seg]
     nbytes: int
-    sums: list  # per block: 16-byte xxh3-128 digest (v2, v3: a checksum.Digests) or xxh3-64 int (v1)
+    sums: Sequence  # per block: 16-byte xxh3-128 digest (v2; v3: a checksum.Digests) or xxh3-64 int (v1)
 
     @classmethod
-    def contiguous(cls, file: str, offset: int, nbytes: int, sums: list) -> "Extent":
+    def contiguous(cls, file: str, offset: int, nbytes: int, sums: Sequence) -> "Extent":
         return cls([Seg(file, offset, nbytes)], nbytes, sums)
 
     @property
@@ -185,123 +183,208 @@ def box_hits(offsets: tuple, sizes: tuple, boxes) -> bool:
                for blo, bn in boxes)
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a chunk in its tensor
+
+
+class ChunkTable(Protocol):
+    """Where the chunk records of a manifest's tensors come from, tensor by tensor (row ``t``).
+
+    Three implementations: :class:`ChunkList` (records in memory: versions 1 and 2, and every
+    manifest a save builds), the version 3 table (``columnar.Table``) and the version 4 index
+    (``index.IndexTable``), which answer from columns or sharding rules and build a record only
+    when it is asked for, so a rank that loads one chunk of a tensor sharded over thousands of
+    ranks never builds the others.  Positions ``i`` count records in the table's record order;
+    every box is an (offsets, sizes) pair.  A table raises ``ManifestError`` for a record that
+    breaks the format; none reads storage except the version 4 index, through the part reader
+    it was given when it was decoded."""
+
+    lazy: bool  # records built only when asked for
+
+    def count(self, t: int) -> int:
+        """How many records tensor ``t`` has, without building them."""
+        ...
+
+    def layout_key(self, t: int) -> tuple | None:
+        """A key tensors whose boxes are the same by construction share (one sharding rule over
+        one size), else None: a planner may reuse one tensor's box arithmetic for another."""
+        ...
+
+    def box_at(self, t: int, i: int) -> Box:
+        """The box of record ``i``, without building it."""
+        ...
+
+    def box_list(self, t: int) -> list[Box]:
+        """The box of every record, in order, without building the records."""
+        ...
+
+    def exact(self, t: int, box: Box) -> int | None:
+        """The position of the record whose box is exactly ``box``, else None."""
+        ...
+
+    def overlapping(self, t: int, boxes: list[Box]) -> list[int]:
+        """The positions of the records that overlap any of ``boxes`` (empty ones left out)."""
+        ...
+
+    def chunk_at(self, t: int, i: int) -> Chunk:
+        """Record ``i`` alone (its tensor's boxes are checked first)."""
+        ...
+
+    def record_at(self, t: int, at: object, key: tuple) -> Chunk | None:
+        """The record a read item names: record ``at`` (DCP's planners number the chunks they
+        were given) when it is stored at offsets ``key``, else the one stored at ``key``."""
+        ...
+
+    def find(self, t: int, offsets: tuple) -> Chunk | None:
+        """The record stored at ``offsets``, else None."""
+        ...
+
+    def find_box(self, t: int, offsets: tuple, sizes: tuple) -> Chunk | None:
+        """The record whose box is exactly (``offsets``, ``sizes``), else None."""
+        ...
+
+    def records(self, t: int) -> list[Chunk]:
+        """Every record of tensor ``t``, boxes checked disjoint."""
+        ...
+
+
+class PartIndex(Protocol):
+    """What a format 4 index (``index.IndexTable``) offers beyond its tensors' chunks."""
+
+    usage: tuple[int, dict[str, int]]  # bytes owned, and shared per earlier checkpoint
+
+    def part_ranks(self) -> list[int]:
+        """The ranks that wrote a metadata part, in order."""
+        ...
+
+    def check_part(self, rank: int) -> None:
+        """Read and check rank ``rank``'s part, head and digest tail (``ManifestError``)."""
+        ...
+
+
+class ChunkList:
+    """One tensor's records in memory: a :class:`ChunkTable` of one row (``t`` is ignored).
+    The list is the tensor's own: builders append to it (``TensorEntry.chunks``)."""
+
+    __slots__ = ("items", "_at", "_indexed")
+    lazy = False
+
+    def __init__(self, items: list[Chunk]) -> None:
+        self.items = items
+        self._at: dict[tuple, Chunk] = {}  # offsets -> record, made on the first lookup
+        self._indexed = 0  # how many of ``items`` ``_at`` holds (builders append after lookups)
+
+    def count(self, t: int) -> int:
+        return len(self.items)
+
+    def layout_key(self, t: int) -> None:
+        return None
+
+    def box_at(self, t: int, i: int) -> Box:
+        c = self.items[i]
+        return c.offsets, c.sizes
+
+    def box_list(self, t: int) -> list[Box]:
+        return [(c.offsets, c.sizes) for c in self.items]
+
+    def exact(self, t: int, box: Box) -> int | None:
+        return next((i for i, c in enumerate(self.items) if (c.offsets, c.sizes) == box), None)
+
+    def overlapping(self, t: int, boxes: list[Box]) -> list[int]:
+        return [i for i, c in enumerate(self.items) if box_hits(c.offsets, c.sizes, boxes)]
+
+    def chunk_at(self, t: int, i: int) -> Chunk:
+        return self.items[i]
+
+    def record_at(self, t: int, at: object, key: tuple) -> Chunk | None:
+        items = self.items
+        if isinstance(at, int) and 0 <= at < len(items) and items[at].offsets == key:
+            return items[at]
+        return self.find(t, key)
+
+    def find(self, t: int, offsets: tuple) -> Chunk | None:
+        if self._indexed != len(self.items):
+            for c in self.items[self._indexed:]:
+                self._at.setdefault(tuple(c.offsets), c)
+            self._indexed = len(self.items)
+        return self._at.get(tuple(offsets))
+
+    def find_box(self, t: int, offsets: tuple, sizes: tuple) -> Chunk | None:
+        chunk = self.find(t, offsets)
+        return chunk if chunk is not None and tuple(chunk.sizes) == tuple(sizes) else None
+
+    def records(self, t: int) -> list[Chunk]:
+        return self.items
+
+
 class TensorEntry:
-    """A tensor of the checkpoint: dtype, global size and its chunks.
+    """A tensor of the checkpoint: dtype, global size, and its chunk records in row ``row`` of a
+    :class:`ChunkTable` (its own :class:`ChunkList` unless a decoded table backs it).  Asking
+    for ``chunks`` builds every record once and keeps them in memory from then on."""
 
-    A version 3 or 4 manifest builds a tensor's chunk records only when they are asked for
-    (``source``: the decoded table, or the version 4 index, and the tensor's row in it);
-    ``find`` and ``overlapping`` answer from columns or rules without building them, so a rank that loads one chunk of a
-    tensor sharded over thousands of ranks never builds the others."""
+    __slots__ = ("dtype", "size", "_table", "_row")
 
-    __slots__ = ("dtype", "size", "_chunks", "_source")
-
-    def __init__(self, dtype: str, size: tuple[int, ...], chunks: list[Chunk] | None = None,
-                 source: tuple | None = None) -> None:
+    def __init__(self, dtype: str, size: tuple[int, ...], chunks: list[Chunk] | None = None, *,
+                 table: ChunkTable | None = None, row: int = 0) -> None:
         self.dtype, self.size = dtype, size
-        self._chunks = chunks if chunks is not None or source is not None else []
-        self._source = source  # (table, row)
+        self._table: ChunkTable = table if table is not None else ChunkList([] if chunks is None else chunks)
+        self._row = row
 
     @property
     def chunks(self) -> list[Chunk]:
-        if self._chunks is None:
-            table, row = self._source
-            self._chunks = table.records(row)
-        return self._chunks
-
-    @chunks.setter
-    def chunks(self, value: list[Chunk]) -> None:
-        self._chunks = value
-
-    def find(self, offsets: tuple) -> Chunk | None:
-        """The chunk stored at ``offsets`` (None: there is none)."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.find(row, offsets)
-        return next((c for c in self._chunks if c.offsets == offsets), None)
-
-    def record_at(self, at, key: tuple) -> Chunk | None:
-        """The record a read item names: record ``at`` (DCP's planners number the chunks they
-        were given) when it is stored at offsets ``key``.  A lazy tensor asks its source, which
-        also finds the chunk stored at ``key`` otherwise; an eager one answers None then (the
-        caller looks it up)."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.record_at(row, at, key)
-        if isinstance(at, int) and 0 <= at < len(self._chunks) and self._chunks[at].offsets == key:
-            return self._chunks[at]
-        return None
-
-    def find_box(self, offsets: tuple, sizes: tuple) -> Chunk | None:
-        """The chunk whose box is exactly (``offsets``, ``sizes``), else None."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.find_box(row, offsets, sizes)
-        chunk = self.find(offsets)
-        return chunk if chunk is not None and tuple(chunk.sizes) == tuple(sizes) else None
-
-    @property
-    def source(self) -> tuple:
-        """(table, row): the version 3 table or format 4 index that holds the records."""
-        return self._source
+        """Every record, built once; builders append to this list."""
+        table = self._table
+        if table.lazy:
+            table = self._table = ChunkList(table.records(self._row))
+            self._row = 0
+        return table.records(self._row)
 
     @property
     def lazy(self) -> bool:
-        """Whether the records are still unbuilt (a version 3 table backs them)."""
-        return self._chunks is None
+        """Whether the records are still unbuilt (a decoded table backs them)."""
+        return self._table.lazy
+
+    def find(self, offsets: tuple) -> Chunk | None:
+        """The chunk stored at ``offsets`` (None: there is none)."""
+        return self._table.find(self._row, offsets)
+
+    def record_at(self, at: object, key: tuple) -> Chunk | None:
+        """See :meth:`ChunkTable.record_at`."""
+        return self._table.record_at(self._row, at, key)
+
+    def find_box(self, offsets: tuple, sizes: tuple) -> Chunk | None:
+        """The chunk whose box is exactly (``offsets``, ``sizes``), else None."""
+        return self._table.find_box(self._row, offsets, sizes)
 
     def count(self) -> int:
         """How many chunk records the tensor has, without building them."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.count(row)
-        return len(self._chunks)
+        return self._table.count(self._row)
 
     def layout_key(self) -> tuple | None:
-        """A key that tensors whose records have the same boxes by construction share (one
-        sharding rule over one size), else None: a planner may reuse one tensor's box
-        arithmetic for another of the same key, within one manifest."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.layout_key(row)
-        return None
+        """See :meth:`ChunkTable.layout_key`."""
+        return self._table.layout_key(self._row)
 
-    def box(self, i: int) -> tuple[tuple, tuple]:
+    def box(self, i: int) -> Box:
         """(offsets, sizes) of record ``i``, without building it."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.box_at(row, i)
-        return self._chunks[i].offsets, self._chunks[i].sizes
+        return self._table.box_at(self._row, i)
 
     def chunk_at(self, i: int) -> Chunk:
         """Record ``i`` alone (a lazy tensor builds only that one; its boxes are checked)."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.chunk_at(row, i)
-        return self._chunks[i]
+        return self._table.chunk_at(self._row, i)
 
-    def boxes(self) -> list[tuple[tuple, tuple]]:
+    def boxes(self) -> list[Box]:
         """(offsets, sizes) of every record, in order, without building the records."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.box_list(row)
-        return [(c.offsets, c.sizes) for c in self._chunks]
+        return self._table.box_list(self._row)
 
-    def exact(self, box: tuple[tuple, tuple]) -> int | None:
-        """Position of the record whose box is exactly ``box`` ((offsets, sizes)), else None."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.exact(row, box)
-        return next((i for i, c in enumerate(self._chunks) if (c.offsets, c.sizes) == box), None)
+    def exact(self, box: Box) -> int | None:
+        """Position of the record whose box is exactly ``box``, else None."""
+        return self._table.exact(self._row, box)
 
-    def overlapping(self, boxes: list[tuple[tuple, tuple]]) -> list[int]:
-        """Positions of the records that overlap any of ``boxes`` ((offsets, sizes))."""
-        if self._chunks is None:
-            table, row = self._source
-            return table.overlapping(row, boxes)
-        return [i for i, c in enumerate(self._chunks) if box_hits(c.offsets, c.sizes, boxes)]
+    def overlapping(self, boxes: list[Box]) -> list[int]:
+        """Positions of the records that overlap any of ``boxes``."""
+        return self._table.overlapping(self._row, boxes)
 
     def __repr__(self) -> str:
-        n = "lazy" if self._chunks is None else len(self._chunks)
+        n = "lazy" if self._table.lazy else self._table.count(self._row)
         return f"TensorEntry({self.dtype}, {list(self.size)}, chunks={n})"
 
 
@@ -318,7 +401,7 @@ class Manifest:
     save_id: str
     world_size: int
     ranks: list[int]
-    files: dict[str, int]  # a format 4 index's: a Mapping that makes rank files' names when walked (ranked.py)
+    files: Mapping[str, int]  # a dict, or a format 4 index's FileMap, which names rank files when walked
     tensors: dict[str, TensorEntry]
     values: dict[str, ValueEntry]
     planner_data: dict[str, list]
@@ -329,7 +412,7 @@ class Manifest:
     torch_version: str = ""
     writer: str = ""
     extra: dict = field(default_factory=dict)
-    index: object = None  # version 4: the IndexTable that finds chunk records in the ranks' parts
+    index: PartIndex | None = None  # version 4: the index that finds chunk records in the ranks' parts
 
     def usage(self) -> tuple[int, dict[str, int]]:
         """Tensor bytes this checkpoint owns (in its own files) and, per earlier checkpoint of
@@ -353,10 +436,13 @@ class Manifest:
     def merge(self, other: "Manifest", *, source: str = "<memory>") -> None:
         """Fold a rank-local manifest (``use_collectives=False``) of the same save into this
         one.  Ranks that disagree on a tensor, or whose chunks overlap, raise ``ManifestError``."""
+        files = self.files
+        if not isinstance(files, dict):
+            raise ManifestError("a format 4 index merges no rank manifests", checkpoint=source)
         for name, size in other.files.items():
-            if self.files.get(name, size) != size:
+            if files.get(name, size) != size:
                 raise ManifestError(f"rank manifests disagree on the size of {name}", checkpoint=source)
-            self.files[name] = size
+            files[name] = size
         self.homes.update(other.homes)
         touched = []
         for fqn, t in other.tensors.items():
@@ -373,7 +459,7 @@ class Manifest:
         for fqn in touched:
             try:
                 check_tiling(fqn, self.tensors[fqn].chunks)
-            except _Bad as e:
+            except FormatViolation as e:
                 raise ManifestError(f"invalid manifest: {e}", checkpoint=source, key=fqn) from None
         for fqn, v in other.values.items():
             self.values.setdefault(fqn, v)
@@ -382,7 +468,24 @@ class Manifest:
         self.ranks = sorted(set(self.ranks) | set(other.ranks))
 
 
-def check_tiling(fqn: str, chunks: list[Chunk]) -> None:
+class Boxed(Protocol):
+    """Anything with a box: a chunk record, or a :class:`BareBox`."""
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    @property
+    def sizes(self) -> tuple[int, ...]: ...
+
+
+@dataclass(slots=True, frozen=True)
+class BareBox:
+    """A box alone, to check boxes with ``check_tiling`` without building their records."""
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def check_tiling(fqn: str, chunks: Sequence[Boxed]) -> None:
     """Chunks of one tensor may not overlap: then the volumes the reader sums are the
     union it covers.  A sweep along the dimension with the most distinct offsets compares
     only chunks whose extents along it intersect (one neighbour each for FSDP shards)."""
@@ -391,7 +494,7 @@ def check_tiling(fqn: str, chunks: list[Chunk]) -> None:
         seen = set()
         for c in chunks:  # scalars and 0-d: one chunk per offset
             if not c.sizes and c.offsets in seen:
-                raise _Bad(f"{fqn}: two chunks at offsets {list(c.offsets)}")
+                raise FormatViolation(f"{fqn}: two chunks at offsets {list(c.offsets)}")
             seen.add(c.offsets)
         return
     nd = len(boxes[0].offsets)
@@ -404,7 +507,7 @@ def check_tiling(fqn: str, chunks: list[Chunk]) -> None:
                 break
             if all(bo < ao + asz and ao < bo + bsz
                    for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                raise _Bad(f"{fqn}: chunks at {list(a.offsets)} (size {list(a.sizes)}) and "
+                raise FormatViolation(f"{fqn}: chunks at {list(a.offsets)} (size {list(a.sizes)}) and "
                            f"{list(b.offsets)} (size {list(b.sizes)}) overlap")
 
 

@@ -10,9 +10,7 @@ import re
 import numpy as np
 
 from .columnar import int_column
-from .model import _Bad
-
-_I8 = np.dtype("<i8")
+from .limits import INT64, FormatViolation
 
 
 def _pattern(fqn: str, path) -> tuple | None:
@@ -46,7 +44,7 @@ def paths_wire(names: list[str], planner_data: dict) -> tuple[dict, dict]:
     per tensor (-1: none); returns that and the entries it does not cover."""
     at = {n: i for i, n in enumerate(names)}
     patterns: dict[tuple, int] = {}
-    code = np.full(len(names), -1, dtype=_I8)
+    code = np.full(len(names), -1, dtype=INT64)
     rest = {}
     for k, path in planner_data.items():
         pat = _pattern(k, path) if k in at else None
@@ -61,12 +59,12 @@ def paths_wire(names: list[str], planner_data: dict) -> tuple[dict, dict]:
 def paths_from_wire(raw, names: list[str]) -> dict[str, list]:
     """The flattening paths ``paths_wire`` encoded, each cut from its tensor's name."""
     if not isinstance(raw, dict) or not isinstance(raw.get("patterns"), list):
-        raise _Bad("paths must be a map with a list of patterns")
+        raise FormatViolation("paths must be a map with a list of patterns")
     pats = []
     for w in raw["patterns"]:
         if not (isinstance(w, list) and len(w) == 2 and (w[0] is None or isinstance(w[0], list))
                 and isinstance(w[1], list) and all(type(x) is int for x in (w[0] or []) + w[1])):
-            raise _Bad("a path pattern must be [cuts or null, ints]")
+            raise FormatViolation("a path pattern must be [cuts or null, ints]")
         pats.append(w)
     code = int_column(raw, "of", len(names), -1, len(pats) - 1, "paths")
     out: dict[str, list] = {}
@@ -79,13 +77,13 @@ def paths_from_wire(raw, names: list[str]) -> dict[str, list]:
             comps = parts
         else:
             if any(not 0 <= b < len(parts) - 1 for b in cuts) or any(a >= b for a, b in zip(cuts, cuts[1:])):
-                raise _Bad(f"path pattern {c} does not fit {names[i]!r}")
+                raise FormatViolation(f"path pattern {c} does not fit {names[i]!r}")
             bounds = [0, *(b + 1 for b in cuts), len(parts)]
             comps = [".".join(parts[a:b]) for a, b in zip(bounds, bounds[1:])]
         for k in ints:
             if not 0 <= k < len(comps) or not _INT.fullmatch(comps[k]):
-                raise _Bad(f"path pattern {c} makes a non-integer of {names[i]!r} an index")
-            comps[k] = int(comps[k])
+                raise FormatViolation(f"path pattern {c} makes a non-integer of {names[i]!r} an index")
+            comps[k] = int(comps[k])  # pyright: ignore[reportArgumentType,reportCallIssue] (str -> int)
         out[names[i]] = comps
     return out
 

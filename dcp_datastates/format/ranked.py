@@ -28,14 +28,11 @@ from itertools import chain
 import numpy as np
 import xxhash
 
-from .columnar import MAX_FILE_BYTES, FileList, int_column
-from .model import _Bad
+from .columnar import FileList, int_column
+from .limits import INT64, MAX_FILE_BYTES, MAX_PART_BYTES, MAX_STRIPE, FormatViolation
 from .names import SAVE_ID, rank_file_name, rank_file_names, rank_file_of
 
 PART = -1  # the stripe of a rank's metadata part in ``rank_files``
-MAX_STRIPE = 99  # data file names hold two digits of stripe
-MAX_PART_BYTES = 1 << 31
-_I8 = np.dtype("<i8")
 # the end of a part's tail: the save id, the rank, and the xxh3-128 of the block digests before it
 FOOTER = struct.Struct("<12sQ16s")
 
@@ -69,13 +66,13 @@ def open_tail(data: bytes, save_id: str, rank: int) -> bytes:
     """The block digests of a part's tail, when its footer names this save and rank and
     matches them."""
     if len(data) < FOOTER.size:
-        raise _Bad("its tail is shorter than its footer")
+        raise FormatViolation("its tail is shorter than its footer")
     sid, r, digest = FOOTER.unpack_from(data, len(data) - FOOTER.size)
     if sid != save_id.encode() or r != rank:
-        raise _Bad(f"its tail holds the block digests of save {sid.decode(errors='replace')} rank {r}")
+        raise FormatViolation(f"its tail holds the block digests of save {sid.decode(errors='replace')} rank {r}")
     digests = data[:len(data) - FOOTER.size]
     if xxhash.xxh3_128_digest(digests) != digest:
-        raise _Bad("its block digests do not match their footer")
+        raise FormatViolation("its block digests do not match their footer")
     return digests
 
 
@@ -95,7 +92,7 @@ class RankFileColumns:
     def to_wire(self) -> dict:
         rank = np.concatenate([self.rank, self.part_rank])
         return {"rank_files": {"rank": np.diff(rank, prepend=0).tobytes(),  # steps: they pack to little
-                               "stripe": np.concatenate([self.stripe, np.full(len(self.part_rank), PART, _I8)]).tobytes(),
+                               "stripe": np.concatenate([self.stripe, np.full(len(self.part_rank), PART, INT64)]).tobytes(),
                                "size": np.concatenate([self.size, self.part_size]).tobytes()},
                 "parts": {"head": self.part_head.tobytes()}}
 
@@ -124,6 +121,7 @@ class _NamedThenRanked(Mapping):
     a map.  A subclass gives the rank files' names, sizes and a name's size."""
 
     __slots__ = ("named",)
+    named: Mapping[str, int]
 
     def _rank_names(self) -> list[str]:
         raise NotImplementedError
@@ -228,16 +226,16 @@ class RankFiles:
         rank = np.cumsum(step)
         n = len(rank)
         if n and (int(rank.min()) < 0 or int(rank.max()) >= world):
-            raise _Bad(f"rank_files names a rank outside [0, {world})")
+            raise FormatViolation(f"rank_files names a rank outside [0, {world})")
         stripe = int_column(raw, "stripe", n, PART, MAX_STRIPE, "rank_files")
         size = int_column(raw, "size", n, 0, MAX_FILE_BYTES, "rank_files")
         if n and not SAVE_ID.match(save_id):
-            raise _Bad(f"save id {save_id!r} cannot name files")
+            raise FormatViolation(f"save id {save_id!r} cannot name files")
         key = rank * (MAX_STRIPE + 2) + (stripe - PART)  # one number per (rank, stripe)
         self._order = np.argsort(key, kind="stable")
         self._sorted = key[self._order]
         if n > 1 and bool((self._sorted[1:] == self._sorted[:-1]).any()):
-            raise _Bad("rank_files lists a rank's file twice")
+            raise FormatViolation("rank_files lists a rank's file twice")
         self.rank, self.stripe, self.size, self.save_id = rank, stripe, size, save_id
         self._names: dict[int, str] = {}
 
@@ -272,7 +270,7 @@ class FileMap(_NamedThenRanked):
 
     def __init__(self, named: dict[str, int], ranked: RankFiles) -> None:
         if any(ranked.row_of(name) is not None for name in named):
-            raise _Bad("a file named by rank is also listed by name")
+            raise FormatViolation("a file named by rank is also listed by name")
         self.named, self._ranked = named, ranked
 
     def _rank_names(self) -> list[str]:
@@ -303,9 +301,9 @@ class PartTable:
         size = files.size[rows]
         head = int_column(raw, "head", n, 1, MAX_PART_BYTES, "parts")
         if n and (int(size.min()) < 1 or int(size.max()) > MAX_PART_BYTES):
-            raise _Bad(f"a part's size is outside [1, {MAX_PART_BYTES}]")
+            raise FormatViolation(f"a part's size is outside [1, {MAX_PART_BYTES}]")
         if n and bool((head + FOOTER.size > size).any()):
-            raise _Bad("a part's head is longer than the part less its tail's footer")
+            raise FormatViolation("a part's head is longer than the part less its tail's footer")
         self._ranks = files.rank[rows]
         self._at = dict(zip(self._ranks.tolist(), range(n)))
         self._size, self._head = size.tolist(), head.tolist()
@@ -353,5 +351,5 @@ class PartTable:
         if self._has is None:
             self._has = np.zeros(self._world, dtype=bool)
             self._has[self._ranks] = True
-        want = np.asarray(ranks, dtype=_I8)
+        want = np.asarray(ranks, dtype=INT64)
         return np.unique(want[~self._has[want]]).tolist()

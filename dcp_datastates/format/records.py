@@ -18,13 +18,11 @@ from operator import attrgetter
 import numpy as np
 
 from .columnar import _runs, _starts
+from .limits import INT64, FormatViolation
 from .listed import HeldColumns, HeldRecord
 from .manifest import Extent, ValueEntry
-from .model import _Bad
 from .names import part_file_name
 from .ranked import PartRef, RankFileColumns
-
-_I8 = np.dtype("<i8")
 
 
 @dataclass(slots=True)
@@ -105,7 +103,7 @@ class PartRecord:
         segs = [(place[f], o, n) for h in packed for f, o, n in zip(h.files, h.offsets, h.nbytes)]
         rows = np.array(head + [x for s, z, _ in own for x in (s, z)]
                         + [x for h in packed for x in (h.chunk, h.tail_at, len(h.files))]
-                        + [x for g in segs for x in g], dtype=_I8)
+                        + [x for g in segs for x in g], dtype=INT64)
         quiet = not (rare.files or rare.homes or rare.explicit or rare.values or rare.shared or rare.held)
         return cls(rows.tobytes(), tuple(h.key for h in packed), None if quiet else rare)
 
@@ -126,37 +124,37 @@ class Gathered:
 
     @classmethod
     def of(cls, records: list[PartRecord], save_id: str) -> "Gathered":
-        """Raises ``_Bad`` where a record's rows do not add up or name another save."""
+        """Raises ``FormatViolation`` where a record's rows do not add up or name another save."""
         blobs = list(map(attrgetter("rows"), records))
         n = len(blobs)
-        words = np.fromiter(map(len, blobs), dtype=_I8, count=n) // 8
-        a = np.frombuffer(b"".join(blobs), dtype=_I8)
+        words = np.fromiter(map(len, blobs), dtype=INT64, count=n) // 8
+        a = np.frombuffer(b"".join(blobs), dtype=INT64)
         start = _starts(words)
         if n and int(words.min()) < _HEADER:
-            raise _Bad("a rank's part record is shorter than its header")
-        head = a[start[:, None] + np.arange(_HEADER)] if n else np.zeros((0, _HEADER), _I8)
+            raise FormatViolation("a rank's part record is shorter than its header")
+        head = a[start[:, None] + np.arange(_HEADER)] if n else np.zeros((0, _HEADER), INT64)
         n_own, n_held, n_segs = head[:, _N_OWN], head[:, _N_HELD], head[:, _N_SEGS]
         if n and (int(min(n_own.min(), n_held.min(), n_segs.min())) < 0
                   or bool((words != _HEADER + 2 * n_own + 3 * n_held + 3 * n_segs).any())):
-            raise _Bad("a rank's part record does not add up")
+            raise FormatViolation("a rank's part record does not add up")
         other = np.nonzero(head[:, _SAVE] != int(save_id, 16))[0]
         if len(other):
             r = int(head[other[0], _RANK])
-            raise _Bad(f"rank {r} wrote metadata part {part_file_name(r, f'{int(head[other[0], _SAVE]):012x}')!r}, "
+            raise FormatViolation(f"rank {r} wrote metadata part {part_file_name(r, f'{int(head[other[0], _SAVE]):012x}')!r}, "
                        "not this save's")
         rank = head[:, _RANK]
         own = _rows(a, start + _HEADER, n_own, 2)
         held = _rows(a, start + _HEADER + 2 * n_own, n_held, 3)
         segs = _rows(a, start + _HEADER + 2 * n_own + 3 * n_held, n_segs, 3)
         if int(held[2].sum()) != int(n_segs.sum()) or (len(held[2]) and int(held[2].min()) < 1):
-            raise _Bad("a rank's held records and their segments do not add up")
+            raise FormatViolation("a rank's held records and their segments do not add up")
         of_seg = np.repeat(np.arange(n), n_segs)
         own_start = _starts(n_own)
         if len(segs[0]) and bool(((segs[0] < 0) | (segs[0] >= n_own[of_seg])).any()):
-            raise _Bad("a held record's segment names a file its rank did not write")
+            raise FormatViolation("a held record's segment names a file its rank did not write")
         keys = list(chain.from_iterable(map(attrgetter("held_keys"), records)))
         if len(keys) != len(held[0]):
-            raise _Bad("a rank's held records and their keys do not add up")
+            raise FormatViolation("a rank's held records and their keys do not add up")
         files = RankFileColumns(save_id, np.repeat(rank, n_own), own[0], own[1], rank,
                                 head[:, _PART_SIZE].copy(), head[:, _PART_HEAD].copy())
         return cls(rank, files, int(head[:, _OWNED].sum()), own_start, n_own, keys,
@@ -166,15 +164,15 @@ class Gathered:
         """The packed held records as columns: ``at`` numbers their tensors, and rank files'
         places start at ``first_row`` in the index's file list."""
         try:
-            tensor = np.fromiter(map(at.__getitem__, self.held_keys), dtype=_I8, count=len(self.held_keys))
+            tensor = np.fromiter(map(at.__getitem__, self.held_keys), dtype=INT64, count=len(self.held_keys))
         except KeyError as e:
-            raise _Bad(f"a rank sent the record of a replicated box of {e.args[0]!r}, which the save has not") from None
+            raise FormatViolation(f"a rank sent the record of a replicated box of {e.args[0]!r}, which the save has not") from None
         chunk, tail_at, nsegs, row, offset, nbytes = self.held_rows
         return HeldColumns(tensor, chunk, tail_at, nsegs, row + first_row, offset, nbytes)
 
     def rows_of(self, which: list[int]) -> list[int]:
         """The rows of the own files of the ranks at places ``which`` in gathered order."""
-        at = np.asarray(which, dtype=_I8)
+        at = np.asarray(which, dtype=INT64)
         return _runs(self.own_start[at], self.own_count[at]).tolist()
 
 

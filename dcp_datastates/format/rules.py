@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .model import _Bad
+from .limits import MAX_MESH_DIMS, FormatViolation
 
-MAX_MESH_DIMS = 8
 SMALL_BOX_BYTES = 64 << 10  # a replicated box this small is written by the first replica
 _ALL_LARGE, _ALL_SMALL, _MIXED = 1, 0, 2  # a rule's boxes against SMALL_BOX_BYTES
 
@@ -58,30 +57,30 @@ class Mesh:
     @classmethod
     def from_wire(cls, w, max_rank: int) -> "Mesh":
         if not isinstance(w, list) or len(w) != 2 or not isinstance(w[0], list) or not isinstance(w[1], list):
-            raise _Bad("a mesh must be [shape, ranks]")
+            raise FormatViolation("a mesh must be [shape, ranks]")
         shape = w[0]
         if not 1 <= len(shape) <= MAX_MESH_DIMS or not all(_plain_int(s) and 1 <= s <= max_rank for s in shape):
-            raise _Bad(f"mesh shape {shape!r} is invalid")
+            raise FormatViolation(f"mesh shape {shape!r} is invalid")
         n = 1
         for s in shape:
             n *= s
         if n > max_rank:
-            raise _Bad(f"mesh of shape {shape} has more ranks than the limit {max_rank}")
+            raise FormatViolation(f"mesh of shape {shape} has more ranks than the limit {max_rank}")
         raw = w[1]
         if raw[:1] == ["list"]:
             ranks: range | tuple = tuple(raw[1:])
             if not all(_plain_int(r) for r in ranks):
-                raise _Bad("mesh ranks must be integers")
+                raise FormatViolation("mesh ranks must be integers")
         elif len(raw) == 3 and all(_plain_int(x) for x in raw) and raw[2] != 0:
             ranks = range(*raw)
         else:
-            raise _Bad("mesh ranks must be a range or a list")
+            raise FormatViolation("mesh ranks must be a range or a list")
         if len(ranks) != n:
-            raise _Bad(f"mesh of shape {shape} lists {len(ranks)} ranks")
+            raise FormatViolation(f"mesh of shape {shape} lists {len(ranks)} ranks")
         if n and (min(ranks) < 0 or max(ranks) >= max_rank):
-            raise _Bad(f"mesh ranks must lie in [0, {max_rank})")
+            raise FormatViolation(f"mesh ranks must lie in [0, {max_rank})")
         if not isinstance(ranks, range) and len(set(ranks)) != n:
-            raise _Bad("a mesh lists a rank twice")
+            raise FormatViolation("a mesh lists a rank twice")
         return cls(tuple(shape), ranks)
 
 
@@ -98,15 +97,15 @@ class ShardRule:
     @classmethod
     def from_wire(cls, w, meshes: list[Mesh], ndim: int) -> "ShardRule":
         if not isinstance(w, list) or len(w) != 2 or not _plain_int(w[0]) or not isinstance(w[1], list):
-            raise _Bad("a sharding rule must be [mesh, dims]")
+            raise FormatViolation("a sharding rule must be [mesh, dims]")
         if not 0 <= w[0] < len(meshes):
-            raise _Bad(f"sharding rule names mesh {w[0]}, but there are {len(meshes)}")
+            raise FormatViolation(f"sharding rule names mesh {w[0]}, but there are {len(meshes)}")
         dims = tuple(w[1])
         if len(dims) != len(meshes[w[0]].shape) or not all(_plain_int(d) and -1 <= d < ndim for d in dims):
-            raise _Bad(f"sharding rule dims {list(dims)} do not fit a {ndim}-d tensor on its mesh")
+            raise FormatViolation(f"sharding rule dims {list(dims)} do not fit a {ndim}-d tensor on its mesh")
         sharded = [d for d in dims if d >= 0]
         if len(set(sharded)) != len(sharded):
-            raise _Bad("a tensor dimension is sharded by two mesh dimensions")
+            raise FormatViolation("a tensor dimension is sharded by two mesh dimensions")
         return cls(w[0], dims)
 
 
@@ -358,7 +357,7 @@ class RuleTable:
         rule = self.rules[fqn]
         i = Geometry(size, self.meshes[rule.mesh], rule, 0, 1).index_of(tuple(offsets))
         if i is None:
-            raise _Bad(f"tensor {fqn!r} has no chunk at {list(offsets)} under its sharding rule")
+            raise FormatViolation(f"tensor {fqn!r} has no chunk at {list(offsets)} under its sharding rule")
         return i
 
     @classmethod
@@ -372,7 +371,7 @@ class RuleTable:
 
 
 def merge_tables(tables: list["RuleTable | None"]) -> RuleTable:
-    """One table for the save from every rank's; raises ``_Bad`` where two ranks give one
+    """One table for the save from every rank's; raises ``FormatViolation`` where two ranks give one
     tensor different rules.  Each distinct table is read once."""
     meshes: list[Mesh] = []
     where: dict[Mesh, int] = {}
@@ -391,5 +390,5 @@ def merge_tables(tables: list["RuleTable | None"]) -> RuleTable:
         for fqn, r in t.rules.items():
             r2 = ShardRule(remap[r.mesh], r.dims)
             if rules.setdefault(fqn, r2) != r2:
-                raise _Bad(f"ranks shard tensor {fqn!r} differently ({rules[fqn]} and {r2})")
+                raise FormatViolation(f"ranks shard tensor {fqn!r} differently ({rules[fqn]} and {r2})")
     return RuleTable.of(meshes, rules)

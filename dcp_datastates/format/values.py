@@ -18,14 +18,12 @@ import msgpack
 import torch
 
 from .dtypes import dtype_from_name, dtype_name
+from .limits import MAX_CONTAINER_LEN, MAX_EXT_DEPTH, MAX_VALUE_BYTES
 
 # Decoder limits: far beyond any real state-dict value, far below a bomb.
-MAX_VALUE_BYTES = 1 << 30
-MAX_CONTAINER_LEN = 1 << 24
 # Extension types nest by calling the decoder again from its own hook, on the C stack: a
 # crafted value nested a few hundred deep would overflow it and kill the process.  Real
 # values (a tuple of tuples in an optimizer's param groups) nest a handful of levels.
-MAX_EXT_DEPTH = 32
 _depth = threading.local()
 
 
@@ -46,7 +44,9 @@ class NotEncodable(TypeError):
 
 
 def _pack(obj) -> bytes:
-    return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)
+    data = msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)
+    assert data is not None, "packb returns bytes without a stream"
+    return data
 
 
 def _default(obj):

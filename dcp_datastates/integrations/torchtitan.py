@@ -40,11 +40,11 @@ from torchtitan.config.override import derive, override
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
+from ..engine.device_cache import prepare_device_cache
+from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..format.names import MANIFEST_NAME
 from ..guard import async_save
 from ..planner import DataStatesLoadPlanner, DataStatesSavePlanner
-from ..engine.device_cache import prepare_device_cache
-from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..reader import DataStatesReader
 from ..tiers import StorageTier
 from ..tiers.manifests import manifest_is_ours

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import msgpack
 
 from ..errors import CheckpointError, DataFileError, ManifestError, NotACheckpointError
-from ..format.manifest import MAGIC, MAX_MANIFEST_BYTES, Manifest, decode_manifest
+from ..format.limits import MAX_MANIFEST_BYTES
+from ..format.manifest import MAGIC, Manifest, decode_manifest
 from ..format.names import MANIFEST_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, parse_rank_manifest
 from .storage import StorageTier
 
@@ -79,18 +81,16 @@ def manifest_head(tier: StorageTier) -> ManifestHead | None:
     return ManifestHead(sid, float(created))
 
 
-def read_manifest(tier: StorageTier, name: str) -> Manifest:
+def read_manifest(tier: StorageTier, name: str, parts_also: Sequence[StorageTier] = ()) -> Manifest:
     """Decode manifest file ``name`` of ``tier``: size-checked before it is read, never
-    through a link, and validated (``ManifestError`` names the file)."""
+    through a link, and validated (``ManifestError`` names the file).  A format 4 index reads
+    its ranks' parts from ``tier``, then from the copies in ``parts_also``."""
     where = f"{tier.url}/{name}"
     try:
         data = tier.read_bytes(name, max_bytes=MAX_MANIFEST_BYTES)
     except DataFileError as e:
         raise ManifestError(f"manifest unreadable: {e}", checkpoint=where) from None
-    m = decode_manifest(data, source=where)
-    if m.index is not None:
-        m.index.loaders = [part_loader(tier)]
-    return m
+    return decode_manifest(data, source=where, parts=[part_loader(t) for t in (tier, *parts_also)])
 
 
 def part_loader(tier: StorageTier):
@@ -165,12 +165,13 @@ def _merge(tier: StorageTier, save: RankSave, ms: dict[int, Manifest]) -> Manife
     return merged
 
 
-def load_manifest(tier: StorageTier) -> Manifest:
-    """The committed manifest of the checkpoint at ``tier`` (merged across rank manifests)."""
+def load_manifest(tier: StorageTier, parts_also: Sequence[StorageTier] = ()) -> Manifest:
+    """The committed manifest of the checkpoint at ``tier`` (merged across rank manifests);
+    ``parts_also``: other copies of the checkpoint a format 4 index may read its parts from."""
     where = tier.url
     names = tier.listdir()
     if MANIFEST_NAME in names or (not tier.local and tier.exists(MANIFEST_NAME)):
-        return read_manifest(tier, MANIFEST_NAME)
+        return read_manifest(tier, MANIFEST_NAME, parts_also)
     if not any(is_manifest_name(n) for n in names):
         raise NotACheckpointError(_why_not_a_checkpoint(tier, names), checkpoint=where)
     saves = rank_saves(tier, names)
@@ -211,14 +212,6 @@ def _why_not_a_checkpoint(tier: StorageTier, names: list[str]) -> str:
                 "the run still use (an incremental husk), not a checkpoint of its own")
     return ("no committed manifest: this directory holds a save that never committed (it was "
             "interrupted or is still running); load an earlier step")
-
-
-def committed_manifest(tier: StorageTier) -> Manifest | None:
-    """The committed manifest at ``tier``, or None where nothing is committed."""
-    try:
-        return load_manifest(tier)
-    except NotACheckpointError:
-        return None
 
 
 def committed_here(tier: StorageTier, *, rank: int | None) -> bool:

@@ -23,14 +23,13 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import msgpack
 
 from ..errors import CheckpointError, ManifestError
-
 from ..format.manifest import MANIFEST_NAME, Manifest, decode_manifest
-from ..format.names import (FAILED_PREFIX, PERSISTED_RECORD, UPLOADED_PREFIX, failed_marker,
-                            uploaded_marker)
+from ..format.names import PERSISTED_RECORD, UPLOADED_PREFIX, failed_marker, uploaded_marker
 from .activity import wait_for_quiet
 from .storage import StorageTier, open_regular
 from .tidy import flushing
@@ -157,7 +156,7 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
     def upload() -> None:
         with_retries(dst.makedirs, f"creating {dst.url}")
         for name in sorted(files):
-            with_retries(lambda: copy_file(src, dst, name), f"upload of {name} to {dst.url}")
+            with_retries(partial(copy_file, src, dst, name), f"upload of {name} to {dst.url}")
         for name, (home, size) in sorted((refs or {}).items()):
             there = dst.sibling(home)
             try:
@@ -166,7 +165,7 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
             except OSError:
                 pass
             with_retries(there.makedirs, f"creating {there.url}")
-            with_retries(lambda: copy_file(src.sibling(home), there, name),
+            with_retries(partial(copy_file, src.sibling(home), there, name),
                          f"upload of referenced {home}/{name} to {there.url}")
         body = msgpack.packb({"rank": rank, "save_id": save_id, "files": files}, use_bin_type=True)
         with_retries(lambda: dst.commit_bytes(marker_name(rank, save_id), body),

@@ -23,8 +23,15 @@ import threading
 
 from ..errors import CheckpointError, ForeignFormatError
 from ..format.manifest import Manifest
-from ..format.names import (MANIFEST_NAME, TEMP_INFIX, data_file_save_id, is_manifest_name,
-                            is_temp_manifest, marker_save_id, parse_rank_manifest)
+from ..format.names import (
+    MANIFEST_NAME,
+    TEMP_INFIX,
+    data_file_save_id,
+    is_manifest_name,
+    is_temp_manifest,
+    marker_save_id,
+    parse_rank_manifest,
+)
 from .manifests import load_manifest, rank_saves, read_manifest
 from .storage import StorageTier
 
