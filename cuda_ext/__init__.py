@@ -185,7 +185,7 @@ def pinned_buffer(nbytes: int, device: int | None = None) -> tuple[PinnedHandle,
     handle = PinnedHandle(ptr, nbytes)
     arr = (ctypes.c_ubyte * nbytes).from_address(ptr)
     view = torch.frombuffer(arr, dtype=torch.uint8, count=nbytes)
-    view._dcpds_owner = handle  # the view keeps the allocation alive
+    view._dcpds_owner = handle  # pyright: ignore[reportAttributeAccessIssue] (keeps the allocation alive)
     return handle, view
 
 

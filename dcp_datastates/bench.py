@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from concurrent.futures import Future
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -75,6 +76,7 @@ def run_bench(out: str, *, gb: float = 0.5, charts: bool = True, progress=None) 
     w = DataStatesWriter(t1, persist_to=[t2])
     fut = async_save(sd, storage_writer=w, no_dist=True)
     w.wait_snapshot()
+    assert isinstance(fut, Future), "DCP returns a plain future without an async stager"
     fut.result()
     w.wait_persisted()
     timeline = w.timings()

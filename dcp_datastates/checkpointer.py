@@ -33,13 +33,14 @@ from .engine.device_cache import prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from .errors import CheckpointError
 from .format import decode_manifest
-from .format.manifest import MANIFEST_NAME, is_manifest_name
+from .format.manifest import MANIFEST_NAME, Manifest, is_manifest_name
+from .format.names import step_of
 from .guard import async_save
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .tiers import StorageTier
-from .tiers.manifests import load_manifest, manifest_head, manifest_is_ours
-from .tiers.retention import STEP_DIR, purge_steps
+from .tiers.manifests import ManifestHead, load_manifest, manifest_head, manifest_is_ours
+from .tiers.retention import purge_steps
 from .writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class Checkpointer:
             prepare_device_cache(writer_options.get("device_cache_bytes") or 0)
         self.incremental = incremental
         self._last_committed: int | None = None  # newest step this process committed
-        self._manifests: dict[int, object] = {}  # step -> Manifest, while it flushes to slower tiers
+        self._manifests: dict[int, Manifest] = {}  # step -> Manifest, while it flushes to slower tiers
         self._saves = 0
         self._inflight: dict | None = None  # {"step", "writer", "future", "persist"}
         self._persisting: dict[int, DataStatesWriter] = {}
@@ -236,12 +237,7 @@ class Checkpointer:
 
     # -------------------------------------------------------------- discovery
     def _step_dirs(self, i: int) -> list[int]:
-        out = []
-        for name in self._tier(i).listdir():
-            m = STEP_DIR.match(name)
-            if m:
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return sorted(s for s in map(step_of, self._tier(i).listdir()) if s is not None)
 
     def is_committed(self, i: int, step: int) -> bool:
         """Whether ``step`` has a committed manifest on tier ``i`` (a readable set of rank
@@ -266,11 +262,11 @@ class Checkpointer:
         heads = [manifest_head(self._tier(i, step)) for i in range(len(self.tiers))]
         views = [heads]
         if dist.is_available() and dist.is_initialized():
-            views = [None] * dist.get_world_size(self.pg)
+            views: list[list[ManifestHead | None] | None] = [None] * dist.get_world_size(self.pg)
             dist.all_gather_object(views, heads, group=self.pg)
         shared = range(1 if self.node_local else 0, len(self.tiers))
         for tiers in (shared, range(0, 1 if self.node_local else 0)):
-            found = [v[i] for v in views for i in tiers if v[i] is not None]
+            found = [h for v in views if v is not None for i in tiers if (h := v[i]) is not None]
             if found:
                 return max(found, key=lambda h: (h.created_unix, h.save_id)).save_id
         return None

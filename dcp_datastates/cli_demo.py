@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -185,11 +186,13 @@ def _spawn_train(run, steps, width, depth, every):
     mp.spawn(train_worker, args=(2, _port(), run, steps, width, depth, every), nprocs=2)
 
 
-def _launch(run, steps, width, depth, every):
+def _launch(run, steps, width, depth, every) -> tuple[subprocess.Popen, IO[str], IO[str]]:
     code = (f"from dcp_datastates.cli_demo import _spawn_train; "
             f"_spawn_train({run!r}, {steps}, {width}, {depth}, {every})")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    assert p.stdout is not None and p.stderr is not None, "both are pipes"
+    return p, p.stdout, p.stderr
 
 
 def _events(line: str):
@@ -203,9 +206,9 @@ def _phase2(base: str, width: int, depth: int, steps: int, kill_at: int, every: 
     run = os.path.join(base, "train")
     shutil.rmtree(run, ignore_errors=True)
     # run 1: killed with SIGKILL right after step `kill_at`, possibly mid-save
-    p = _launch(run, steps, width, depth, every)
+    p, out, _ = _launch(run, steps, width, depth, every)
     killed_at = None
-    for line in p.stdout:
+    for line in out:
         ev = _events(line)
         if ev and ev.get("event") == "step" and ev["step"] >= kill_at:
             killed_at = ev["step"]
@@ -215,18 +218,20 @@ def _phase2(base: str, width: int, depth: int, steps: int, kill_at: int, every: 
     c = Checkpointer([os.path.join(run, "nvme"), os.path.join(run, "pfs")], async_mode=None)
     latest_after_kill = c.latest_step()
     # run 2: resumes from the newest committed step
-    p = _launch(run, steps, width, depth, every)
+    p, out, err_pipe = _launch(run, steps, width, depth, every)
     resumed_from, done = None, None
-    for line in p.stdout:
+    for line in out:
         ev = _events(line)
         if ev and ev.get("event") == "start":
             resumed_from = ev["resumed_from"]
         if ev and ev.get("event") == "done":
             done = ev
-    err = p.stderr.read()
+    err = err_pipe.read()
     if p.wait() != 0 or done is None:
         raise RuntimeError(f"resumed training failed:\n{err[-3000:]}")
     latest = c.latest_step()
+    if latest is None:
+        raise RuntimeError("resumed training committed no step")
     tiers = {url: c.committed_steps(i) for i, url in enumerate(c.tiers)}
     problems = verify_checkpoint(c.step_path(0, latest)) + verify_checkpoint(c.step_path(1, latest))
     return {"killed_after_step": killed_at, "latest_committed_after_kill": latest_after_kill,

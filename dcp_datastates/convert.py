@@ -58,8 +58,16 @@ class ConvertOptions:
     progress: Callable[[int, int, str], None] | None = None
 
 
-def _nbytes(md: TensorStorageMetadata) -> int:
-    return math.prod(md.size) * md.properties.dtype.itemsize
+def _tensor_md(md: object) -> TensorStorageMetadata:
+    """``md`` as a tensor's metadata (callers pass the keys ``_tensor_keys`` chose)."""
+    if not isinstance(md, TensorStorageMetadata):
+        raise TypeError(f"expected a tensor's metadata, got {type(md).__name__}")
+    return md
+
+
+def _nbytes(md: object) -> int:
+    t = _tensor_md(md)
+    return math.prod(t.size) * t.properties.dtype.itemsize
 
 
 class _Batches:
@@ -90,7 +98,7 @@ class _Batches:
         pending = (k for k in itertools.islice(self.order, self.next, None) if k not in self.ready)
         group = next(_groups(pending, self.md, self.opts.batch_bytes))
         self.next = self.order.index(group[-1], self.next) + 1
-        batch = {k: torch.empty(self.md[k].size, dtype=self.md[k].properties.dtype) for k in group}
+        batch = {k: torch.empty(m.size, dtype=m.properties.dtype) for k in group if (m := _tensor_md(self.md[k]))}
         dcp.load(batch, storage_reader=self.reader, no_dist=True)
         self.ready.update(batch)
 
@@ -130,7 +138,7 @@ class _StreamingSavePlanner(DefaultSavePlanner):
 def _placeholders(metadata: Metadata, values: dict) -> dict:
     flat = dict(values)
     for k in _tensor_keys(metadata):
-        md = metadata.state_dict_metadata[k]
+        md = _tensor_md(metadata.state_dict_metadata[k])
         flat[k] = torch.empty(md.size, dtype=md.properties.dtype, device="meta")
     return _nested(flat, metadata)
 
@@ -175,7 +183,7 @@ def from_dcp(src: str, dst: str, *, allow_pickle: bool = False, options: Convert
         arena = torch.from_file(scratch, shared=True, size=max(pos, 1), dtype=torch.uint8)
         views = {}
         for k in keys:
-            m = md.state_dict_metadata[k]
+            m = _tensor_md(md.state_dict_metadata[k])
             views[k] = arena[offsets[k]:offsets[k] + _nbytes(m)].view(m.properties.dtype).view(m.size)
         done = 0
         for group in _groups(keys, md.state_dict_metadata, opts.batch_bytes):
@@ -221,7 +229,7 @@ def _write_safetensors(path: str, entries: list[tuple[str, str]], md: Metadata, 
     header: dict = {}
     pos = 0
     for name, key in entries:
-        m = md.state_dict_metadata[key]
+        m = _tensor_md(md.state_dict_metadata[key])
         n = _nbytes(m)
         header[name] = {"dtype": _ST_DTYPES[m.properties.dtype], "shape": list(m.size),
                         "data_offsets": [pos, pos + n]}
@@ -236,7 +244,7 @@ def _write_safetensors(path: str, entries: list[tuple[str, str]], md: Metadata, 
         for _, key in entries:
             t = batches.take(key)
             if t.numel():
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del t
         f.flush()
         os.fsync(f.fileno())
@@ -278,7 +286,7 @@ def to_safetensors(src: str, dst: str, *, max_shard_bytes: int | None = None,
     def renamed(k: str) -> str:
         return k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k
     tensors = [(renamed(k), k) for k in _tensor_keys(md) if picked(k)]
-    bad = sorted(k for _, k in tensors if md.state_dict_metadata[k].properties.dtype not in _ST_DTYPES)
+    bad = sorted(k for _, k in tensors if _tensor_md(md.state_dict_metadata[k]).properties.dtype not in _ST_DTYPES)
     if bad:
         raise ValueError(f"dtypes of {bad[:5]} have no safetensors code")
     single_file = dst.endswith(".safetensors")

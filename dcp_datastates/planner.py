@@ -17,6 +17,7 @@ the typed records (``format/records.py``) that the coordinator builds the manife
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 from collections import ChainMap
 
@@ -57,7 +58,7 @@ from .format.checksum import Digests
 from .format.layout import place_regions, stripe_count
 from .format.limits import FormatViolation
 from .format.manifest import Extent, Seg, ValueEntry
-from .format.model import ChunkMetadataView, paused_gc
+from .format.model import ChunkMetadataView, TensorEntry, paused_gc
 from .format.names import data_file_name
 from .format.records import ItemRecord
 from .format.rules import Geometry, Mesh, RuleTable, ShardRule, merge_tables, salt
@@ -248,6 +249,7 @@ def _whole_plans(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata] | Non
                 md[fqn] = BytesStorageMetadata()
                 continue
             td = item.tensor_data
+            assert td is not None, "a tensor item carries its tensor data"
             md[fqn] = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[td.chunk])
             if item.index.index != 0:
                 if items is plan.items:
@@ -315,12 +317,12 @@ def _rules(state_dict: dict, items: list[WriteItem]) -> tuple[RuleTable, list[Wr
         fqn = item.index.fqn
         obj = state_dict.get(fqn)
         dims = _dims(obj) if isinstance(obj, DTensor) and item.tensor_data is not None else None
-        if dims is None:
+        if dims is None or not isinstance(obj, DTensor) or item.tensor_data is None:
             keep.append(item)
             continue
         dm = obj.device_mesh
         if id(dm) not in mesh_at:
-            mesh_at[id(dm)] = (len(meshes), tuple(dm.get_coordinate()))
+            mesh_at[id(dm)] = (len(meshes), tuple(dm.get_coordinate() or ()))
             meshes.append(Mesh.of(dm.mesh.shape, dm.mesh.flatten().tolist()))
         m, coord = mesh_at[id(dm)]
         rule = ShardRule(m, dims)
@@ -370,11 +372,13 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
 
     def _plan(self) -> LoadPlan:
         full = self.metadata
+        if full is None:
+            return super().create_local_plan()
         narrowed: dict = {}
         direct: dict[str, list[ReadItem]] = {}
         memo: dict = {}  # box arithmetic shared by tensors of one layout (``_reads``)
         for fqn, obj in self.state_dict.items():
-            tmd = full.state_dict_metadata.get(fqn) if full is not None else None
+            tmd = full.state_dict_metadata.get(fqn)
             if not isinstance(obj, torch.Tensor) or not isinstance(tmd, TensorStorageMetadata) \
                     or not isinstance(tmd.chunks, ChunkMetadataView) or obj.size() != tmd.size:
                 continue  # DCP's planner plans it (and refuses a tensor of another size)
@@ -412,7 +416,8 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         lookup and narrowing return for it), found without them; anything else, or a subclass
         that changes the lookup or the narrowing, goes DCP's way."""
         obj = self.state_dict.get(read_item.dest_index.fqn)
-        if type(obj) in _PLAIN and not any(read_item.dest_offsets) and tuple(read_item.lengths) == obj.shape \
+        if isinstance(obj, torch.Tensor) and type(obj) in _PLAIN and not any(read_item.dest_offsets) \
+                and tuple(read_item.lengths) == obj.shape \
                 and not any(read_item.dest_index.offset or ()) and getattr(self, "_dcps_lookup", False):
             return obj
         return super().resolve_tensor(read_item)
@@ -426,12 +431,20 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _entry(tmd: TensorStorageMetadata) -> TensorEntry:
+    """The manifest's record of a tensor whose DCP metadata this reader made lazily."""
+    chunks = tmd.chunks
+    if not isinstance(chunks, ChunkMetadataView):
+        raise TypeError("the tensor's chunks are not a manifest's (ChunkMetadataView)")
+    return chunks.entry
+
+
 def _whole_read(fqn: str, obj: torch.Tensor, tmd: TensorStorageMetadata) -> ReadItem | None:
     """The read of a plain tensor stored whole as one chunk of its shape (most small tensors),
     as DCP's planner would make it, without its per-item sweep; None for anything else."""
     if type(obj) not in _PLAIN or obj.numel() == 0:  # DCP plans no read for an empty tensor
         return None
-    entry = tmd.chunks.entry
+    entry = _entry(tmd)
     if entry.count() != 1:
         return None
     offsets, sizes = entry.box(0)
@@ -459,12 +472,13 @@ def _reads(fqn: str, tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]
     ``memo`` (one plan's): the box arithmetic of tensors whose chunks have the same boxes by
     construction (``TensorEntry.layout_key``: one rule over one size; a model's
     layers and their optimizer states), kept by key and boxes and reused for the next such."""
-    entry = tmd.chunks.entry
+    entry = _entry(tmd)
     key = entry.layout_key() if memo is not None else None
     if key is None:
         spans, keep = _spans(entry, boxes)
     else:
         key = (key, tuple(boxes))
+        assert memo is not None, "a key is made only with a memo"
         got = memo.get(key)
         if got is None:
             got = memo[key] = _spans(entry, boxes)
@@ -525,7 +539,7 @@ def narrow(tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
            keep: list[int] | None = None) -> TensorStorageMetadata:
     """``tmd`` (its chunks a ``ChunkMetadataView``) with only the saved chunks that overlap
     ``boxes`` ((offsets, sizes) pairs), found over the manifest's columns or rules."""
-    keep = tmd.chunks.entry.overlapping(boxes) if keep is None else keep
+    keep = _entry(tmd).overlapping(boxes) if keep is None else keep
     return TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
 
 
@@ -580,7 +594,10 @@ def value_entry(planner: SavePlanner, item: WriteItem, *, allow_pickle: bool, ch
         raise UnsupportedValueError(
             "this planner only exposes the value as torch.save bytes (a pickle); use "
             "DCP's DefaultSavePlanner or ours, or pass allow_pickle=True", checkpoint=checkpoint, key=fqn)
-    data = planner.resolve_data(item).getvalue()
+    buf = planner.resolve_data(item)
+    if not isinstance(buf, io.BytesIO):
+        raise UnsupportedValueError("the planner resolved a value to a tensor", checkpoint=checkpoint, key=fqn)
+    data = buf.getvalue()
     return ValueEntry("torch", data, xxhash.xxh3_64_intdigest(data))
 
 
@@ -594,7 +611,7 @@ class Placed:
     provider: str | None = None
     meta: object = None
     tree: dict | None = None
-    value: object = None
+    value: ValueEntry | None = None
 
 
 def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, thread_count: int,
@@ -685,8 +702,10 @@ def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: 
         segs = []
         for f, off, n in ci.segments():
             if isinstance(f, str):  # a base file: referenced, not written
+                assert base is not None, "only an incremental save reuses a base's bytes"
                 refs[f] = base.homes[f]
             else:
+                assert isinstance(f, int), "a sink's index"
                 f = names[f]
             segs.append(Seg(f, off, n))
         # one string per chunk, not an object per 1 MiB block: DCP pickles the records to

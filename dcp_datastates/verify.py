@@ -7,7 +7,7 @@ import xxhash
 
 from .errors import CheckpointError, ManifestError
 from .format.checksum import verify_blocks
-from .format.names import DATA_FILE, STEP_DIR, is_manifest_name
+from .format.names import DATA_FILE, STEP_DIR, is_manifest_name, step_of
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
 
@@ -132,4 +132,4 @@ def verify_run(path: str, storage_options=None, progress=None) -> dict[str, list
         if not any(is_manifest_name(n) for n in step.listdir()):
             continue  # uncommitted, in flight, or a purged step's husk: not a checkpoint
         out[name] = verify_checkpoint(step.url, storage_options, progress)
-    return dict(sorted(out.items(), key=lambda kv: int(STEP_DIR.match(kv[0]).group(1))))
+    return dict(sorted(out.items(), key=lambda kv: step_of(kv[0]) or 0))

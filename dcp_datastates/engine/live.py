@@ -58,7 +58,7 @@ def version_at_start(started: dict, t: torch.Tensor) -> int | None:
 
 
 def any_gpu(items: list[CopyItem]) -> bool:
-    return any(i.source.device.type == "cuda" for i in items)
+    return any(i.live().device.type == "cuda" for i in items)
 
 
 def want_pinned(items: list[CopyItem]) -> bool:

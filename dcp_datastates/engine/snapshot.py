@@ -50,7 +50,7 @@ import cuda_ext
 from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.layout import ALIGNMENT, align_up
-from ..format.model import paused_gc
+from ..format.model import Extent, paused_gc
 from ..tiers.activity import job_ended as _job_ended
 from ..tiers.activity import job_started as _job_started
 from .device_cache import DeviceCache
@@ -67,12 +67,12 @@ SMALL_COPY_BYTES = 256 << 10
 @dataclass(slots=True)
 class CopyItem:
     key: str
-    source: torch.Tensor
+    source: torch.Tensor | None  # None once its bytes are copied (the allocator may reuse them)
     offset: int  # virtual position in its stripe, used to coalesce neighbours into one batch
     nbytes: int
     file: int = 0  # index of the job's sink (stripe file) that receives the item's new bytes
     sums: list = field(default_factory=list)  # one digest per block, filled by the flush threads
-    base: object = None  # Extent of the same chunk in the base checkpoint (incremental saves)
+    base: Extent | None = None  # Extent of the same chunk in the base checkpoint (incremental saves)
     base_files: frozenset = frozenset()  # base files this rank's tier holds (referencable)
     # filled by the flush threads, in any order: (item_pos, file, file_offset, nbytes) where
     # file is a sink index (new bytes) or a base file name (bytes reused from the base)
@@ -80,6 +80,12 @@ class CopyItem:
     # the source's version counter when the save started (lazy saves; None: not tracked, as
     # for tensors made under inference_mode).  Checked once its bytes are copied.
     version: int | None = None
+
+    def live(self) -> torch.Tensor:
+        """The source tensor, while the snapshot still needs it."""
+        if self.source is None:
+            raise RuntimeError(f"{self.key}: its source was released once its bytes were copied")
+        return self.source
 
     def segments(self) -> list[tuple[object, int, int]]:
         """``(file, offset, nbytes)`` in item order, neighbours in one file merged."""
@@ -166,6 +172,7 @@ def _units(p: _Piece, unit: int):
         z = min(end, (a // unit + 1) * unit)
         b0, b1 = a // BLOCK_SIZE, -(-z // BLOCK_SIZE)
         reuse = None
+        assert base is not None, "comparable items have a base"
         if it.sums[b0:b1] == base.sums[b0:b1]:
             segs = base.locate(a, z - a)
             if segs and all(f in it.base_files for f, _o, _p, _n in segs):
@@ -233,10 +240,13 @@ class Written:
 class SaveJob:
     """One save on one rank: completion handles and per-stage timings."""
 
-    def __init__(self, items: list[CopyItem], sinks: list, *, label: str) -> None:
+    def __init__(self, items: list[CopyItem], sinks: list, *, label: str, unit_bytes: int = PIECE_BYTES,
+                 device_cache: DeviceCache | None = None) -> None:
         self.items = items
         self.sinks = sinks
         self.label = label
+        self.unit_bytes = unit_bytes  # dedup granularity of items with a base (incremental saves)
+        self.device_cache = device_cache  # the first cache level for items on its device, if any
         self.snapshot_done = threading.Event()
         self.snapshotted: Future = Future()  # None when snapshot_done is set (error: failed)
         self.durable: Future = Future()  # Written, once every sink is closed and synced
@@ -244,11 +254,9 @@ class SaveJob:
         self.abort = threading.Event()
         self.on_abort: list = []  # called when the job fails (wakes its cache waiters)
         self.file_sizes: list[int] = [0] * len(sinks)
-        self.bytes_total = sum(i.nbytes for i in items)
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
         self._pending = 0
         self._lock = threading.Lock()
-        self._staged_all = False
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
@@ -302,9 +310,7 @@ class SnapshotEngine:
             nblocks = max(1, -(-it.nbytes // BLOCK_SIZE))
             it.sums = [b""] * nblocks
             it.placed = []
-        job = SaveJob(items, sinks, label=label)
-        job.unit_bytes = unit_bytes
-        job.device_cache = device_cache
+        job = SaveJob(items, sinks, label=label, unit_bytes=unit_bytes, device_cache=device_cache)
         job.on_abort.append(self.cache.wake)
         _job_started()
         job.durable.add_done_callback(_job_ended)
@@ -336,7 +342,7 @@ class SnapshotEngine:
         job.timings["staging_started"] = time.monotonic()
 
         def direct_ok(it: CopyItem) -> bool:
-            s = it.source
+            s = it.live()
             return (not copy) and s.device.type == "cpu" and s.is_contiguous()
 
         with paused_gc():  # a piece per item and a batch per run of them, none cyclic
@@ -387,7 +393,7 @@ class SnapshotEngine:
                 self._flush.submit(self._flush_batch, job, b, view, None, None)
                 continue
             doff = dc.try_alloc(b.nbytes) if dc is not None and _on_device(dc, b) else None
-            if doff is not None:  # first level: a copy that stays on the device
+            if dc is not None and doff is not None:  # first level: a copy that stays on the device
                 try:
                     _fill(copier, dc.view(doff, b.nbytes), b, flat)
                 except BaseException:
@@ -424,6 +430,7 @@ class SnapshotEngine:
                     raise
                 return
             view = self.cache.view(off, b.nbytes)
+            assert dc is not None, "batches are parked only where a device cache is"
             try:
                 copier.copy(view, dc.view(doff, b.nbytes))
                 event = copier.record()
@@ -464,7 +471,7 @@ class SnapshotEngine:
                 parked = None
             if job.abort.is_set():
                 return
-            mv = memoryview(view.numpy()) if view.numel() else memoryview(b"")
+            mv = view.numpy().data if view.numel() else memoryview(b"")
             sink = job.sinks[b.file]
             direct = getattr(sink, "o_direct", False) and cache_off is not None
             with paused_gc():  # a few records per piece, none cyclic; the writes come after
@@ -473,10 +480,11 @@ class SnapshotEngine:
                 if direct:  # O_DIRECT: whole blocks from the aligned cache
                     n = y - x
                     padded = align_up(n)
+                    assert cache_off is not None, "direct writes come from the host cache"
                     full = self.cache.view(cache_off + x, padded)
                     if x + padded > b.nbytes:
                         full[b.nbytes - x:].zero_()
-                    sink.pwrite(memoryview(full.numpy()), off, logical=n)
+                    sink.pwrite(full.numpy().data, off, logical=n)
                 else:
                     sink.pwrite(mv[x:y], off)
         except BaseException as e:  # noqa: BLE001
@@ -530,7 +538,7 @@ class SnapshotEngine:
         the snapshot is done) and, when every unit matches the base, record the reuse and skip
         the copy and the write.  Stops at the first block that differs, so a changed batch
         costs one extra block digest before it takes the normal path."""
-        if not all(_comparable(p.item) and p.item.source.device.type == "cpu" for p in b.pieces):
+        if not all(_comparable(p.item) and p.item.live().device.type == "cpu" for p in b.pieces):
             return False
         reuse = []
         for p in b.pieces:
@@ -541,7 +549,7 @@ class SnapshotEngine:
             first = p.src_start // BLOCK_SIZE
             for j, i in enumerate(range(0, p.nbytes, BLOCK_SIZE)):
                 d = block_checksums(mv[i:i + BLOCK_SIZE])[0]
-                if d != it.base.sums[first + j]:
+                if it.base is None or d != it.base.sums[first + j]:
                     return False
                 it.sums[first + j] = d
             for _a, _z, r in _units(p, job.unit_bytes):
@@ -590,10 +598,12 @@ def _fill(copier, view: torch.Tensor, b: _Batch, flat: dict) -> None:
 
 
 def _on_device(dc: DeviceCache, b: _Batch) -> bool:
-    return all(dc.holds(p.item.source) for p in b.pieces)
+    return all(dc.holds(p.item.live()) for p in b.pieces)
 
 
 def _release(dc: DeviceCache | None, parked: list) -> None:
+    if dc is None:
+        return
     for b, doff in parked:
         dc.free(doff, b.nbytes)
 
@@ -644,7 +654,7 @@ def _copier_for(items: list[CopyItem], ready):
         return _CpuCopier()
     if not cuda_ext.available():
         return _CpuCopier()
-    return cuda_ext.D2HCopier(cuda_items[0].source.device.index or 0, ready)
+    return cuda_ext.D2HCopier(cuda_items[0].live().device.index or 0, ready)
 
 
 _engines: dict[tuple[int, int], SnapshotEngine] = {}

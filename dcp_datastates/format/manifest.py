@@ -57,6 +57,7 @@ from .model import (  # noqa: F401 (the model is re-exported: most layers import
 from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 from .paths import paths_from_wire, paths_wire
 from .ranked import FileMap, RankFiles, seal_tail
+from .values import pack_plain
 
 MAGIC = b"\xffDCP-DATASTATES\n"
 FORMAT_NAME = "dcp-datastates"
@@ -153,15 +154,9 @@ def _encode(m: Manifest, version: int, index: dict | None = None, *, pack: bool 
     if pack:
         rest = {k: v for k, v in body.items() if k not in _HEADER_FIELDS}
         body = {k: body[k] for k in _HEADER_FIELDS}
-        body["packed"] = zlib.compress(_packb(rest), PACK_LEVEL)
-    payload = _packb(body)
+        body["packed"] = zlib.compress(pack_plain(rest), PACK_LEVEL)
+    payload = pack_plain(body)
     return MAGIC + payload + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload))
-
-
-def _packb(obj) -> bytes:
-    data = msgpack.packb(obj, use_bin_type=True)
-    assert data is not None, "packb returns bytes without a stream"
-    return data
 
 
 # ----------------------------------------------------------------- decoding

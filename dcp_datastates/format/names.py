@@ -32,6 +32,12 @@ _DATA_NAME = "data-r%05d-%s-%02d.dsd"
 _PART_NAME = "part-r%05d-%s.dsm"
 
 
+def step_of(name: str) -> int | None:
+    """The step of a run's step directory name (``step-N``), else None."""
+    m = STEP_DIR.match(name)
+    return None if m is None else int(m.group(1))
+
+
 def data_file_name(rank: int, save_id: str, stripe: int) -> str:
     return _DATA_NAME % (rank, save_id, stripe)
 

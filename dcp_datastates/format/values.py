@@ -43,6 +43,13 @@ class NotEncodable(TypeError):
     """Raised for a value msgpack plus our extension types cannot express."""
 
 
+def pack_plain(obj) -> bytes:
+    """msgpack of plain data (records, manifests' bodies): no extension types."""
+    data = msgpack.packb(obj, use_bin_type=True)
+    assert data is not None, "packb returns bytes without a stream"
+    return data
+
+
 def _pack(obj) -> bytes:
     data = msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)
     assert data is not None, "packb returns bytes without a stream"

@@ -34,11 +34,12 @@ from dataclasses import dataclass
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
-from torchtitan.components.checkpointer import CheckpointManager
-from torchtitan.components.checkpointer.dcp import AsyncMode
-from torchtitan.config.override import derive, override
-from torchtitan.tools import filesystem
-from torchtitan.tools.logging import logger
+from torchtitan.components.checkpointer import CheckpointManager  # pyright: ignore[reportMissingImports] (optional: its own venv)
+from torchtitan.components.checkpointer.dcp import AsyncMode  # pyright: ignore[reportMissingImports] (optional: its own venv)
+from torchtitan.config.override import derive, override  # pyright: ignore[reportMissingImports] (optional: its own venv)
+from torchtitan.tools import filesystem  # pyright: ignore[reportMissingImports] (optional: its own venv)
+from torchtitan.tools.logging import logger  # pyright: ignore[reportMissingImports] (optional: its own venv)
+from torchtitan.tools.utils import GarbageCollection  # pyright: ignore[reportMissingImports] (optional: its own venv)
 
 from ..engine.device_cache import prepare_device_cache
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
@@ -110,7 +111,6 @@ class DataStatesCheckpointManager(CheckpointManager):
         if async_mode == AsyncMode.DISABLED:
             dcp.save(state_dict, storage_writer=writer, planner=DataStatesSavePlanner())
             if enable_garbage_collection:
-                from torchtitan.tools.utils import GarbageCollection
                 GarbageCollection.collect("GC collection invoked by checkpointer.")
             return None
         kind = (AsyncCheckpointerType.PROCESS if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
@@ -118,6 +118,7 @@ class DataStatesCheckpointManager(CheckpointManager):
         self._ds_inflight = checkpoint_id
         upload = async_save(state_dict, storage_writer=writer, process_group=self.pg,
                             planner=DataStatesSavePlanner(), async_checkpointer_type=kind)
+        assert isinstance(upload, Future), "DCP returns a plain future without an async stager"
         upload.add_done_callback(lambda _f: setattr(self, "_ds_inflight", None))
         if async_mode == AsyncMode.ASYNC:
             return upload

@@ -66,6 +66,10 @@ class StateProvider(ABC):
         """msgpack-able metadata stored next to the regions."""
         return None
 
+    def tree(self) -> dict | None:
+        """How the parts nest (``Chunk.tree``); None when every part is a tensor leaf."""
+        return None
+
 
 class TensorProvider(StateProvider):
     """A plain tensor on any device."""

@@ -35,6 +35,7 @@ import time
 import msgpack
 
 from ..errors import CheckpointBusyError, CheckpointError
+from ..format.values import pack_plain
 from .storage import StorageTier
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class ClaimRecord:
     created_unix: float
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        return pack_plain(dataclasses.asdict(self))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "ClaimRecord | None":

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -47,18 +48,15 @@ _MAX_IO = 1 << 30
 _HUGE = 2 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-_libc_handle = None
-
-
-def _libc():
-    global _libc_handle
-    if _libc_handle is None:
-        try:
-            _libc_handle = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-            _libc_handle.syscall.restype = ctypes.c_long
-        except (OSError, AttributeError):
-            _libc_handle = False
-    return _libc_handle
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once per process; None where it cannot be."""
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib.syscall.restype = ctypes.c_long
+    except (OSError, AttributeError):
+        return None
+    return lib
 
 
 # -- what the kernel can tell us ---------------------------------------------------------------

@@ -18,7 +18,14 @@ import msgpack
 from ..errors import CheckpointError, DataFileError, ManifestError, NotACheckpointError
 from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.manifest import MAGIC, Manifest, decode_manifest
-from ..format.names import MANIFEST_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, parse_rank_manifest
+from ..format.names import (
+    MANIFEST_NAME,
+    PURGED_MARK,
+    STEP_DIR,
+    is_manifest_name,
+    parse_rank_manifest,
+    step_of,
+)
 from .storage import StorageTier
 
 log = logging.getLogger(__name__)
@@ -200,7 +207,7 @@ def _why_not_a_checkpoint(tier: StorageTier, names: list[str]) -> str:
         if kind == "dir" and STEP_DIR.match(n) and MANIFEST_NAME in tier.child(n).listdir():
             steps.append(n)
     if steps:
-        steps.sort(key=lambda n: int(STEP_DIR.match(n).group(1)))
+        steps.sort(key=lambda n: step_of(n) or 0)
         shown = ", ".join(steps[-5:])
         return (f"this is a run directory, not a checkpoint: it holds {len(steps)} committed "
                 f"step(s) ({shown}); load one of them, e.g. {tier.child(steps[-1]).url}, or use "

@@ -30,6 +30,7 @@ import msgpack
 from ..errors import CheckpointError, ManifestError
 from ..format.manifest import MANIFEST_NAME, Manifest, decode_manifest
 from ..format.names import PERSISTED_RECORD, UPLOADED_PREFIX, failed_marker, uploaded_marker
+from ..format.values import pack_plain
 from .activity import wait_for_quiet
 from .storage import StorageTier, open_regular
 from .tidy import flushing
@@ -167,7 +168,7 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
             with_retries(there.makedirs, f"creating {there.url}")
             with_retries(partial(copy_file, src.sibling(home), there, name),
                          f"upload of referenced {home}/{name} to {there.url}")
-        body = msgpack.packb({"rank": rank, "save_id": save_id, "files": files}, use_bin_type=True)
+        body = pack_plain({"rank": rank, "save_id": save_id, "files": files})
         with_retries(lambda: dst.commit_bytes(marker_name(rank, save_id), body),
                      f"marker upload to {dst.url}")
         log.debug("rank %d uploaded %d files to %s", rank, len(files), dst.url)
@@ -233,7 +234,7 @@ def record_persisted(tier: StorageTier, url: str) -> None:
             log.warning("rebuilding the damaged %s of %s (%s)", PERSISTED_RECORD, tier.url, e)
     if url not in have:
         have.append(url)
-    tier.commit_bytes(PERSISTED_RECORD, msgpack.packb(have))
+    tier.commit_bytes(PERSISTED_RECORD, pack_plain(have))
 
 
 def when_all(futs: list[Future], callback) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 
 from ..errors import CheckpointError
 from ..format.manifest import Manifest
@@ -43,7 +44,7 @@ def _manifests(t: StorageTier) -> list[str]:
     return [n for n in t.listdir() if is_manifest_name(n)]
 
 
-def live_files(run: StorageTier, also: list[tuple[str, Manifest]] = ()) -> dict[str, set[str]]:
+def live_files(run: StorageTier, also: Sequence[tuple[str, Manifest]] = ()) -> dict[str, set[str]]:
     """``{directory: files}`` referenced by the committed manifests under ``run``, and by
     ``also``: ``(directory, manifest)`` of steps not committed here yet (flushes in flight)."""
     return run_references(run, also=also)
@@ -65,7 +66,7 @@ def _inside(run: StorageTier, name: str) -> StorageTier | None:
 
 
 def purge_steps(run: StorageTier, drop: list[str], *,
-                also: list[tuple[str, Manifest]] = ()) -> list[str]:
+                also: Sequence[tuple[str, Manifest]] = ()) -> list[str]:
     """Purge step directories ``drop`` of ``run`` without breaking any retained step.
     Returns the directories removed completely (husks that stay are not listed)."""
     kinds = dict(run.entries())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Sequence
 
 from ..errors import CheckpointError, ForeignFormatError
 from ..format.manifest import Manifest
@@ -57,7 +58,7 @@ def _add(live: dict[str, set[str]], own_dir: str, m: Manifest) -> None:
 
 
 def run_references(run: StorageTier, *, skip: str | None = None,
-                   also: list[tuple[str, Manifest]] = ()) -> dict[str, set[str]]:
+                   also: Sequence[tuple[str, Manifest]] = ()) -> dict[str, set[str]]:
     """``{directory: files}`` referenced by the committed manifests in every real directory
     of ``run`` (links are not followed), by manifests registered as flushing, and by ``also``.
     A directory whose manifest cannot be read holds ``"*"`` (keep everything).  Raises
