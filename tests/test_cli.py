@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.convert import from_dcp, to_dcp, to_safetensors
-from dcp_datastates.reader import load_manifest
+from dcp_datastates.tiers.manifests import load_manifest
 from dcp_datastates.tiers import StorageTier
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

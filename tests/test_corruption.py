@@ -15,7 +15,7 @@ from dcp_datastates import DataStatesReader
 from dcp_datastates.cli import verify_checkpoint
 from dcp_datastates.format.manifest import MAGIC
 from tests.manifest_tools import rewrite_manifest
-from dcp_datastates.reader import load_manifest
+from dcp_datastates.tiers.manifests import load_manifest
 from dcp_datastates.tiers import StorageTier
 from tests import workers
 from tests.dist import run_ranks

@@ -71,7 +71,7 @@ def _load(c, step):
 
 
 def _no_leftovers(c, step):
-    from dcp_datastates.reader import load_manifest
+    from dcp_datastates.tiers.manifests import load_manifest
     from dcp_datastates.tiers import StorageTier
     for i in range(2):
         t = StorageTier(c.step_path(i, step))

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
-from dcp_datastates.reader import load_manifest
+from dcp_datastates.tiers.manifests import load_manifest
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.direct_io import StagingBuffer, cached_bytes, dio_alignment, read_range
 

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.errors import CheckpointError
-from dcp_datastates.reader import load_manifest
+from dcp_datastates.tiers.manifests import load_manifest
 from dcp_datastates.tiers import StorageTier
 from tests import workers
 from tests.dist import run_ranks
