@@ -12,7 +12,7 @@ ranks (FSDP, HSDP, TP x FSDP).  For each layout, N and system, one fresh process
    ranks the measured loads need are written for real (the others are never read).  DCP: the
    ``WriteResult``s of ``FileSystemWriter`` and the global ``Metadata`` its planner builds;
 2. **commit** (timed, with the peak RSS of the process): the coordinator's real code.  Ours:
-   the index built and committed (``writer._index_for``, ``StorageTier.commit_bytes``).  DCP:
+   the index built and committed (``format.assemble.index_of``, ``StorageTier.commit_bytes``).  DCP:
    ``FileSystemWriter.finish`` (its storage metadata, the pickle, the rename).  The best of 3
    where the first took under a second (both systems; ``commit_first_s``: the first alone);
 3. **ready to load** (timed, with the metadata bytes read): one rank's ``read_metadata`` through
@@ -68,7 +68,8 @@ from dcp_datastates.format.names import part_file_name  # noqa: E402
 from dcp_datastates.format.records import PartRecord, RareRecord  # noqa: E402
 from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt  # noqa: E402
 from dcp_datastates.planner import RULES_KEY  # noqa: E402
-from dcp_datastates.writer import PART_INDEX, _index_for  # noqa: E402
+from dcp_datastates.format.assemble import PART_INDEX  # noqa: E402
+from dcp_datastates.format.assemble import index_of as _index_for  # noqa: E402
 
 SAVE_ID = "0123456789ab"
 

@@ -25,13 +25,13 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from state import small_tensors_state  # noqa: E402
 
-import dcp_datastates.writer as writer_module  # noqa: E402
+import dcp_datastates.saving as saving  # noqa: E402
 from dcp_datastates import DataStatesSavePlanner, DataStatesWriter  # noqa: E402
 from dcp_datastates.engine import snapshot  # noqa: E402
 
-PHASES = [(writer_module, "lay_out"), (snapshot.SnapshotEngine, "_stage"), (snapshot.SnapshotEngine, "_flush_batch"),
-          (writer_module, "_write_results"), (DataStatesWriter, "write_data"), (writer_module, "_manifest_for"),
-          (writer_module, "encode_manifest"), (DataStatesWriter, "finish")]
+PHASES = [(saving, "lay_out"), (snapshot.SnapshotEngine, "_stage"), (snapshot.SnapshotEngine, "_flush_batch"),
+          (saving, "results_of"), (DataStatesWriter, "write_data"), (saving, "manifest_of"),
+          (saving, "encode_manifest"), (DataStatesWriter, "finish")]
 
 
 def _timed(spent: dict, owner, name: str) -> None:

@@ -32,11 +32,11 @@ from .errors import (
     UnsupportedFormatVersion,
 )
 from .format import MANIFEST_NAME
-from .format.names import PERSISTED_RECORD
+from .format.names import PERSISTED_RECORD, data_file_rank
 from .format.values import decode_value
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
-from .verify import _rank_of, inspect_run, verify_checkpoint, verify_run
+from .verify import inspect_run, verify_checkpoint, verify_run
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOT_A_CHECKPOINT, EXIT_FOREIGN, EXIT_ERROR = 1, 2, 3, 4, 5, 6
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.I)
@@ -108,7 +108,7 @@ def cmd_inspect(args) -> int:
         per_rank: dict = {}
         for c in t.chunks:
             e = c.extent if c.extent else next(iter(c.parts.values()))[2]
-            r = _rank_of(e.file)
+            r = data_file_rank(e.file)
             per_rank[r] = per_rank.get(r, 0) + 1
         rows.append({"key": fqn, "dtype": t.dtype, "shape": list(t.size), "chunks": len(t.chunks),
                      "chunks_per_rank": {str(k): v for k, v in sorted(per_rank.items(), key=str)},

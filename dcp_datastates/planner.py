@@ -17,13 +17,11 @@ the typed records (``format/records.py``) that the coordinator builds the manife
 from __future__ import annotations
 
 import dataclasses
-import io
 import itertools
 from collections import ChainMap
 
 import torch
 import torch.distributed as dist
-import xxhash
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint._traverse import set_element
@@ -41,29 +39,18 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     ReadItem,
     SavePlan,
-    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
-from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .engine import CopyItem
-from .engine.live import version_at_start
-from .errors import CheckpointError, ProviderError, UnsupportedValueError
-from .format import dtype_name
-from .format.checksum import Digests
-from .format.layout import place_regions, stripe_count
+from .errors import CheckpointError
+from .format.assemble import SMALL_ITEM_BYTES
 from .format.limits import FormatViolation
-from .format.manifest import Extent, Seg, ValueEntry
 from .format.model import ChunkMetadataView, TensorEntry, paused_gc
-from .format.names import data_file_name
-from .format.records import ItemRecord
 from .format.rules import Geometry, Mesh, RuleTable, ShardRule, merge_tables, salt
-from .providers import ObjectProvider, TensorRegion, provider_for, type_provider_for
-from .tiers.incremental import Base
 
 RULES_KEY = "\x00dcp_datastates.rules"  # in a plan's and the global metadata's planner_data
 
@@ -200,7 +187,7 @@ def _plain_plan(planner: DefaultSavePlanner) -> SavePlan | None:
     tensor, byte_io = WriteItemType.TENSOR, WriteItemType.BYTE_IO
     for fqn, obj in state.items():
         t = type(obj)
-        if t in _PLAIN:
+        if t in PLAIN_TENSORS:
             size = obj.size()
             off = zeros.get(len(size))
             if off is None:
@@ -259,7 +246,6 @@ def _whole_plans(plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata] | Non
     return out, Metadata(md)
 
 
-SMALL_ITEM_BYTES = 64 << 10
 
 # values DCP's traversal visits as they are, and those of which a list is visited whole
 _LEAVES = frozenset({torch.Tensor, torch.nn.Parameter, DTensor, int, float, bool, str, bytes, type(None)})
@@ -416,7 +402,7 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         lookup and narrowing return for it), found without them; anything else, or a subclass
         that changes the lookup or the narrowing, goes DCP's way."""
         obj = self.state_dict.get(read_item.dest_index.fqn)
-        if isinstance(obj, torch.Tensor) and type(obj) in _PLAIN and not any(read_item.dest_offsets) \
+        if isinstance(obj, torch.Tensor) and type(obj) in PLAIN_TENSORS and not any(read_item.dest_offsets) \
                 and tuple(read_item.lengths) == obj.shape \
                 and not any(read_item.dest_index.offset or ()) and getattr(self, "_dcps_lookup", False):
             return obj
@@ -425,10 +411,10 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, *args, **kwargs) -> None:
         super().set_up_planner(*args, **kwargs)
         # whether ``resolve_tensor`` may skip DCP's lookup and narrowing: asked once per load
-        self._dcps_lookup = _dcps_ways(self, DefaultLoadPlanner, ("lookup_tensor", "transform_tensor"))
+        self._dcps_lookup = dcps_ways(self, DefaultLoadPlanner, ("lookup_tensor", "transform_tensor"))
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # types saved and loaded as plain tensors
 
 
 def _entry(tmd: TensorStorageMetadata) -> TensorEntry:
@@ -442,7 +428,7 @@ def _entry(tmd: TensorStorageMetadata) -> TensorEntry:
 def _whole_read(fqn: str, obj: torch.Tensor, tmd: TensorStorageMetadata) -> ReadItem | None:
     """The read of a plain tensor stored whole as one chunk of its shape (most small tensors),
     as DCP's planner would make it, without its per-item sweep; None for anything else."""
-    if type(obj) not in _PLAIN or obj.numel() == 0:  # DCP plans no read for an empty tensor
+    if type(obj) not in PLAIN_TENSORS or obj.numel() == 0:  # DCP plans no read for an empty tensor
         return None
     entry = _entry(tmd)
     if entry.count() != 1:
@@ -543,7 +529,7 @@ def narrow(tmd: TensorStorageMetadata, boxes: list[tuple[tuple, tuple]],
     return TensorStorageMetadata(tmd.properties, tmd.size, [tmd.chunks[i] for i in keep])
 
 
-def _dcps_ways(planner, base: type, names: tuple[str, ...]) -> bool:
+def dcps_ways(planner, base: type, names: tuple[str, ...]) -> bool:
     """Whether ``planner`` uses ``base``'s own methods ``names`` (DCP's extension points): its
     class overrides none of them, nor does the object itself."""
     return all(getattr(getattr(planner, name, None), "__func__", None) is getattr(base, name) for name in names)
@@ -568,160 +554,3 @@ def deliver_object(planner, read_item, value) -> bool:
         _set_in_state_dict(planner, read_item.dest_index.fqn, value)
         return True
     return False
-
-
-def original_object(planner: SavePlanner, item: WriteItem) -> tuple[object, bool]:
-    """The unserialized object behind a BYTE_IO item, when the planner exposes it (DCP's
-    default planner and ours do); ``(None, False)`` otherwise."""
-    sd = getattr(planner, "state_dict", None)
-    if isinstance(sd, dict):
-        try:
-            return find_state_dict_object(sd, item.index), True
-        except (ValueError, KeyError):
-            pass
-    return None, False
-
-
-def value_entry(planner: SavePlanner, item: WriteItem, *, allow_pickle: bool, checkpoint: str) -> ValueEntry:
-    """A non-tensor value as the manifest stores it: msgpack, or pickle by opt-in."""
-    fqn = item.index.fqn
-    obj, found = original_object(planner, item)
-    if found:
-        enc, data, csum = ObjectProvider(obj).encode(key=fqn, checkpoint=checkpoint, allow_pickle=allow_pickle)
-        return ValueEntry(enc, data, csum)
-    # A planner that hides the original object: only torch.save bytes are available.
-    if not allow_pickle:
-        raise UnsupportedValueError(
-            "this planner only exposes the value as torch.save bytes (a pickle); use "
-            "DCP's DefaultSavePlanner or ours, or pass allow_pickle=True", checkpoint=checkpoint, key=fqn)
-    buf = planner.resolve_data(item)
-    if not isinstance(buf, io.BytesIO):
-        raise UnsupportedValueError("the planner resolved a value to a tensor", checkpoint=checkpoint, key=fqn)
-    data = buf.getvalue()
-    return ValueEntry("torch", data, xxhash.xxh3_64_intdigest(data))
-
-
-@dataclasses.dataclass(slots=True)
-class Placed:
-    """One item of ``write_data`` on its way to a record: its copy items, by part path."""
-    item: WriteItem
-    kind: str  # "tensor" | "provider" | "provider-value" | "value"
-    # (part path, dtype, shape, copy item): dtype and shape are read while the source is live
-    parts: list[tuple[str, str, tuple, CopyItem]] = dataclasses.field(default_factory=list)
-    provider: str | None = None
-    meta: object = None
-    tree: dict | None = None
-    value: ValueEntry | None = None
-
-
-def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, thread_count: int,
-            base: Base | None, started: dict | None, allow_pickle: bool, checkpoint: str):
-    """DCP items -> providers -> regions placed in the rank's stripes, as the engine's copy
-    items.  ``started``: version counters read when a lazy save started.  Returns the placed
-    items, the copy items and the names of the rank's data files."""
-    placed: list[Placed] = []
-    regions = []  # (placed index, region)
-    plain = _plain_tensors(planner)
-    for item in plan.items:
-        obj = plain(item) if plain is not None else None
-        if obj is not None:  # most items: a plain tensor, its own provider's one region
-            placed.append(Placed(item, "tensor"))
-            regions.append((len(placed) - 1, TensorRegion("", obj)))
-            continue
-        try:
-            obj, found = (original_object(planner, item) if item.type == WriteItemType.BYTE_IO
-                          else (planner.resolve_data(item), True))
-            if item.type == WriteItemType.BYTE_IO and not (found and type_provider_for(obj)):
-                placed.append(Placed(item, "value", value=value_entry(
-                    planner, item, allow_pickle=allow_pickle, checkpoint=checkpoint)))
-                continue
-            prov = provider_for(obj)
-        except ProviderError as e:
-            raise ProviderError(str(e), checkpoint=checkpoint, key=item.index.fqn) from e.__cause__
-        p = Placed(item, "tensor" if prov.name == "tensor" else
-                   ("provider-value" if item.type == WriteItemType.BYTE_IO else "provider"))
-        if p.kind != "tensor":
-            p.provider, p.meta, p.tree = prov.name, prov.meta(), prov.tree()
-        placed.append(p)
-        regions += [(len(placed) - 1, r) for r in prov.regions()]
-    sizes = [r.nbytes for _, r in regions]
-    names = [data_file_name(rank, save_id, k)
-             for k in range(stripe_count(sum(sizes), thread_count))]
-    where = place_regions(sizes, len(names))
-    copy_items = []
-    for (i, r), at, nbytes in zip(regions, where, sizes):
-        item = placed[i].item
-        ci = CopyItem(f"{item.index.fqn}/{r.name}" if r.name else item.index.fqn, r.source, at.offset, nbytes,
-                      at.stripe)
-        if base is not None:
-            ci.base = base.extents(item.index.fqn, tuple(item.index.offset or ())).get(r.name or "")
-            ci.base_files = base.here
-        if started is not None:
-            ci.version = version_at_start(started, r.source)
-        copy_items.append(ci)
-        try:
-            dt = dtype_name(r.source.dtype)
-        except ValueError as e:  # nothing is written yet: the save fails here, naming the tensor
-            raise UnsupportedValueError(str(e), checkpoint=checkpoint, key=item.index.fqn) from None
-        placed[i].parts.append((r.name, dt, tuple(r.source.shape), ci))
-    return placed, copy_items, names
-
-
-def _plain_tensors(planner: SavePlanner):
-    """For a planner that finds objects as DCP's default planner does: a function giving a
-    TENSOR item's object when it is a plain tensor saved whole with no registered provider (what
-    ``resolve_data`` and ``provider_for`` would give), else None (the item takes their way)."""
-    sd = getattr(planner, "state_dict", None)
-    if not isinstance(sd, dict) or not _dcps_ways(planner, DefaultSavePlanner,
-                                                  ("resolve_data", "lookup_object", "transform_object")):
-        return None
-    tensor, registered = WriteItemType.TENSOR, type_provider_for
-
-    def plain(item: WriteItem):
-        if item.type != tensor:
-            return None
-        obj = sd.get(item.index.fqn)
-        if type(obj) not in _PLAIN or any(item.index.offset or ()) or registered(obj) is not None:
-            return None
-        return obj
-    return plain
-
-
-def records_for(placed: list[Placed], names: list[str], sizes: list[int], base: Base | None):
-    """Typed records of the placed items, once the engine wrote them: each copy item's extent
-    (its new segments in this save's files, its reused ones in the base's), the base files
-    referenced (with their homes), and the files written with their sizes."""
-    refs: dict[str, str] = {}
-    written = {n: sz for n, sz in zip(names, sizes) if sz > 0}
-
-    def extent(ci: CopyItem) -> Extent:
-        if len(ci.placed) == 1 and type(ci.placed[0][1]) is int:  # most: one segment, this save's
-            _pos, f, off, n = ci.placed[0]
-            return Extent([Seg(names[f], off, n)], ci.nbytes, Digests(ci.sums[0] if len(ci.sums) == 1
-                                                                      else b"".join(ci.sums)))
-        segs = []
-        for f, off, n in ci.segments():
-            if isinstance(f, str):  # a base file: referenced, not written
-                assert base is not None, "only an incremental save reuses a base's bytes"
-                refs[f] = base.homes[f]
-            else:
-                assert isinstance(f, int), "a sink's index"
-                f = names[f]
-            segs.append(Seg(f, off, n))
-        # one string per chunk, not an object per 1 MiB block: DCP pickles the records to
-        # the coordinator, which joins them into the manifest
-        return Extent(segs, ci.nbytes, Digests(b"".join(ci.sums)))
-    records = []
-    for p in placed:
-        if p.kind == "value":
-            records.append(ItemRecord("value", value=p.value))
-            continue
-        td = p.item.tensor_data
-        dtype = dtype_name(td.properties.dtype) if td is not None else ""
-        sizes_ = tuple(td.chunk.sizes) if td is not None else ()
-        if p.kind == "tensor":
-            records.append(ItemRecord("tensor", dtype, sizes_, extent(p.parts[0][3])))
-            continue
-        parts = {name: (dt, shape, extent(ci)) for name, dt, shape, ci in p.parts}
-        records.append(ItemRecord(p.kind, dtype, sizes_, None, p.provider, p.meta, parts, p.tree))
-    return records, refs, written

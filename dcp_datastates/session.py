@@ -15,14 +15,19 @@ flags live in a small shared-memory tensor that both processes map.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .errors import SnapshotError
+from .engine.live import copy_small, iter_tensors, ready_point, versions
+from .errors import CheckpointError, SnapshotError
+from .options import WriterOptions
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ class SaveSession:
         self._event = threading.Event()  # snapshotted or failed (this process)
         self._persisted = threading.Event()  # persisted, or failed (this process)
         self._future = None  # the async_save future, when the caller attached it
+        self.ready: object = None  # a lazy THREAD save: the point its copies follow (engine/live.py)
+        self.versions: dict | None = None  # and the version counters of what it copies lazily
 
     def __getstate__(self):
         d = dict(self.__dict__)
@@ -247,3 +254,161 @@ class SaveSlot:
             if self._holder is holder:
                 self._holder = self._thread = None
                 self._cv.notify_all()
+
+
+class WriterSessions:
+    """The saves through one writer, one at a time, and how each begins.
+
+    An async save begins in ``stage`` (:meth:`begin_async`), in the caller's thread; DCP then
+    makes the save's other calls in a thread of its own (THREAD mode) or in its checkpoint
+    process (PROCESS mode, where this object arrives pickled).  A synchronous save begins in
+    its first call on the writer (:meth:`begin_sync`), which takes the slot; the DCP thread of
+    an async save staged here does not take it again."""
+
+    def __init__(self) -> None:
+        self.slot = SaveSlot()
+        self.current: SaveSession | None = None  # the save in flight, or the last one
+        self._staged = False  # stage() ran, and the save's own calls have not begun yet
+        self._stage_pid = os.getpid()
+        self._staged_by: int | None = None  # the thread that staged it
+
+    def begin_async(self, state_dict, opts: WriterOptions, path: str | None):
+        """``stage``: an async save's session, and the state dict DCP saves: in THREAD mode
+        with the small tensors copied (``engine/live.py``), snapshotted at once when nothing
+        else is live."""
+        if opts.async_mode == "process":  # DCP's checkpoint process runs saves one by one, on its own copy
+            session = SaveSession(lazy=True, cross_process=True)
+            if opts.step_barrier_s > 0:
+                hold_step(session, opts.step_barrier_s)
+            # The daemon reads CPU tensors through shared memory: move them there now, in the
+            # caller thread, so the pickler never copies live memory in the background.
+            for t in iter_tensors(state_dict):
+                if t.device.type == "cpu" and not t.is_shared():
+                    t.share_memory_()
+                elif t.device.type == "cuda":
+                    torch.cuda.current_stream(t.device).synchronize()
+        else:
+            session = SaveSession(lazy=True)
+            self._take(session, sync=False, path=path)
+            try:
+                if opts.step_barrier_s > 0:
+                    hold_step(session, opts.step_barrier_s)
+                small = copy_small(state_dict, opts.eager_copy_bytes)
+                # copies follow the kernels queued so far (the small copies' too); a tensor left
+                # live that changes in place before its bytes are copied fails the save
+                # (engine/snapshot.py), never a torn checkpoint
+                session.ready = ready_point(small.left + small.copies)
+                session.versions = versions(small.left)
+            except BaseException as e:
+                session.mark_failed(e)  # lets the optimizer's step barrier go
+                self.slot.give_back(session)
+                raise
+            if not small.live:
+                session.mark_snapshot()
+            self._staged_by = threading.get_ident()
+            state_dict = small.state_dict
+        self.current = session
+        self._stage_pid, self._staged = os.getpid(), True
+        return state_dict
+
+    def begin_sync(self, path: str | None) -> None:
+        """A save's first calls on the writer (``reset``, ``set_up_storage_writer``): a
+        synchronous save takes the slot, waiting while another save runs through the writer.
+        Not the DCP thread of the async save staged here, which took the slot in ``stage``."""
+        if self._staged and (threading.get_ident() != self._staged_by or os.getpid() != self._stage_pid):
+            return
+        session = SaveSession(lazy=False)
+        self._take(session, sync=True, path=path)
+        self.current, self._staged = session, False
+
+    def set_up(self, path: str | None) -> None:
+        """``set_up_storage_writer``: the save's calls begin.  A save staged for THREAD mode
+        whose calls arrive in another process is refused: its waiters could not see it end."""
+        self.begin_sync(path)
+        staged_elsewhere = self._staged and os.getpid() != self._stage_pid
+        if staged_elsewhere and (self.current is None or not self.current.cross_process):
+            raise CheckpointError(
+                "this save runs in DCP's checkpoint process (async_checkpointer_type=PROCESS), but "
+                "the writer was staged for THREAD mode, so wait_snapshot() could not see it finish; "
+                "pass DataStatesWriter(async_mode='process') or save with "
+                "dcp_datastates.async_save(...), which tells the writer", checkpoint=path)
+        self._staged = False
+
+    def session(self) -> SaveSession:
+        """The session of the save whose calls run now (a plain one where none began)."""
+        return self.current or SaveSession(lazy=False)
+
+    def attach(self, future) -> None:
+        """The async save's DCP future: its failure wakes waiters, and its end frees the slot."""
+        s = self.current
+        if s is not None:
+            s.future = future
+            future.add_done_callback(lambda f: self.slot.give_back(s))  # over, however it ended
+
+    def end(self, session: SaveSession | None = None) -> None:
+        """The save of ``session`` (default: the current one) is over on this rank."""
+        self.slot.give_back(self.current if session is None else session)
+
+    def fail(self, e: BaseException) -> None:
+        if self.current is not None:
+            self.current.mark_failed(e)
+        self.end()
+
+    def _take(self, session: SaveSession, *, sync: bool, path: str | None) -> None:
+        if not self.slot.take(session, sync=sync):
+            raise CheckpointError(f"the previous save through this DataStatesWriter has not ended after "
+                                  f"{SLOT_WAIT_S:.0f} s; wait for its future before saving again, or give "
+                                  "each concurrent save its own writer", checkpoint=path)
+
+
+class SaveIds:
+    """The save ids this process wrote with.  Process-wide on purpose: DCP's plan cache can
+    replay the plan of a save made through another writer object, and only a record shared by
+    every writer of the process tells a replayed id from a fresh one.  Bounded: a replay
+    repeats one of the recent plans, so the oldest ids are forgotten first."""
+
+    KEEP = 4096
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _add(self, save_id: str) -> bool:
+        """Record ``save_id``; False when it was recorded already."""
+        with self._lock:
+            if save_id in self._ids:
+                return False
+            self._ids[save_id] = None
+            while len(self._ids) > self.KEEP:
+                self._ids.popitem(last=False)
+            return True
+
+    def fresh(self, planned: str, own: str, *, coordinator: bool, path: str | None) -> str:
+        """The save id the coordinator planned, unless DCP's plan cache replayed an earlier
+        save's plan (an id this process already wrote with): a single process then keeps its
+        own (``own``); ranks of a job cannot agree on a new one without the plan, so the save
+        fails before writing."""
+        if self._add(planned):
+            return planned
+        alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+        if alone and coordinator:
+            self._add(own)
+            return own
+        raise CheckpointError(
+            f"DCP's plan cache replayed the plan of an earlier save (id {planned}) without this save's "
+            "id; pass planner=DataStatesSavePlanner(enable_plan_caching=True), which carries it",
+            checkpoint=path)
+
+    @staticmethod
+    def agree(mine: str) -> str:
+        """Per-rank manifests (``use_collectives=False``) still name one save: rank 0's id, sent
+        to the others with one broadcast on the default process group (DCP itself ends such a
+        save with a barrier on it).  A single process keeps its own."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return mine
+        box = [mine]
+        dist.broadcast_object_list(box, src=0)
+        return str(box[0])
+
+
+SAVE_IDS = SaveIds()  # the process's (see SaveIds)

@@ -7,14 +7,9 @@ import xxhash
 
 from .errors import CheckpointError, ManifestError
 from .format.checksum import verify_blocks
-from .format.names import DATA_FILE, STEP_DIR, is_manifest_name, step_of
+from .format.names import STEP_DIR, is_manifest_name, step_of
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
-
-
-def _rank_of(file: str) -> int | None:
-    m = DATA_FILE.match(file)
-    return int(m.group(1)) if m else None
 
 
 def inspect_run(tier) -> list[dict]:

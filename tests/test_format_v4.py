@@ -46,7 +46,8 @@ from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, sa
 from dcp_datastates.planner import plan_reads
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest
-from dcp_datastates.writer import PART_INDEX, _index_for
+from dcp_datastates.format.assemble import PART_INDEX
+from dcp_datastates.format.assemble import index_of as _index_for
 from tests import workers
 from tests.dist import run_ranks
 from tests.manifest_tools import rewrite_manifest

@@ -132,7 +132,7 @@ def _bytes(table: dict, key: str, n: int) -> np.ndarray:
     return byte_column(table, key, n, "table field")
 
 
-def _starts(counts: np.ndarray) -> np.ndarray:
+def starts(counts: np.ndarray) -> np.ndarray:
     """Where each run of ``counts`` starts in the concatenation."""
     out = np.zeros(len(counts), dtype=INT64)
     if len(counts) > 1:
@@ -140,10 +140,10 @@ def _starts(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-def _runs(first: np.ndarray, counts: np.ndarray, step: int = 1) -> np.ndarray:
+def runs(first: np.ndarray, counts: np.ndarray, step: int = 1) -> np.ndarray:
     """Runs of indices laid end to end: for each i, ``counts[i]`` of them from ``first[i]``,
     ``step`` apart."""
-    return np.repeat(first - step * _starts(counts), counts) + step * np.arange(int(counts.sum()), dtype=INT64)
+    return np.repeat(first - step * starts(counts), counts) + step * np.arange(int(counts.sum()), dtype=INT64)
 
 
 def _no_more_names(j: int) -> str:
@@ -204,7 +204,7 @@ def segment_columns(d: dict, counts: np.ndarray, files: Sequence[tuple[str, int]
         i = int(past[0])
         raise FormatViolation(f"extent [{int(soff[i])}, {int(soff[i] + sn[i])}) runs past the end of "
                    f"{files[int(sfile[i])][0]} ({files[int(sfile[i])][1]} bytes)")
-    start = _starts(counts)
+    start = starts(counts)
     if ns:
         last = np.zeros(ns, dtype=bool)
         last[(start + counts - 1)[counts > 0]] = True
@@ -248,9 +248,9 @@ def decode_table(table, files: Sequence[tuple[str, int]], block_size: int, speci
     nd_total = int(cnd.sum())
     offs = _ints(table, "offsets", nd_total, 0, MAX_DIM)
     sizes = _ints(table, "sizes", nd_total, 0, MAX_DIM)
-    cstart = _starts(cnd)
+    cstart = starts(cnd)
     # each chunk dimension against its tensor's: offset + size <= size of the tensor
-    gidx = _runs(_starts(ndim)[chunk_t], cnd)
+    gidx = runs(starts(ndim)[chunk_t], cnd)
     over = np.nonzero(offs + sizes > gsize[gidx])[0]
     if len(over):
         c = int(np.searchsorted(cstart, over[0], side="right") - 1)
@@ -298,10 +298,10 @@ def decode_table(table, files: Sequence[tuple[str, int]], block_size: int, speci
             for t, (fqn, d, a, k) in enumerate(zip(names, dcode.tolist(), first, ndim.tolist()))}
 
 
-_SMALL = 32  # tensors with at most this many chunks are checked and searched in plain Python
+FEW_CHUNKS = 32  # tensors with at most this many chunks are checked and searched in plain Python
 
 
-def _disjoint(offs: np.ndarray, sizes: np.ndarray) -> bool:
+def disjoint(offs: np.ndarray, sizes: np.ndarray) -> bool:
     """Whether boxes ((n, ndim) offsets and sizes, none empty) are disjoint, shown over the
     columns: dimension by dimension (most distinct offsets first), boxes of one group sorted by
     start must either not overlap their neighbour or span the same interval, which then forms a
@@ -340,10 +340,10 @@ class Table:
         self.source = source
         self._rows_cache: dict[int, np.ndarray] = {}
         self._small_boxes: dict[int, list] = {}
-        self.first_chunk = _starts(nchunks)
-        self.first_dim = _starts(ndim)
+        self.first_chunk = starts(nchunks)
+        self.first_dim = starts(ndim)
         self.chunk_dim, self.first_seg = chunk_dim, first_seg  # where each chunk's dims, segments start
-        self.first_sum = _starts(nsums) * DIGEST_BYTES
+        self.first_sum = starts(nsums) * DIGEST_BYTES
         self._checked: set[int] = set()
         self._stacked: frozenset[int] | None = None
 
@@ -433,7 +433,7 @@ class Table:
         rows = self.rows(t) - int(self.first_chunk[t])
         offs, sizes = self._boxes(t)
         got = [(tuple(o), tuple(z)) for o, z in zip(offs[rows].tolist(), sizes[rows].tolist())]
-        if len(got) <= _SMALL:
+        if len(got) <= FEW_CHUNKS:
             self._small_boxes[t] = got
         return got
 
@@ -476,14 +476,14 @@ class Table:
         if t in self._stacked_tensors():
             self._checked.add(t)
             return
-        if int(self.nchunks[t]) <= _SMALL:  # a few boxes: the sweep on plain tuples is cheaper
+        if int(self.nchunks[t]) <= FEW_CHUNKS:  # a few boxes: the sweep on plain tuples is cheaper
             check_tiling(self.names[t], [BareBox(o, z) for o, z in self.box_list(t)])
             self._checked.add(t)
             return
         offs, sizes = self._boxes(t)
         keep = np.all(sizes > 0, axis=1) if offs.shape[1] else np.zeros(len(offs), dtype=bool)
         offs, sizes = offs[keep], sizes[keep]
-        if len(offs) > 1 and not _disjoint(offs, sizes):
+        if len(offs) > 1 and not disjoint(offs, sizes):
             self.records(t)  # not shown disjoint over the columns: the full sweep decides (raises)
         self._checked.add(t)
 
@@ -533,7 +533,7 @@ class Table:
         """Positions (in tensor ``t``'s record order) of the chunks that overlap any of
         ``boxes`` ((offsets, sizes) pairs), empty chunks left out."""
         self.check(t)
-        if int(self.nchunks[t]) <= _SMALL:
+        if int(self.nchunks[t]) <= FEW_CHUNKS:
             return [i for i, (o, z) in enumerate(self.box_list(t)) if box_hits(o, z, boxes)]
         rows = self.rows(t)
         offs, sizes = self._boxes(t)

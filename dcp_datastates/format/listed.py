@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .checksum import DIGEST_BYTES, Digests, DigestTail
-from .columnar import _SMALL, FileList, _disjoint, _runs, _starts, int_column, segment_columns
+from .columnar import FEW_CHUNKS, FileList, disjoint, int_column, runs, segment_columns, starts
 from .limits import INT64, MAX_DIM, MAX_PART_BYTES, NO_INTS, FormatViolation
 from .model import BareBox, Chunk, Extent, Seg, box_hits, check_tiling
 from .ranked import PartTable
@@ -84,9 +84,9 @@ class HeldColumns:
         order = np.lexsort((chunk, tensor))
         if len(order) > 1 and not np.all(np.diff(tensor[order] * (1 << 24) + chunk[order]) > 0):
             raise FormatViolation("two ranks sent the record of one replicated box")
-        first = _starts(nsegs)
+        first = starts(nsegs)
         if len(order) and int(nsegs.max()) > 1:  # each record's segments, records in order
-            segs = _runs(first[order], nsegs[order])
+            segs = runs(first[order], nsegs[order])
         else:
             segs = first[order]
         return {"tensor": tensor[order].tobytes(), "chunk": chunk[order].tobytes(),
@@ -112,10 +112,10 @@ class Listed:
         total = int(nd.sum())
         self.offs = int_column(raw, "offsets", total, 0, MAX_DIM, what)
         self.sizes = int_column(raw, "sizes", total, 0, MAX_DIM, what)
-        self.cstart = _starts(nd)
+        self.cstart = starts(nd)
         if total:
             tsz = np.array([x for ts in tensors for x in ts.size], dtype=INT64)
-            tstart = _starts(tnd)
+            tstart = starts(tnd)
             chunk = np.repeat(np.arange(len(t)), nd)
             dim = np.arange(total) - self.cstart[chunk]
             if np.any(self.offs + self.sizes > tsz[tstart[t[chunk]] + dim]):
@@ -168,7 +168,7 @@ class Listed:
                 bounds, order, cst, nd, offs, sizes, _ = py
                 lo, hi = bounds.get(ti, (0, 0))
                 got = [(tuple(offs[cst[c]:cst[c] + nd[c]]), tuple(sizes[cst[c]:cst[c] + nd[c]])) for c in order[lo:hi]]
-            if len(got) <= _SMALL:
+            if len(got) <= FEW_CHUNKS:
                 self._small[ti] = got
         return got
 
@@ -202,7 +202,7 @@ class Listed:
             c = order[bounds[ti][0] + i]
             a, k = cst[c], nd[c]
             return tuple(offs[a:a + k]), tuple(sizes[a:a + k])
-        return self._box_list(ti)[i] if self.count(ti) <= _SMALL else self.box(self.row(ti, i))
+        return self._box_list(ti)[i] if self.count(ti) <= FEW_CHUNKS else self.box(self.row(ti, i))
 
     def owner_of(self, ti: int, i: int) -> int:
         """The rank whose part holds tensor ``ti``'s chunk ``i`` (``INLINE``: the index)."""
@@ -231,12 +231,12 @@ class Listed:
             rows = self.rows(ti)
             offs, sizes = self._boxes(ti)
             live = np.all(sizes > 0, axis=1)
-            if not _disjoint(offs[live], sizes[live]):
+            if not disjoint(offs[live], sizes[live]):
                 check_tiling(fqn, [BareBox(*self.box(int(c))) for c in rows.tolist()])
         self._checked.add(ti)
 
     def overlapping(self, ti: int, boxes: list[tuple[tuple, tuple]]) -> list[int]:
-        if self.count(ti) <= _SMALL:
+        if self.count(ti) <= FEW_CHUNKS:
             return [i for i, (o, z) in enumerate(self._box_list(ti)) if box_hits(o, z, boxes)]
         offs, sizes = self._boxes(ti)
         if offs.shape[1] == 0:
@@ -255,7 +255,7 @@ class Listed:
             lo, hi = bounds.get(ti, (0, 0))
             want = list(offsets)
             return next((i for i, c in enumerate(order[lo:hi]) if offs[cst[c]:cst[c] + nd[c]] == want), None)
-        if self.count(ti) <= _SMALL:
+        if self.count(ti) <= FEW_CHUNKS:
             return next((i for i, (o, _) in enumerate(self._box_list(ti)) if o == offsets), None)
         offs, _ = self._boxes(ti)
         if offs.shape[1] == 0:

@@ -77,6 +77,12 @@ def part_file_name(rank: int, save_id: str) -> str:
     return _PART_NAME % (rank, save_id)
 
 
+def data_file_rank(name: str) -> int | None:
+    """The rank that wrote data file ``name``, else None (not a data file)."""
+    m = DATA_FILE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def data_file_save_id(name: str) -> str | None:
     """The save that wrote data file or metadata part ``name`` (or its partial upload
     ``name.part``)."""

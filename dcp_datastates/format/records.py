@@ -17,7 +17,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .columnar import _runs, _starts
+from .columnar import runs, starts
 from .limits import INT64, FormatViolation
 from .listed import HeldColumns, HeldRecord
 from .manifest import Extent, ValueEntry
@@ -129,7 +129,7 @@ class Gathered:
         n = len(blobs)
         words = np.fromiter(map(len, blobs), dtype=INT64, count=n) // 8
         a = np.frombuffer(b"".join(blobs), dtype=INT64)
-        start = _starts(words)
+        start = starts(words)
         if n and int(words.min()) < _HEADER:
             raise FormatViolation("a rank's part record is shorter than its header")
         head = a[start[:, None] + np.arange(_HEADER)] if n else np.zeros((0, _HEADER), INT64)
@@ -149,7 +149,7 @@ class Gathered:
         if int(held[2].sum()) != int(n_segs.sum()) or (len(held[2]) and int(held[2].min()) < 1):
             raise FormatViolation("a rank's held records and their segments do not add up")
         of_seg = np.repeat(np.arange(n), n_segs)
-        own_start = _starts(n_own)
+        own_start = starts(n_own)
         if len(segs[0]) and bool(((segs[0] < 0) | (segs[0] >= n_own[of_seg])).any()):
             raise FormatViolation("a held record's segment names a file its rank did not write")
         keys = list(chain.from_iterable(map(attrgetter("held_keys"), records)))
@@ -173,10 +173,10 @@ class Gathered:
     def rows_of(self, which: list[int]) -> list[int]:
         """The rows of the own files of the ranks at places ``which`` in gathered order."""
         at = np.asarray(which, dtype=INT64)
-        return _runs(self.own_start[at], self.own_count[at]).tolist()
+        return runs(self.own_start[at], self.own_count[at]).tolist()
 
 
 def _rows(a: np.ndarray, first: np.ndarray, count: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
     """The ``width`` columns of rows that start at ``first`` (one run of ``count`` rows per rank) in ``a``."""
-    at = _runs(first, count, width)
+    at = runs(first, count, width)
     return tuple(a[at + k] for k in range(width))

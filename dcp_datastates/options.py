@@ -1,0 +1,83 @@
+"""``WriterOptions``: what a ``DataStatesWriter`` was asked to do, validated once.
+
+The writer's keyword arguments stay its public face (``docs/configuration.md`` documents
+each); they are gathered here into one frozen record that checks itself, so the layers below
+are handed options that are already valid, and a bad one fails at construction naming the
+argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .format.checksum import BLOCK_SIZE
+
+DEFAULT_DEDUP_UNIT = 4 << 20
+
+
+def _urls(x: Sequence[str] | str | None) -> tuple[str, ...]:
+    return tuple(str(p) for p in ([x] if isinstance(x, str) else x or []))
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriterOptions:
+    """The options of a ``DataStatesWriter`` (the fields are its keyword arguments)."""
+
+    overwrite: bool = False
+    """Replace a committed checkpoint at the path (it stays loadable until the new one commits)."""
+    thread_count: int = 4
+    """Flush threads per rank."""
+    host_cache_bytes: int | None = None
+    """The bounded staging cache of this process (None: the process default)."""
+    device_cache_bytes: int = 0
+    """A first cache level on the GPU for async saves (0: off)."""
+    allow_pickle: bool = False
+    """Store values msgpack cannot express with pickle (the reader must opt in too)."""
+    sync_files: bool = True
+    """fsync data files and the manifest."""
+    storage_options: dict | None = field(default=None, hash=False)
+    """fsspec options for the path."""
+    async_mode: str | None = None
+    """``"process"`` when the save runs in DCP's checkpoint process, ``"thread"``, or None."""
+    persist_to: tuple[str, ...] = ()
+    """Slower tiers each checkpoint is flushed to in the background."""
+    persist: bool = True
+    """Flush to ``persist_to`` (False: keep them, but do not flush this save)."""
+    persist_options: dict | None = field(default=None, hash=False)
+    """fsspec options for the ``persist_to`` tiers."""
+    o_direct: bool = True
+    """Write local data files with O_DIRECT from the aligned host cache."""
+    incremental_base: str | None = None
+    """A committed sibling checkpoint whose unchanged bytes are referenced."""
+    dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT
+    """The unit of an incremental save's dedup (a multiple of the 1 MiB block)."""
+    step_barrier_s: float = 600.0
+    """How long optimizers' ``step()`` waits for an async save's snapshot (0: not at all)."""
+    eager_copy_bytes: int = 64 << 20
+    """An async save copies tensors of at most 64 KiB at the call, up to this many bytes."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "persist_to", _urls(self.persist_to))
+        if self.incremental_base is not None:
+            object.__setattr__(self, "incremental_base", str(self.incremental_base))
+        if self.eager_copy_bytes < 0:
+            raise ValueError(f"eager_copy_bytes must be 0 (off) or more, got {self.eager_copy_bytes}")
+        if self.device_cache_bytes and self.device_cache_bytes < BLOCK_SIZE:
+            raise ValueError(f"device_cache_bytes must be 0 (off) or at least {BLOCK_SIZE} (one checksum "
+                             f"block), got {self.device_cache_bytes}")
+        if self.thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {self.thread_count}")
+        if self.host_cache_bytes is not None and self.host_cache_bytes < BLOCK_SIZE:
+            raise ValueError(f"host_cache_bytes must be at least {BLOCK_SIZE} (one checksum block), "
+                             f"got {self.host_cache_bytes}")
+        if self.async_mode not in (None, "thread", "process"):
+            raise ValueError(f"async_mode must be None, 'thread' or 'process', got {self.async_mode!r}")
+        if self.dedup_unit_bytes <= 0 or self.dedup_unit_bytes % BLOCK_SIZE:
+            raise ValueError(f"dedup_unit_bytes must be a positive multiple of {BLOCK_SIZE}, "
+                             f"got {self.dedup_unit_bytes}")
+
+    @property
+    def flushing(self) -> bool:
+        """Whether saves flush to slower tiers."""
+        return bool(self.persist_to and self.persist)

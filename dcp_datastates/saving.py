@@ -1,0 +1,270 @@
+"""``RankSave``: one save on one rank, from DCP's set-up call to its end.
+
+The writer makes one per save (``set_up_storage_writer``) and hands it DCP's calls; it holds
+everything that belongs to that save and to no other: the tier, the incremental base, the
+directory claims, the engine job, the flush to slower tiers, and the records it sent.  A save
+that begins while an earlier one still flushes has its own, so the two never share a field.
+
+Lifecycle (DCP drives it; see ``writer.py`` for the calls):
+
+1. ``plan_local`` (all ranks): the directory exists, no committed checkpoint is replaced
+   unless asked, the incremental base is found.
+2. ``claim`` (the coordinator; every rank with per-rank manifests): the directory is claimed
+   on every tier before anything is written.
+3. ``write`` (all ranks): the items are placed (``placement.py``) and handed to the engine;
+   the future resolves with DCP's results once the data files are durable.
+4. ``commit`` (the coordinator; every rank with per-rank manifests): the manifest is built
+   from every rank's records and committed; what it superseded is tidied and the claim let go.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ._version import __version__
+from .engine import get_engine
+from .engine.device_cache import device_cache_for
+from .engine.host_cache import shared_host_cache
+from .engine.live import any_gpu, ready_point, want_pinned
+from .engine.snapshot import CopyItem, SaveJob
+from .errors import CheckpointError, CheckpointExistsError
+from .format import MANIFEST_NAME, encode_manifest
+from .format.assemble import PART_INDEX, PartItem, index_of, manifest_of, part_of
+from .format.model import Manifest, paused_gc
+from .format.names import rank_manifest_name
+from .format.rules import RuleTable
+from .options import WriterOptions
+from .placement import Placed, Written, lay_out, results_of
+from .planner import RULES_KEY
+from .session import SaveSession
+from .tiers import StorageTier
+from .tiers.incremental import Base, load_base
+from .tiers.manifests import committed_here
+from .tiers.ownership import SaveClaims
+from .tiers.persist import Persistence
+
+log = logging.getLogger(__name__)
+
+WRITER_NAME = f"dcp-datastates {__version__}"
+PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
+
+
+def _world(at_least: int = 1) -> int:
+    up = dist.is_available() and dist.is_initialized()
+    return max(dist.get_world_size() if up else 1, at_least)
+
+
+def global_rank(default: int) -> int:
+    """This process's rank in the default process group (``default`` without one)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else default
+
+
+class RankSave:
+    """One save on one rank (see the module's docstring for its calls).
+
+    ``on_failed(e)`` is called when one of its steps fails after its claims were taken, so
+    the writer can mark the save failed and free its slot; ``end(session)`` when this rank's
+    part of the save is over."""
+
+    def __init__(self, *, path: str, tier: StorageTier, opts: WriterOptions, rank: int,
+                 is_coordinator: bool, use_collectives: bool, save_id: str,
+                 end: Callable[[SaveSession], None]) -> None:
+        self.path, self.tier, self.opts = path, tier, opts
+        self.rank, self.is_coordinator, self.use_collectives = rank, is_coordinator, use_collectives
+        self.save_id = save_id
+        self._end = end
+        self.base: Base | None = None
+        self.claims: SaveClaims | None = None
+        self.persistence: Persistence | None = None
+        self.job: SaveJob | None = None  # the engine's job while its data is not durable
+        self.rules: RuleTable | None = None  # format 4: the rank's sharding rules
+        self.refs: dict[str, tuple[str, int]] = {}  # base files referenced: {file: (home, size)}
+        self.part_file: dict[str, int] = {}  # format 4: this rank's metadata part, flushed with its data
+        self.stats: dict[str, int] = {}
+        self.timings: dict[str, float] = {}
+        self._planned_at = 0.0
+        self._wrote = False
+
+    # ------------------------------------------------------------- planning
+    def persist_tiers(self) -> list[StorageTier]:
+        return [StorageTier(u, self.opts.persist_options) for u in self.opts.persist_to] if self.opts.persist else []
+
+    def committed_here(self) -> bool:
+        return committed_here(self.tier, rank=None if self.use_collectives else self.rank)
+
+    def plan_local(self) -> None:
+        self.tier.makedirs()
+        if not self.opts.overwrite and self.committed_here():
+            raise CheckpointExistsError(
+                "a committed checkpoint already exists here; pass overwrite=True to "
+                "DataStatesWriter to replace it, or save to a new path", checkpoint=self.path)
+        self.base = load_base(self.tier, self.opts.incremental_base, self.opts.storage_options)
+
+    def claim(self) -> None:
+        self._planned_at, self._wrote = time.monotonic(), False
+        self.claims = SaveClaims(self.save_id, rank=None if self.use_collectives else self.rank, busy=self.busy)
+        self.claims.acquire([self.tier, *self.persist_tiers()])
+        if not self.opts.overwrite and self.committed_here():
+            raise CheckpointExistsError("a committed checkpoint appeared here while this save "
+                                        "was planning; pass overwrite=True to replace it",
+                                        checkpoint=self.path)
+
+    def busy(self) -> bool:
+        """Whether this save still runs (a claim of one DCP abandoned after planning is stale)."""
+        if self.job is not None:  # its data is not durable yet
+            return True
+        if self.persistence is not None and self.persistence.pending():
+            return True
+        return not self._wrote and time.monotonic() - self._planned_at < PLANNED_GRACE_S
+
+    def release(self, url: str | None = None) -> None:
+        """Let this save's claim on ``url`` (default: every tier) go."""
+        if self.claims is not None:
+            self.claims.release(url)
+
+    def after_commit(self, tier: StorageTier, manifest: Manifest) -> None:
+        if self.claims is not None:
+            self.claims.after_commit(tier, manifest)
+
+    # --------------------------------------------------------------- writing
+    def write(self, plan: SavePlan, planner: SavePlanner, session: SaveSession,
+              on_failed: Callable[[BaseException], None]) -> Future:
+        """Place the plan's items and hand them to the engine; the future gets DCP's results."""
+        self._wrote = True
+        with paused_gc():  # a few records per item, none cyclic
+            placed, copy_items, names = lay_out(
+                plan, planner, rank=self.rank, save_id=self.save_id, thread_count=self.opts.thread_count,
+                base=self.base, started=session.versions if session.lazy else None,
+                allow_pickle=self.opts.allow_pickle, checkpoint=self.path)
+        fut: Future = Future()
+        if not self.is_coordinator:  # this rank's part of the save is over once DCP has its results
+            fut.add_done_callback(lambda f: self._end(session))
+        self.persistence = Persistence(self.tier, self.persist_tiers(), self.save_id, self.rank,
+                                       on_done=session.mark_persisted, after_commit=self.after_commit,
+                                       on_tier_failed=self.release)
+        persistence = self.persistence
+        if not copy_items:
+            session.mark_snapshot()
+            res = self._results(placed, names, [])
+            persistence.start_uploads(dict(self.part_file), {}, waits_for_commit=self._commits_persist())
+            fut.set_result(res)
+            return fut
+        sinks = [self.tier.open_sink(n, o_direct=self.opts.o_direct, drop_cache=not self.opts.flushing)
+                 for n in names]
+        job = self.job = self._submit(copy_items, sinks, session)
+        job.snapshotted.add_done_callback(lambda f: session.mark_snapshot() if f.exception() is None else None)
+
+        def durable(f) -> None:
+            try:
+                sizes = f.result().file_sizes
+                session.stamp("data_written")
+                for n, sz in zip(names, sizes):
+                    if sz == 0:  # every byte of this stripe was reused from the base
+                        self.tier.remove(n)
+                res = self._results(placed, names, sizes, f.result().timings)
+                persistence.start_uploads({**{n: sz for n, sz in zip(names, sizes) if sz > 0}, **self.part_file},
+                                          self.refs, waits_for_commit=self._commits_persist())
+                fut.set_result(res)
+            except BaseException as e:  # noqa: BLE001 - delivered through DCP's future
+                on_failed(e)
+                fut.set_exception(CheckpointError(f"writing rank {self.rank}'s data failed: {e}",
+                                                  checkpoint=self.path, file=names[0]))
+            finally:
+                # over: the save keeps nothing of the job, neither the state's tensors (its
+                # items) nor, through this callback, its records, which would otherwise live on
+                # in a cycle until the collector's next full pass
+                self.job = None
+        job.durable.add_done_callback(durable)
+        if not session.lazy:
+            job.durable.exception()  # synchronous dcp.save: DCP waits on the future right away
+        return fut
+
+    def _submit(self, copy_items: list[CopyItem], sinks: list, session: SaveSession) -> SaveJob:
+        """Queue this rank's copies on the process's engine: through the host cache, and for an
+        async save through the device cache first (``engine/device_cache.py``)."""
+        opts = self.opts
+        sources = [i.live() for i in copy_items]
+        ready = session.ready if session.lazy else None
+        assert opts.host_cache_bytes is not None, "the writer resolves the cache size"
+        engine = get_engine(shared_host_cache(opts.host_cache_bytes, want_pinned(copy_items)), opts.thread_count)
+        direct = any(getattr(s, "o_direct", False) for s in sinks)
+        return engine.submit(
+            copy_items, sinks, copy=session.lazy or direct or any_gpu(copy_items),
+            label=f"{self.path} rank {self.rank}", unit_bytes=opts.dedup_unit_bytes,
+            device_cache=device_cache_for(sources, opts.device_cache_bytes if session.lazy else 0),
+            ready_event=ready if ready is not None else ready_point(sources))
+
+    def _commits_persist(self) -> bool:
+        """Whether this rank's flush is over only when a slow tier commits (not at upload)."""
+        return self.is_coordinator or not self.use_collectives
+
+    def _results(self, placed: list[Placed], names: list[str], sizes: list[int],
+                 timings: dict | None = None) -> list[WriteResult]:
+        written = results_of(placed, names, sizes, self.base, self.rank, timings)
+        self.refs, self.stats = written.refs, written.stats
+        self.timings = dict(timings or {})
+        self.part_file = {}
+        return [self._write_part(placed, written)] if self.rules is not None else written.results
+
+    def _write_part(self, placed: list[Placed], written: Written) -> WriteResult:
+        """Format 4: commit this rank's records as its metadata part beside its data files; the
+        one result the coordinator gets names it."""
+        assert self.rules is not None, "a part is written where the planner gave rules"
+        grank = global_rank(self.rank)
+        out = written.results
+        items = [PartItem(wr.index.fqn, None, wr.storage_data, None)
+                 if wr.storage_data.kind in ("value", "provider-value") else
+                 PartItem(wr.index.fqn, tuple(wr.index.offset or ()), wr.storage_data,
+                          tuple(p.item.tensor_data.size) if p.item.tensor_data is not None else ())
+                 for p, wr in zip(placed, out)]
+        part = part_of(items, out[0].storage_data.rank if out else None, self.rules, rank=grank,
+                       world=_world(grank + 1), save_id=self.save_id, torch_version=torch.__version__,
+                       writer=WRITER_NAME)
+        self.tier.commit_bytes(part.name, part.body, sync=self.opts.sync_files)
+        self.part_file = {part.name: len(part.body)}
+        self.stats["part_bytes"] = len(part.body)
+        return WriteResult(index=PART_INDEX, size_in_bytes=len(part.body), storage_data=part.record)
+
+    # ------------------------------------------------------------ committing
+    def commit(self, metadata: Metadata, results: list[list[WriteResult]], session: SaveSession | None) -> None:
+        """Build the manifest from every rank's records and commit it (temp file, fsync,
+        rename: the rename is the commit), then tidy what it superseded and let the claim go."""
+        manifest, body = self._manifest(metadata, results)
+        name = MANIFEST_NAME if self.use_collectives else rank_manifest_name(self.rank, self.save_id)
+        self.tier.commit_bytes(name, body, sync=self.opts.sync_files)
+        if self.use_collectives:
+            # DCP broadcasts this Metadata to every rank as the save's result: a run-level
+            # checkpointer on another node commits the manifest on its own disk from it.
+            metadata.storage_data = {"dcp_datastates.manifest": body}
+        if self.persistence is not None:
+            self.persistence.start_commits(manifest, body, name, collective=self.use_collectives,
+                                           record_on=self.tier)
+        if session is not None:
+            session.mark_committed()
+        log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),
+                 len(manifest.values), sum(manifest.files.values()) / 2**20)
+        self.after_commit(self.tier, manifest)
+
+    def _manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[Manifest, bytes]:
+        """The manifest to commit and its bytes: a format 4 index where the planner gave
+        sharding rules, else a version 3 manifest (of this rank alone with per-rank manifests)."""
+        raw = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        rules = raw.get(RULES_KEY)
+        with paused_gc():
+            if isinstance(rules, RuleTable) and self.use_collectives:
+                return index_of(metadata, results, self.save_id, rules, self.path, world=_world(),
+                                torch_version=torch.__version__, writer=WRITER_NAME)
+            manifest = manifest_of(metadata, results, self.save_id, world=_world(),
+                                   torch_version=torch.__version__, writer=WRITER_NAME)
+        if not self.use_collectives:
+            manifest.ranks = [self.rank]
+        return manifest, encode_manifest(manifest)
