@@ -11,7 +11,7 @@ VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 TPY := $(TITAN_VENV)/bin/python
 
-.PHONY: env env-titan demo test test-core test-torchtitan test-long bench clean
+.PHONY: env env-titan demo test test-core lint test-torchtitan test-long bench clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -37,9 +37,14 @@ demo: env
 
 test: test-core test-torchtitan
 
-test-core: env
-	$(VENV)/bin/lint-imports
+test-core: env lint
 	$(PY) -m pytest -q tests
+
+# layers (import-linter), lint and import order (ruff), types (basedpyright, pyright's basic mode)
+lint: env
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check dcp_datastates cuda_ext
+	$(VENV)/bin/basedpyright
 
 test-torchtitan: env-titan
 	$(TPY) -m pytest -q tests/test_torchtitan.py

@@ -76,3 +76,42 @@ def test_writer_is_a_thin_adapter():
     tree = ast.parse((ROOT / "dcp_datastates" / "writer.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DataStatesWriter")
     assert cls.end_lineno - cls.lineno + 1 < 300
+
+
+def _package_module(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@pytest.mark.parametrize("path", LIB, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_private_name_crosses_modules(path):
+    """A name beginning with ``_`` belongs to its module: no other module of the package imports it."""
+    tree = ast.parse(path.read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in
+                                                 ("dcp_datastates", "cuda_ext")):
+            bad += [f"{path.name}:{node.lineno} {a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, bad
+
+
+def test_module_functions_do_not_write_a_writer_or_reader():
+    """No module-level function takes the writer or reader and sets its fields: that work
+    belongs to an object of its own (issue 34)."""
+    bad = []
+    for path in LIB:
+        tree = ast.parse(path.read_text())
+        for fn in tree.body:
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            names = {a.arg for a in fn.args.args if a.annotation is not None
+                     and any(k in ast.unparse(a.annotation) for k in ("DataStatesWriter", "DataStatesReader"))}
+            for sub in ast.walk(fn):
+                targets = sub.targets if isinstance(sub, ast.Assign) else \
+                    [sub.target] if isinstance(sub, (ast.AugAssign, ast.AnnAssign)) else []
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in names:
+                        bad.append(f"{path.name}:{sub.lineno} {fn.name} sets {t.value.id}.{t.attr}")
+    assert not bad, bad
