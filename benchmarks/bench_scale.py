@@ -55,7 +55,8 @@ from dcp_datastates.format import MANIFEST_NAME  # noqa: E402
 from dcp_datastates.format.checksum import BLOCK_SIZE, DIGEST_BYTES, Digests  # noqa: E402
 from dcp_datastates.format.dtypes import dtype_name  # noqa: E402
 from dcp_datastates.format.manifest import Extent, Seg, encode_part  # noqa: E402
-from dcp_datastates.format.model import ChunkMetadataView, paused_gc  # noqa: E402
+from dcp_datastates.format.model import ChunkMetadataView  # noqa: E402
+from dcp_datastates.gcpause import paused_gc  # noqa: E402
 from dcp_datastates.planner import plan_reads  # noqa: E402
 from dcp_datastates.format.names import data_file_name  # noqa: E402
 from dcp_datastates.format.records import ItemRecord  # noqa: E402

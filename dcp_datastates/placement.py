@@ -24,9 +24,10 @@ from .errors import ProviderError, UnsupportedValueError
 from .format import dtype_name
 from .format.checksum import Digests
 from .format.layout import place_regions, stripe_count
-from .format.model import Extent, Seg, ValueEntry, paused_gc
+from .format.model import Extent, Seg, ValueEntry
 from .format.names import data_file_name
 from .format.records import ItemRecord, RankRecord
+from .gcpause import paused_gc
 from .planner import PLAIN_TENSORS, dcps_ways
 from .providers import ObjectProvider, TensorRegion, provider_for, type_provider_for
 from .tiers.incremental import Base

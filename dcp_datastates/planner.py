@@ -49,8 +49,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .errors import CheckpointError
 from .format.assemble import SMALL_ITEM_BYTES
 from .format.limits import FormatViolation
-from .format.model import ChunkMetadataView, TensorEntry, paused_gc
+from .format.model import ChunkMetadataView, TensorEntry
 from .format.rules import Geometry, Mesh, RuleTable, ShardRule, merge_tables, salt
+from .gcpause import paused_gc
 
 RULES_KEY = "\x00dcp_datastates.rules"  # in a plan's and the global metadata's planner_data
 

@@ -37,8 +37,9 @@ from .errors import (
     PickleNotAllowedError,
 )
 from .format import MANIFEST_NAME, Manifest, dtype_from_name
-from .format.model import ValueEntry, paused_gc
+from .format.model import ValueEntry
 from .format.values import decode_value
+from .gcpause import paused_gc
 from .loading.files import Fetcher, FileSet, ReadStats
 from .loading.metadata import manifest_to_metadata
 from .loading.ranges import batches, coalesce

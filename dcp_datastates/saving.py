@@ -39,9 +39,10 @@ from .engine.snapshot import CopyItem, SaveJob
 from .errors import CheckpointError, CheckpointExistsError
 from .format import MANIFEST_NAME, encode_manifest
 from .format.assemble import PART_INDEX, PartItem, index_of, manifest_of, part_of
-from .format.model import Manifest, paused_gc
+from .format.model import Manifest
 from .format.names import rank_manifest_name
 from .format.rules import RuleTable
+from .gcpause import paused_gc
 from .options import WriterOptions
 from .placement import Placed, Written, lay_out, results_of
 from .planner import RULES_KEY

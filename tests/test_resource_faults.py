@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import (Checkpointer, DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner,
                             DataStatesWriter, async_save)
-from dcp_datastates.format.model import PROMOTE_AFTER, paused_gc
+from dcp_datastates.gcpause import PROMOTE_AFTER, paused_gc
 from dcp_datastates.tiers.storage import LocalSink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -452,7 +452,7 @@ def test_a_child_forked_during_a_pause_of_the_collector_has_it_on():
 
 _PAUSE_IN_HANDLER = """
 import gc
-from dcp_datastates.format.model import paused_gc
+from dcp_datastates.gcpause import paused_gc
 pause = paused_gc()
 gc.enable()
 with pause._lock:  # as if a signal arrived while this thread was inside the pause's own lock

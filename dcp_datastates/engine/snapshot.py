@@ -50,7 +50,8 @@ import cuda_ext
 from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.layout import ALIGNMENT, align_up
-from ..format.model import Extent, paused_gc
+from ..format.model import Extent
+from ..gcpause import paused_gc
 from ..tiers.activity import job_ended as _job_ended
 from ..tiers.activity import job_started as _job_started
 from .device_cache import DeviceCache

@@ -187,13 +187,6 @@ class Listed:
         lo, hi = py[0].get(ti, (0, 0))
         return hi - lo
 
-    def sizes_of(self, c: int) -> tuple:
-        py = self._lists()
-        if py is None:
-            return self.box(c)[1]
-        _, _, cst, nd, _, sizes, _ = py
-        return tuple(sizes[cst[c]:cst[c] + nd[c]])
-
     def box_of(self, ti: int, i: int) -> tuple[tuple, tuple]:
         """The box of tensor ``ti``'s chunk ``i``."""
         py = self._lists()

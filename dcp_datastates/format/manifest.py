@@ -4,10 +4,18 @@ File layout (``docs/format.md`` is the specification)::
 
     MAGIC (16 bytes)  msgpack map (the body)  xxh3-64 of the body (8 bytes, LE)
 
-Version 2 (written now) stores per-block xxh3-128 digests, lets an extent be a
-list of segments, and lets a file live in a sibling checkpoint of the same run
-(``homes``): that is how an incremental checkpoint references unchanged bytes
-of an earlier one.  Version 1 is still read.
+The versions, all still read:
+
+* 1: per-block xxh3-64 digests, each chunk a msgpack map;
+* 2: per-block xxh3-128 digests, an extent may be several segments, and a file may live in a
+  sibling checkpoint of the run (``homes``: how an incremental save references unchanged bytes);
+* 3 (written by ``DataStatesWriter`` without sharding rules, and as each rank's format 4
+  part): the tensors as one table of integer columns (``columnar.py``);
+* 4 (written where the save planner gave sharding rules): an index of rules and per-rank
+  parts (``index.py``), assembled by ``assemble.py``.
+
+This module holds the envelope (magic, body, trailer), the version dispatch and the version
+1 and 2 decoders; the formats 3 and 4 have modules of their own.
 
 The magic starts with 0xFF, which is not a pickle opcode, so a tool that
 mistakes the file for DCP's pickled ``.metadata`` fails at the first byte.
@@ -29,6 +37,7 @@ import msgpack
 import xxhash
 
 from ..errors import ForeignFormatError, ManifestError, UnsupportedFormatVersion
+from ..gcpause import paused_gc
 from .checksum import DIGEST_BYTES, Digests, DigestTail
 from .columnar import decode_table, encode_table
 from .dtypes import dtype_from_name
@@ -52,7 +61,6 @@ from .model import (  # noqa: F401 (the model is re-exported: most layers import
     TensorEntry,
     ValueEntry,
     check_tiling,
-    paused_gc,
 )
 from .names import MANIFEST_NAME, RANK_MANIFEST_PREFIX, is_manifest_name  # noqa: F401 (re-exported)
 from .paths import paths_from_wire, paths_wire
@@ -600,6 +608,3 @@ def _save_id(body: dict) -> str:
     return save_id
 
 
-def _dtype(name) -> str:
-    dtype_from_name(name)  # raises on a dtype outside the fixed table
-    return name

@@ -44,13 +44,6 @@ class TensorRegion:
     def nbytes(self) -> int:
         return self.source.numel() * self.source.element_size()
 
-    def pieces(self, max_bytes: int) -> list[tuple[int, int]]:
-        """Byte ranges ``(start, length)`` of at most ``max_bytes`` each (nested chunking)."""
-        n = self.nbytes
-        if n == 0:
-            return [(0, 0)]
-        return [(s, min(max_bytes, n - s)) for s in range(0, n, max_bytes)]
-
 
 class StateProvider(ABC):
     """One kind of state, described as metadata plus byte regions."""

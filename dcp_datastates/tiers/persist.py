@@ -29,7 +29,7 @@ import msgpack
 
 from ..errors import CheckpointError, ManifestError
 from ..format.manifest import MANIFEST_NAME, Manifest, decode_manifest
-from ..format.names import PERSISTED_RECORD, UPLOADED_PREFIX, failed_marker, uploaded_marker
+from ..format.names import PERSISTED_RECORD, failed_marker, uploaded_marker
 from ..format.values import pack_plain
 from .activity import wait_for_quiet
 from .storage import StorageTier, open_regular
@@ -37,7 +37,6 @@ from .tidy import flushing
 
 log = logging.getLogger(__name__)
 
-MARKER_PREFIX = UPLOADED_PREFIX
 UPLOAD_PIECE = 64 << 20
 YIELD_S = 2.0  # before each piece, wait up to this long for this process's saves to finish writing
 

@@ -67,7 +67,6 @@ class Sink:
     to write (append order, decided when the piece is ready), then ``pwrite``s it there."""
 
     name: str
-    supports_random_writes: bool
 
     def reserve(self, nbytes: int) -> int: ...
     def pwrite(self, buf, offset: int) -> None: ...
@@ -76,8 +75,6 @@ class Sink:
 
 
 class LocalSink(Sink):
-    supports_random_writes = True
-
     def __init__(self, path: str, name: str, o_direct: bool = False, drop_cache: bool = True) -> None:
         self.path = path
         self.name = name
@@ -149,8 +146,6 @@ class SequentialSink(Sink):
     until the pieces before it are written (at most one batch's per flush thread: a flush thread
     reserves a batch's pieces, then writes them in order).  Unreserved writes
     come from a single sequential caller and go straight through."""
-
-    supports_random_writes = False
 
     def __init__(self, fs, path: str, name: str) -> None:
         self.fs, self.path, self.name = fs, path, name
