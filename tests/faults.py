@@ -72,7 +72,8 @@ def install() -> None:
         return
     from dcp_datastates.engine.host_cache import HostCache
     from dcp_datastates.tiers import persist
-    from dcp_datastates.tiers.storage import LocalSink, StorageTier
+    from dcp_datastates.tiers.local import LocalSink
+    from dcp_datastates.tiers.storage import StorageTier
     if phase == "plan":
         _before(StorageTier, "makedirs", "plan")
     elif phase == "copy":

@@ -16,8 +16,8 @@ from dcp_datastates.engine import device_cache as dcm
 from dcp_datastates.engine.device_cache import DeviceCache, device_cache_for
 from dcp_datastates.engine.host_cache import HostCache
 from dcp_datastates.engine.snapshot import CopyItem, SnapshotEngine
-from dcp_datastates.tiers import storage
-from dcp_datastates.tiers.storage import LocalSink
+from dcp_datastates.tiers import local as storage
+from dcp_datastates.tiers.local import LocalSink
 
 MiB = 1 << 20
 

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_datastates import (Checkpointer, DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner,
                             DataStatesWriter, async_save)
 from dcp_datastates.gcpause import PROMOTE_AFTER, paused_gc
-from dcp_datastates.tiers.storage import LocalSink
+from dcp_datastates.tiers.local import LocalSink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -23,7 +23,7 @@ from ..errors import ChecksumMismatch, DataFileError
 from ..format.checksum import verify_blocks
 from ..tiers import StorageTier, read_path
 from ..tiers.direct_io import DIRECT_MIN, STAGE_BYTES, StagingBuffer, dio_alignment, read_range
-from ..tiers.storage import open_regular
+from ..tiers.local import open_regular
 from .ranges import ByteRange, Piece, Ranged
 from .tasks import ReadTask
 

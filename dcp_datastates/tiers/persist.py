@@ -32,7 +32,8 @@ from ..format.manifest import MANIFEST_NAME, Manifest, decode_manifest
 from ..format.names import PERSISTED_RECORD, failed_marker, uploaded_marker
 from ..format.values import pack_plain
 from .activity import wait_for_quiet
-from .storage import StorageTier, open_regular
+from .local import open_regular
+from .storage import StorageTier
 from .tidy import flushing
 
 log = logging.getLogger(__name__)

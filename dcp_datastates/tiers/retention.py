@@ -151,12 +151,6 @@ def _sweep(t: StorageTier, keep: set[str]) -> bool:
 def _rmdir(t: StorageTier) -> None:
     """Remove the now-empty directory ``t`` (never recursively)."""
     try:
-        if t.local:
-            os.rmdir(t.root)
-        else:
-            try:
-                t.fs.rmdir(t.root)
-            except (FileNotFoundError, NotImplementedError):
-                pass
+        t.remove_dir()
     except OSError as e:
         log.warning("retention: could not remove the directory %s (%s); a later pass retries", t.url, e)

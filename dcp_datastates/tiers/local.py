@@ -1,0 +1,226 @@
+"""Local tiers: a checkpoint directory on the operating system's filesystem.
+
+Files are written with ``pwrite`` from any flush thread (O_DIRECT from the aligned host cache
+where the filesystem takes it), made durable with ``fsync``, and published with an atomic
+``rename`` followed by an ``fsync`` of the directory.  A checkpoint file is only ever opened
+as a regular file reached without a symbolic link.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+import uuid
+
+from ..errors import UnsafeFileError
+from ..format.layout import align_up
+from .backend import Backend, Sink
+from .direct_io import pread_full
+
+log = logging.getLogger(__name__)
+
+_PWRITE_MAX = 1 << 30  # Linux caps one write at ~2 GiB; stay well below
+_SAFE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, *, checkpoint: str | None = None) -> int:
+    """Open an existing checkpoint file without following a symbolic link, and only if it is
+    a regular file: a link planted in place of a data file cannot make us read outside the
+    checkpoint, and a FIFO or device cannot block or flood the reader (``O_NONBLOCK`` makes
+    the open itself return at once; regular files ignore it)."""
+    name = os.path.basename(path)
+    try:
+        fd = os.open(path, flags | _SAFE_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeFileError("is a symbolic link; checkpoint files are never read through "
+                                  "links (replace it with the file itself)",
+                                  checkpoint=checkpoint or os.path.dirname(path), file=name) from None
+        if e.errno in (errno.ENXIO, errno.ENODEV):
+            raise UnsafeFileError("is a device or socket, not a regular file",
+                                  checkpoint=checkpoint or os.path.dirname(path), file=name) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafeFileError(f"is not a regular file (mode {stat.filemode(st.st_mode)}); refusing "
+                              "to read it", checkpoint=checkpoint or os.path.dirname(path), file=name)
+    return fd
+
+
+class LocalSink(Sink):
+    def __init__(self, path: str, name: str, o_direct: bool = False, drop_cache: bool = True) -> None:
+        self.path = path
+        self.name = name
+        self.drop_cache = drop_cache
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.o_direct = False
+        if o_direct and hasattr(os, "O_DIRECT"):
+            try:  # probe: some file systems refuse O_DIRECT (EINVAL); then write buffered
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.o_direct = True
+            except OSError as e:
+                log.debug("O_DIRECT refused for %s (%s); buffered writes", path, e)
+        if not self.o_direct:
+            self.fd = os.open(path, flags, 0o644)
+        self.size = 0
+        self._end = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> int:
+        with self._lock:
+            off = align_up(self._end)
+            self._end = off + nbytes
+            return off
+
+    def pwrite(self, buf, offset: int, logical: int | None = None) -> None:
+        """Write ``buf`` at ``offset``.  With O_DIRECT, ``buf`` is block-padded and ``logical``
+        is the meaningful length (the file is truncated to its logical size at close)."""
+        mv = memoryview(buf).cast("B")
+        n = mv.nbytes
+        done = 0
+        while done < n:
+            w = os.pwrite(self.fd, mv[done:done + _PWRITE_MAX], offset + done)
+            if w <= 0:
+                raise OSError(errno.EIO, f"short write to {self.path}")
+            done += w
+        with self._lock:
+            self.size = max(self.size, offset + (n if logical is None else logical))
+
+    def close(self, sync: bool = True) -> int:
+        try:
+            if self.o_direct:
+                os.ftruncate(self.fd, self.size)  # drop the padding of the last block
+            if sync:
+                os.fsync(self.fd)
+            if sync and self.drop_cache:
+                try:  # drop the now-clean pages: a checkpoint should not evict the trainer's cache
+                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except (AttributeError, OSError):
+                    pass
+            return os.fstat(self.fd).st_size
+        finally:
+            os.close(self.fd)
+
+    def abort(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class LocalBackend(Backend):
+    """The operating system's filesystem."""
+
+    local = True
+
+    def join(self, root: str, name: str) -> str:
+        return os.path.join(root, name)
+
+    def makedirs(self, root: str) -> None:
+        os.makedirs(root, exist_ok=True)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def entries(self, root: str) -> list[tuple[str, str]]:
+        out = []
+        try:
+            with os.scandir(root) as it:
+                for e in it:
+                    if e.is_symlink():
+                        kind = "link"
+                    elif e.is_dir(follow_symlinks=False):
+                        kind = "dir"
+                    elif e.is_file(follow_symlinks=False):
+                        kind = "file"
+                    else:
+                        kind = "other"
+                    out.append((e.name, kind))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(out)
+
+    def is_real_dir(self, root: str) -> bool:
+        try:
+            return stat.S_ISDIR(os.lstat(root).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def listdir(self, root: str) -> list[str]:
+        try:
+            return sorted(os.listdir(root))
+        except FileNotFoundError:
+            return []
+
+    def open_sink(self, path: str, name: str, *, o_direct: bool, drop_cache: bool) -> Sink:
+        return LocalSink(path, name, o_direct, drop_cache)
+
+    def read_file(self, path: str, max_bytes: int | None, refuse, url: str) -> bytes:
+        fd = open_regular(path, checkpoint=url)
+        try:
+            size = os.fstat(fd).st_size
+            if max_bytes is not None and size > max_bytes:
+                refuse(size)
+            buf = bytearray(size)
+            got = pread_full(fd, memoryview(buf), 0)
+            return bytes(buf[:got])
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: str, offset: int, mv: memoryview, fd: int | None, url: str) -> int:
+        own = fd is None
+        if fd is None:
+            fd = open_regular(path, checkpoint=url)
+        try:
+            return pread_full(fd, mv, offset)
+        finally:
+            if own:
+                os.close(fd)
+
+    def commit(self, root: str, path: str, tmp_name: str, data: bytes, *, sync: bool) -> None:
+        tmp = os.path.join(root, tmp_name)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            mv = memoryview(data)
+            while mv:
+                w = os.write(fd, mv)
+                mv = mv[w:]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        if sync:
+            self.sync_dir(root)
+
+    def sync_dir(self, root: str) -> None:
+        dfd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def remove(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def remove_dir(self, root: str) -> None:
+        os.rmdir(root)
+
+
+def temp_name(name: str, infix: str) -> str:
+    """A fresh temporary name beside ``name`` (``NAME<infix>XXXXXXXX``)."""
+    return f"{name}{infix}{uuid.uuid4().hex[:8]}"
