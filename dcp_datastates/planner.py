@@ -25,7 +25,11 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -67,7 +71,10 @@ class DataStatesSavePlanner(DefaultSavePlanner):
     placements instead of one entry per rank (format version 4, ``docs/format.md``), and of a
     replicated box only the replica the rule names writes it, decided on each rank alone."""
 
-    _rank_tables: dict = {}  # plan cache key -> each rank's rule table, for replayed plans
+    # plan cache key -> each rank's rule table, for replayed plans.  Class-level on purpose: it
+    # completes DCP's own plan cache, which is class-level (shared by every planner of the
+    # process, so a new planner object at the same call site replays the cached plans).
+    _rank_tables: dict = {}
 
     def __init__(self, *args, sharding_rules: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -381,18 +388,29 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
             narrowed[fqn] = narrow(tmd, boxes, keep)
         if not narrowed and not direct:
             return super().create_local_plan()
-        sd = self.state_dict
-        rest = {k: v for k, v in sd.items() if k not in direct}
-        self.metadata = dataclasses.replace(full, state_dict_metadata={
+        rest = {k: v for k, v in self.state_dict.items() if k not in direct}
+        metadata = dataclasses.replace(full, state_dict_metadata={
             **{k: v for k, v in full.state_dict_metadata.items() if k not in direct}, **narrowed})
-        self.state_dict = rest
+        if full.state_dict_metadata.keys() <= self.state_dict.keys():
+            # every saved key is asked for: DCP's planner makes exactly this call
+            plan = create_default_local_load_plan(rest, metadata, not self.allow_partial_load)
+        else:
+            plan = self._dcps_plan(rest, metadata)
+        return dataclasses.replace(plan, items=[*itertools.chain.from_iterable(direct.values()), *plan.items])
+
+    def _dcps_plan(self, state_dict: dict, metadata: Metadata) -> LoadPlan:
+        """DCP's own ``create_local_plan`` of ``state_dict`` against ``metadata``.  Where saved
+        keys are not asked for, DCP tells the keys of a checkpoint saved before torch 2.4 apart
+        from keys left out on purpose, reading both from ``self``; that logic stays DCP's, so
+        the two fields are lent to it for the call and given back."""
+        sd, full = self.state_dict, self.metadata
+        self.state_dict, self.metadata = state_dict, metadata
         try:
-            plan = super().create_local_plan()
+            return super().create_local_plan()
         finally:
             self.metadata = full
-            if self.state_dict is rest:
+            if self.state_dict is state_dict:  # DCP swaps in a pre-2.4 flattening where it finds one
                 self.state_dict = sd
-        return dataclasses.replace(plan, items=[*itertools.chain.from_iterable(direct.values()), *plan.items])
 
     def load_value(self, read_item, value) -> None:
         """Set a decoded non-tensor value (the reader calls this instead of ``load_bytes``)."""
