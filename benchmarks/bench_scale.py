@@ -54,7 +54,8 @@ from dcp_datastates import DataStatesReader  # noqa: E402
 from dcp_datastates.format import MANIFEST_NAME  # noqa: E402
 from dcp_datastates.format.checksum import BLOCK_SIZE, DIGEST_BYTES, Digests  # noqa: E402
 from dcp_datastates.format.dtypes import dtype_name  # noqa: E402
-from dcp_datastates.format.manifest import Extent, Seg, encode_part  # noqa: E402
+from dcp_datastates.format.model import Extent, Seg  # noqa: E402
+from dcp_datastates.format.manifest import encode_part  # noqa: E402
 from dcp_datastates.format.model import ChunkMetadataView  # noqa: E402
 from dcp_datastates.gcpause import paused_gc  # noqa: E402
 from dcp_datastates.planner import plan_reads  # noqa: E402
@@ -62,12 +63,12 @@ from dcp_datastates.format.names import data_file_name  # noqa: E402
 from dcp_datastates.format.records import ItemRecord  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
 from dcp_datastates.format.build import build_manifest  # noqa: E402
-from dcp_datastates.format.columnar import tail_offsets  # noqa: E402
-from dcp_datastates.format.listed import HeldRecord  # noqa: E402
-from dcp_datastates.format.ranked import PartRef  # noqa: E402
+from dcp_datastates.format.table import tail_offsets  # noqa: E402
+from dcp_datastates.format.v4.chunk_lists import HeldRecord  # noqa: E402
+from dcp_datastates.format.v4.rank_files import PartRef  # noqa: E402
 from dcp_datastates.format.names import part_file_name  # noqa: E402
 from dcp_datastates.format.records import PartRecord, RareRecord  # noqa: E402
-from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt  # noqa: E402
+from dcp_datastates.format.v4.rules import Geometry, Mesh, RuleTable, ShardRule, salt  # noqa: E402
 from dcp_datastates.planner import RULES_KEY  # noqa: E402
 from dcp_datastates.format.assemble import PART_INDEX  # noqa: E402
 from dcp_datastates.format.assemble import index_of as _index_for  # noqa: E402

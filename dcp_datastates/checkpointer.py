@@ -33,8 +33,8 @@ from .engine.device_cache import prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from .errors import CheckpointError
 from .format import decode_manifest
-from .format.manifest import MANIFEST_NAME, Manifest, is_manifest_name
-from .format.names import step_of
+from .format.model import Manifest
+from .format.names import MANIFEST_NAME, is_manifest_name, step_of
 from .guard import async_save
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader

@@ -1,4 +1,4 @@
-"""Planners: how DCP items map onto providers, and where their bytes go.
+"""Planners: DCP's default planners, with what the format can use.
 
 DCP's default planners work with ``DataStatesWriter``/``DataStatesReader``
 unchanged.  These subclasses add what the format can use:
@@ -9,9 +9,7 @@ unchanged.  These subclasses add what the format can use:
   from msgpack (``load_value``), without the ``torch.save``/``torch.load``
   round trip that DCP's ``load_bytes`` interface needs.
 
-``lay_out`` maps a rank's ``SavePlan`` items onto providers and places their regions in the
-rank's data files as the engine's copy items; ``records_for`` turns what the engine wrote into
-the typed records (``format/records.py``) that the coordinator builds the manifest from.
+Where a plan's items' bytes go is ``placement.py``'s work, not the planner's.
 """
 
 from __future__ import annotations
@@ -54,7 +52,7 @@ from .errors import CheckpointError
 from .format.assemble import SMALL_ITEM_BYTES
 from .format.limits import FormatViolation
 from .format.model import ChunkMetadataView, TensorEntry
-from .format.rules import Geometry, Mesh, RuleTable, ShardRule, merge_tables, salt
+from .format.v4.rules import Geometry, Mesh, RuleTable, ShardRule, merge_tables, salt
 from .gcpause import paused_gc
 
 RULES_KEY = "\x00dcp_datastates.rules"  # in a plan's and the global metadata's planner_data

@@ -41,7 +41,7 @@ from .format import MANIFEST_NAME, encode_manifest
 from .format.assemble import PART_INDEX, PartItem, index_of, manifest_of, part_of
 from .format.model import Manifest
 from .format.names import rank_manifest_name
-from .format.rules import RuleTable
+from .format.v4.rules import RuleTable
 from .gcpause import paused_gc
 from .options import WriterOptions
 from .placement import Placed, Written, lay_out, results_of

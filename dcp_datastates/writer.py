@@ -38,7 +38,7 @@ from .engine.device_cache import prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from .engine.snapshot import SaveJob
 from .errors import CheckpointError
-from .format.rules import RuleTable
+from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, WriterOptions
 from .saving import RankSave
 from .session import SAVE_IDS, WriterSessions

@@ -25,14 +25,14 @@ from dcp_datastates import DataStatesLoadPlanner, DataStatesReader
 from dcp_datastates.errors import CheckpointError, ManifestError
 from dcp_datastates.format import manifest as manifest_mod
 from dcp_datastates.format.checksum import Digests
-from dcp_datastates.format.columnar import encode_table
+from dcp_datastates.format.table import encode_table
 from dcp_datastates.format.limits import FormatViolation
-from dcp_datastates.format.listed import HeldColumns, HeldRecord
+from dcp_datastates.format.v4.chunk_lists import HeldColumns, HeldRecord
 from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.model import Extent, Seg
 from dcp_datastates.format.names import data_file_name, part_file_name
-from dcp_datastates.format.paths import paths_from_wire, paths_wire
-from dcp_datastates.format.ranked import (
+from dcp_datastates.format.v4.planner_paths import paths_from_wire, paths_wire
+from dcp_datastates.format.v4.rank_files import (
     FileMap,
     GatheredFiles,
     PartRef,
@@ -42,7 +42,7 @@ from dcp_datastates.format.ranked import (
     seal_tail,
 )
 from dcp_datastates.format.records import Gathered, PartRecord, RareRecord
-from dcp_datastates.format.rules import Geometry, Mesh, RuleTable, ShardRule, salt
+from dcp_datastates.format.v4.rules import Geometry, Mesh, RuleTable, ShardRule, salt
 from dcp_datastates.planner import plan_reads
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest

@@ -3,7 +3,7 @@
 * :func:`manifest_of`: a version 3 manifest from DCP's global metadata and every rank's
   ``ItemRecord`` (``records.py``, ``build.py``).
 * :func:`part_of`: format 4, on each rank: its metadata part (a version 3 manifest of its own
-  chunks, ``index.py``) and the one packed ``PartRecord`` it sends the coordinator instead of a
+  chunks, ``v4/index.py``) and the one packed ``PartRecord`` it sends the coordinator instead of a
   record per item.
 * :func:`index_of`: format 4, on the coordinator: the index, from DCP's global metadata, the
   merged sharding rules and one ``PartRecord`` per rank; it grows in tensors + ranks.
@@ -23,17 +23,17 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import CheckpointError
 from .build import build_manifest
-from .columnar import tail_offsets
 from .dtypes import dtype_name
-from .index import ExplicitChunk, HeldColumns, IndexTensor, index_wire
 from .limits import FormatViolation
-from .listed import HeldRecord
 from .manifest import encode_index, encode_part
 from .model import Chunk, Extent, Manifest
 from .names import data_file_stripe, part_file_name
-from .ranked import GatheredFiles, PartRef
 from .records import Gathered, ItemRecord, PartRecord, RankRecord, RareRecord
-from .rules import RuleTable
+from .table import tail_offsets
+from .v4.chunk_lists import HeldRecord
+from .v4.index import HeldColumns, IndexTensor, ListedChunk, index_wire
+from .v4.rank_files import GatheredFiles, PartRef
+from .v4.rules import RuleTable
 
 # the index's key of the one result a format 4 rank sends (its part record)
 PART_INDEX = MetadataIndex("\x00dcp_datastates.part")
@@ -88,7 +88,7 @@ def part_of(items: list[PartItem], rank_record: RankRecord | None, rules: RuleTa
     homes = dict(rank_record.homes) if rank_record else {}
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     chunks: list[tuple[str, tuple[int, ...] | None, ItemRecord]] = []
-    explicit: list[tuple[str, tuple[int, ...], tuple[int, ...], Extent | None]] = []
+    listed: list[tuple[str, tuple[int, ...], tuple[int, ...], Extent | None]] = []
     for it in items:
         rec = it.record
         if it.offsets is None or it.size is None:  # values go to the index, as build_manifest makes them
@@ -98,7 +98,7 @@ def part_of(items: list[PartItem], rank_record: RankRecord | None, rules: RuleTa
         chunks.append((it.fqn, it.offsets, rec))
         if it.fqn not in rules.rules:  # no rule: listed in the index; small plain chunks in full
             small = rec.kind == "tensor" and rec.extent is not None and rec.extent.nbytes <= SMALL_ITEM_BYTES
-            explicit.append((it.fqn, it.offsets, tuple(rec.sizes), rec.extent if small else None))
+            listed.append((it.fqn, it.offsets, tuple(rec.sizes), rec.extent if small else None))
     part = build_manifest(shapes=shapes, results=[chunks], planner_data={}, save_id=save_id, world_size=world,
                           torch_version=torch_version, writer=writer)
     part.ranks, part.files, part.homes = [rank], files, homes
@@ -113,7 +113,7 @@ def part_of(items: list[PartItem], rank_record: RankRecord | None, rules: RuleTa
     name = part_file_name(rank, save_id)
     stripes = {f: data_file_stripe(f, rank, save_id) for f in files}
     own = [(s, files[f], f) for f, s in stripes.items() if s is not None]
-    rare = RareRecord({f: size for f, size in files.items() if stripes[f] is None}, homes, explicit, values, shared)
+    rare = RareRecord({f: size for f, size in files.items() if stripes[f] is None}, homes, listed, values, shared)
     ref = PartRef(rank, name, len(body), len(head))
     return Part(name, body, PartRecord.of(rank, save_id, ref, owned, own, held, rare))
 
@@ -138,7 +138,7 @@ def index_of(metadata: Metadata, results: list[list[WriteResult]], save_id: str,
     named: dict[str, int] = {}
     homes: dict[str, str] = {}
     values: dict = {}
-    explicit: list[ExplicitChunk] = []
+    listed: list[ListedChunk] = []
     shared: dict[str, int] = {}
     seen: set[tuple] = set()
     named_held: list[HeldRecord] = []
@@ -149,10 +149,10 @@ def index_of(metadata: Metadata, results: list[list[WriteResult]], save_id: str,
         homes.update(rec.homes)
         values.update(rec.values)
         named_held += rec.held
-        for fqn, offs, sizes, ext in rec.explicit:
+        for fqn, offs, sizes, ext in rec.listed:
             if (fqn, offs) not in seen:  # a replicated item written by several ranks: keep one
                 seen.add((fqn, offs))
-                explicit.append(ExplicitChunk(at[fqn], offs, sizes, rank,
+                listed.append(ListedChunk(at[fqn], offs, sizes, rank,
                                               None if ext is None else Chunk(offs, sizes, ext)))
     files = GatheredFiles(named, g.files)
     ranks = g.ranks.tolist()
@@ -164,7 +164,7 @@ def index_of(metadata: Metadata, results: list[list[WriteResult]], save_id: str,
     try:
         fidx = files.positions_near(g.rows_of(which))  # the rows of the ranks with inline or named records
         held = HeldColumns.join(g.held(at, len(named)), HeldColumns.of(named_held, at, fidx))
-        wire = index_wire(list(rules.meshes), tensors, explicit, files, g.files, (g.owned, shared), held, fidx)
+        wire = index_wire(list(rules.meshes), tensors, listed, files, g.files, (g.owned, shared), held, fidx)
     except FormatViolation as e:
         raise CheckpointError(f"the ranks' records do not make an index: {e}", checkpoint=path) from None
     return m, encode_index(m, wire)

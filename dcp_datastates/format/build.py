@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from .checksum import BLOCK_SIZE
-from .manifest import Chunk, Manifest, TensorEntry, ValueEntry
+from .model import Chunk, Manifest, TensorEntry, ValueEntry
 from .records import ItemRecord
 
 

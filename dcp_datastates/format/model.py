@@ -115,7 +115,7 @@ class ChunkTable(Protocol):
     """Where the chunk records of a manifest's tensors come from, tensor by tensor (row ``t``).
 
     Three implementations: :class:`ChunkList` (records in memory: versions 1 and 2, and every
-    manifest a save builds), the version 3 table (``columnar.Table``) and the version 4 index
+    manifest a save builds), the version 3 table (``table.Table``) and the version 4 index
     (``index.IndexTable``), which answer from columns or sharding rules and build a record only
     when it is asked for, so a rank that loads one chunk of a tensor sharded over thousands of
     ranks never builds the others.  Positions ``i`` count records in the table's record order;

@@ -17,12 +17,12 @@ from operator import attrgetter
 
 import numpy as np
 
-from .columnar import runs, starts
+from .columns import runs, starts
 from .limits import INT64, FormatViolation
-from .listed import HeldColumns, HeldRecord
-from .manifest import Extent, ValueEntry
+from .model import Extent, ValueEntry
 from .names import part_file_name
-from .ranked import PartRef, RankFileColumns
+from .v4.chunk_lists import HeldColumns, HeldRecord
+from .v4.rank_files import PartRef, RankFileColumns
 
 
 @dataclass(slots=True)
@@ -63,7 +63,7 @@ class RareRecord:
     homes, and the records of replicated boxes whose segments lie in files not their own."""
     files: dict[str, int] = field(default_factory=dict)
     homes: dict[str, str] = field(default_factory=dict)
-    explicit: list[tuple[str, tuple[int, ...], tuple[int, ...], Extent | None]] = field(default_factory=list)
+    listed: list[tuple[str, tuple[int, ...], tuple[int, ...], Extent | None]] = field(default_factory=list)
     values: dict[str, ValueEntry] = field(default_factory=dict)
     shared: dict[str, int] = field(default_factory=dict)  # bytes in files of other homes, by home
     held: tuple[HeldRecord, ...] = ()
@@ -104,7 +104,7 @@ class PartRecord:
         rows = np.array(head + [x for s, z, _ in own for x in (s, z)]
                         + [x for h in packed for x in (h.chunk, h.tail_at, len(h.files))]
                         + [x for g in segs for x in g], dtype=INT64)
-        quiet = not (rare.files or rare.homes or rare.explicit or rare.values or rare.shared or rare.held)
+        quiet = not (rare.files or rare.homes or rare.listed or rare.values or rare.shared or rare.held)
         return cls(rows.tobytes(), tuple(h.key for h in packed), None if quiet else rare)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 
 from ..errors import CheckpointError
-from ..format.manifest import Chunk, Extent, Manifest
+from ..format.model import Chunk, Extent, Manifest
 from .manifests import load_manifest
 from .storage import StorageTier
 

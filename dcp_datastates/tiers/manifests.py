@@ -17,7 +17,8 @@ import msgpack
 
 from ..errors import CheckpointError, DataFileError, ManifestError, NotACheckpointError
 from ..format.limits import MAX_MANIFEST_BYTES
-from ..format.manifest import MAGIC, Manifest, decode_manifest
+from ..format.manifest import MAGIC, decode_manifest
+from ..format.model import Manifest
 from ..format.names import (
     MANIFEST_NAME,
     PURGED_MARK,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import CheckpointError
-from ..format.manifest import Manifest
+from ..format.model import Manifest
 from ..format.names import CLAIM_NAME, rank_claim_name
 from .claim import Claim, acquire
 from .storage import StorageTier

@@ -28,8 +28,9 @@ from functools import partial
 import msgpack
 
 from ..errors import CheckpointError, ManifestError
-from ..format.manifest import MANIFEST_NAME, Manifest, decode_manifest
-from ..format.names import PERSISTED_RECORD, failed_marker, uploaded_marker
+from ..format.manifest import decode_manifest
+from ..format.model import Manifest
+from ..format.names import MANIFEST_NAME, PERSISTED_RECORD, failed_marker, uploaded_marker
 from ..format.values import pack_plain
 from .activity import wait_for_quiet
 from .local import open_regular

@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 
 from ..errors import CheckpointError
-from ..format.manifest import Manifest
+from ..format.model import Manifest
 from ..format.names import CLAIM_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, is_ours
 from .claim import holds_live_claim
 from .manifests import manifest_is_ours

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 
 from ..errors import CheckpointError, ForeignFormatError
-from ..format.manifest import Manifest
+from ..format.model import Manifest
 from ..format.names import (
     MANIFEST_NAME,
     TEMP_INFIX,

@@ -15,11 +15,11 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .checksum import DIGEST_BYTES, Digests, DigestTail
-from .columnar import FEW_CHUNKS, FileList, disjoint, int_column, runs, segment_columns, starts
-from .limits import INT64, MAX_DIM, MAX_PART_BYTES, NO_INTS, FormatViolation
-from .model import BareBox, Chunk, Extent, Seg, box_hits, check_tiling
-from .ranked import PartTable
+from ..checksum import DIGEST_BYTES, Digests, DigestTail
+from ..columns import FEW_CHUNKS, FileList, disjoint, int_column, runs, segment_columns, starts
+from ..limits import INT64, MAX_DIM, MAX_PART_BYTES, NO_INTS, FormatViolation
+from ..model import BareBox, Chunk, Extent, Seg, box_hits, check_tiling
+from .rank_files import PartTable
 
 _BULK = 1 << 17  # listed chunks converted to Python lists at once (see Listed._lists)
 INLINE = -1  # the owner of a chunk whose record is in the index's "inline" table
@@ -104,9 +104,9 @@ class Listed:
         t = int_column(raw, "tensor", None, 0, max(0, len(tensors) - 1), what)
         owner = int_column(raw, "owner", len(t), INLINE, world - 1, what)
         if parts.missing(owner[owner != INLINE]):
-            raise FormatViolation("an explicit chunk's owner has no metadata part")
+            raise FormatViolation("a listed chunk's owner has no metadata part")
         if len(t) and any(tensors[i].rule is not None for i in np.unique(t).tolist()):
-            raise FormatViolation("a tensor with a sharding rule also lists explicit chunks")
+            raise FormatViolation("a tensor with a sharding rule also has listed chunks")
         tnd = np.array([len(x.size) for x in tensors], dtype=INT64)
         nd = tnd[t] if len(t) else np.zeros(0, INT64)
         total = int(nd.sum())
@@ -119,7 +119,7 @@ class Listed:
             chunk = np.repeat(np.arange(len(t)), nd)
             dim = np.arange(total) - self.cstart[chunk]
             if np.any(self.offs + self.sizes > tsz[tstart[t[chunk]] + dim]):
-                raise FormatViolation("an explicit chunk extends beyond its tensor")
+                raise FormatViolation("a listed chunk extends beyond its tensor")
         self.t, self.owner, self.nd = t, owner, nd
         self._order = np.argsort(t, kind="stable")
         self._sorted = t[self._order]

@@ -9,8 +9,8 @@ import re
 
 import numpy as np
 
-from .columnar import int_column
-from .limits import INT64, FormatViolation
+from ..columns import int_column
+from ..limits import INT64, FormatViolation
 
 
 def _pattern(fqn: str, path) -> tuple | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .limits import MAX_MESH_DIMS, FormatViolation
+from ..limits import MAX_MESH_DIMS, FormatViolation
 
 SMALL_BOX_BYTES = 64 << 10  # a replicated box this small is written by the first replica
 _ALL_LARGE, _ALL_SMALL, _MIXED = 1, 0, 2  # a rule's boxes against SMALL_BOX_BYTES

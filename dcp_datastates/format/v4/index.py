@@ -6,8 +6,8 @@ and every rank reads all of them.  Version 4 splits it:
 * the **index** (``.metadata``, written by the coordinator) holds what grows in tensors +
   ranks: each tensor's dtype and size and either its sharding rule (``rules.py``) or, for
   tensors without one, its chunks' boxes and the rank that wrote each; the meshes; the values;
-  the records of replicated boxes (``listed.py``); every file with its size, and each rank's
-  **part** with the length of its head (as columns, ``ranked.py``);
+  the records of replicated boxes (``v4/chunk_lists.py``); every file with its size, and each rank's
+  **part** with the length of its head (as columns, ``v4/rank_files.py``);
 * a **part** (``part-rNNNNN-<save>.dsm``, written by its rank with its data files) is a
   version 3 manifest of that rank's chunks, where their bytes are (the head), followed by
   their block digests and a footer naming its save and rank (the tail).
@@ -29,14 +29,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import ManifestError
-from .checksum import DigestTail
-from .columnar import byte_column, decode_table, encode_table, int_bytes, int_column
-from .dtypes import dtype_from_name
-from .limits import MAX_DIM, MAX_NDIM, MAX_RULES, FormatViolation
-from .listed import INLINE, Held, HeldColumns, Listed
-from .model import Chunk, Manifest, TensorEntry
-from .ranked import FileMap, GatheredFiles, PartRef, PartTable, RankFileColumns, RankFiles, open_tail
+from ...errors import ManifestError
+from ..checksum import DigestTail
+from ..columns import byte_column, int_bytes, int_column
+from ..dtypes import dtype_from_name
+from ..limits import MAX_DIM, MAX_NDIM, MAX_RULES, FormatViolation
+from ..model import Chunk, Manifest, TensorEntry
+from ..table import decode_table, encode_table
+from .chunk_lists import INLINE, Held, HeldColumns, Listed
+from .rank_files import FileMap, GatheredFiles, PartRef, PartTable, RankFileColumns, RankFiles, open_tail
 from .rules import Geometry, Mesh, ShardRule, salt
 
 INDEX_VERSION = 4
@@ -44,7 +45,7 @@ INDEX_VERSION = 4
 
 @dataclass(frozen=True, slots=True)
 class IndexTensor:
-    """One tensor of the index: its rule, or (``rule`` None) its chunks in ``explicit``."""
+    """One tensor of the index: its rule, or (``rule`` None) its chunks in ``listed``."""
     fqn: str
     dtype: str
     size: tuple[int, ...]
@@ -52,7 +53,7 @@ class IndexTensor:
 
 
 @dataclass(frozen=True, slots=True)
-class ExplicitChunk:
+class ListedChunk:
     """A chunk of a tensor without a rule: its box and the rank whose part holds it, or (small
     plain chunks, ``record`` given) its record in the index itself."""
     tensor: int
@@ -62,19 +63,19 @@ class ExplicitChunk:
     record: Chunk | None = None
 
 
-def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[ExplicitChunk],
+def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], listed: list[ListedChunk],
                files: GatheredFiles, ranked: RankFileColumns, usage: tuple[int, dict[str, int]],
                held: HeldColumns | None = None, fidx: dict[str, int] | None = None) -> dict:
     """The version 4 fields of the manifest body: ``files.named`` those not named by rank
-    (listed first), ``ranked`` each rank's own data files and part (``ranked.py``); ``fidx``:
+    (listed first), ``ranked`` each rank's own data files and part (``v4/rank_files.py``); ``fidx``:
     the places of the files the inline records name (None: ``files.positions()``)."""
     fidx = files.positions() if fidx is None else fidx
     inline: dict[str, TensorEntry] = {}
-    for c in explicit:
+    for c in listed:
         if c.record is not None:
             t = tensors[c.tensor]
             inline.setdefault(t.fqn, TensorEntry(t.dtype, t.size, [])).chunks.append(c.record)
-    explicit = [c if c.record is None else ExplicitChunk(c.tensor, c.offsets, c.sizes, INLINE) for c in explicit]
+    listed = [c if c.record is None else ListedChunk(c.tensor, c.offsets, c.sizes, INLINE) for c in listed]
     return {
         "files": [[name, size] for name, size in files.named.items()],
         **ranked.to_wire(),
@@ -82,10 +83,10 @@ def index_wire(meshes: list[Mesh], tensors: list[IndexTensor], explicit: list[Ex
         "inline": encode_table(inline, fidx, _no_provider),
         "meshes": [m.to_wire() for m in meshes],
         "tensor_list": _tensors_wire(tensors),
-        "explicit": {"tensor": int_bytes([c.tensor for c in explicit]),
-                     "owner": int_bytes([c.owner for c in explicit]),
-                     "offsets": int_bytes([x for c in explicit for x in c.offsets]),
-                     "sizes": int_bytes([x for c in explicit for x in c.sizes])},
+        "explicit": {"tensor": int_bytes([c.tensor for c in listed]),  # "explicit": the wire name of the listed chunks
+                     "owner": int_bytes([c.owner for c in listed]),
+                     "offsets": int_bytes([x for c in listed for x in c.offsets]),
+                     "sizes": int_bytes([x for c in listed for x in c.sizes])},
         "held": (held or HeldColumns()).to_wire(),
     }
 

@@ -28,9 +28,9 @@ from itertools import chain
 import numpy as np
 import xxhash
 
-from .columnar import FileList, int_column
-from .limits import INT64, MAX_FILE_BYTES, MAX_PART_BYTES, MAX_STRIPE, FormatViolation
-from .names import SAVE_ID, rank_file_name, rank_file_names, rank_file_of
+from ..columns import FileList, int_column
+from ..limits import INT64, MAX_FILE_BYTES, MAX_PART_BYTES, MAX_STRIPE, FormatViolation
+from ..names import SAVE_ID, rank_file_name, rank_file_names, rank_file_of
 
 PART = -1  # the stripe of a rank's metadata part in ``rank_files``
 # the end of a part's tail: the save id, the rank, and the xxh3-128 of the block digests before it
