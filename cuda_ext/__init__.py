@@ -173,7 +173,7 @@ def pinned_buffer(nbytes: int, device: int | None = None) -> tuple[PinnedHandle,
                 os.sched_setaffinity(0, cpus)  # first touch by the driver lands on this node
             _set_device(device)
             result["ptr"] = check(rt.cudaHostAlloc(nbytes, rt.cudaHostAllocPortable), "cudaHostAlloc")
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread below
             result["err"] = e
 
     t = threading.Thread(target=alloc, name="dcpds-pin")  # affinity change stays in that thread

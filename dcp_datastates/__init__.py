@@ -1,8 +1,8 @@
 """dcp-datastates: a lazy, multi-tier storage backend for torch.distributed.checkpoint."""
 
 from ._version import __version__
-from .checkpointer import Checkpointer  # noqa: E402
-from .errors import (  # noqa: E402
+from .checkpointer import Checkpointer
+from .errors import (
     CheckpointBusyError,
     CheckpointError,
     CheckpointExistsError,
@@ -19,11 +19,11 @@ from .errors import (  # noqa: E402
     UnsupportedFormatVersion,
     UnsupportedValueError,
 )
-from .guard import SnapshotGuard, async_save  # noqa: E402
-from .planner import DataStatesLoadPlanner, DataStatesSavePlanner  # noqa: E402
-from .providers import TypeProvider, register_provider, unregister_provider  # noqa: E402
-from .reader import DataStatesReader  # noqa: E402
-from .writer import DataStatesWriter  # noqa: E402
+from .guard import SnapshotGuard, async_save
+from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
+from .providers import TypeProvider, register_provider, unregister_provider
+from .reader import DataStatesReader
+from .writer import DataStatesWriter
 
 __all__ = [
     "CheckpointError", "CheckpointExistsError", "Checkpointer", "ChecksumMismatch", "CoverageError",

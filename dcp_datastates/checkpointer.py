@@ -325,7 +325,7 @@ class Checkpointer:
                 save_id=self._agreed_save(s))
             try:
                 dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
-            except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            except BaseException as e:  # CheckpointException is a BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 log.warning("step %d could not be restored from any tier (%s); trying an older one",
@@ -387,7 +387,7 @@ class Checkpointer:
                     # bytes of retained steps, and of steps still flushing to this tier, stay
                     purge_steps(self._tier(i), [f"step-{s}" for s in drop],
                                 also=also if i > 0 else [])
-        except Exception:  # noqa: BLE001 - retention must never break training
+        except Exception:  # retention must never break training
             log.exception("retention pass failed")
 
     def close(self) -> None:

@@ -49,6 +49,8 @@ class DeviceCache(HostCache):
         return torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
 
 
+# Process-wide on purpose: device memory is the process's, and every writer of the process
+# shares one cache per (size, device) rather than each taking its own.
 _shared: dict[tuple[int, str], DeviceCache] = {}
 _lock = threading.Lock()
 

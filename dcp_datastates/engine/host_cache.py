@@ -172,6 +172,8 @@ class HostCache:
             self._cv.notify_all()
 
 
+# Process-wide on purpose: the host cache bounds the staging memory of the whole process (pinned
+# memory is slow to allocate and scarce), so every writer shares one per (size, pinned).
 _shared: dict[tuple[int, bool], HostCache] = {}
 _shared_lock = threading.Lock()
 

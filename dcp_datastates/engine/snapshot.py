@@ -334,7 +334,7 @@ class SnapshotEngine:
             job, copy, ready = entry
             try:
                 self._stage(job, copy, ready)
-            except BaseException as e:  # noqa: BLE001 - surfaced through the job
+            except BaseException as e:  # surfaced through the job
                 log.debug("staging of %s failed", job.label, exc_info=True)
                 job.fail(e)
             del entry, job, copy, ready  # an idle stager holds nothing of the last save
@@ -488,7 +488,7 @@ class SnapshotEngine:
                     sink.pwrite(full.numpy().data, off, logical=n)
                 else:
                     sink.pwrite(mv[x:y], off)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - a flush thread reports through its job, never dies silently
             job.fail(e)
         finally:
             if parked is not None:
@@ -572,7 +572,7 @@ class SnapshotEngine:
             job.timings["data_written"] = time.monotonic()
             if not job.durable.done():
                 job.durable.set_result(Written(job.file_sizes, dict(job.timings)))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - the close fails the job, which its future reports
             job.fail(e)
 
 
@@ -658,6 +658,8 @@ def _copier_for(items: list[CopyItem], ready):
     return cuda_ext.D2HCopier(cuda_items[0].live().device.index or 0, ready)
 
 
+# Process-wide on purpose: one engine (stager and flush threads) per host cache and thread count,
+# shared by every writer of the process, so saves queue behind each other instead of competing.
 _engines: dict[tuple[int, int], SnapshotEngine] = {}
 _engine_lock = threading.Lock()
 
@@ -681,7 +683,7 @@ def _exit_watch() -> None:
     _stop_engines()
 
 
-_watcher: list[threading.Thread] = []
+_watcher: list[threading.Thread] = []  # the one thread that stops the engines at exit (_exit_watch)
 
 
 class _Workers:

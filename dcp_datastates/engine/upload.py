@@ -23,6 +23,8 @@ import cuda_ext
 
 SLAB_BYTES = 16 << 20
 
+# Process-wide on purpose: pinned slabs are slow to allocate, so they are pinned once and reused
+# by every load of the process; never more than its reader threads.
 _slabs: list[torch.Tensor] = []
 _lock = threading.Lock()
 

@@ -129,7 +129,7 @@ class DataStatesCheckpointManager(CheckpointManager):
             try:
                 writer.wait_snapshot()
                 staging.set_result(None)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 - delivered through torchtitan's staging future
                 staging.set_exception(e)
         threading.Thread(target=snapshot, daemon=True, name="dcpds-titan-staging").start()
         return AsyncSaveResponse(staging_completion=staging, upload_completion=upload)

@@ -48,6 +48,8 @@ class TypeProvider(ABC):
         """Rebuild the object from what :meth:`flatten` returned."""
 
 
+# The registry of the process (``register_provider``), like fsspec's of filesystems: a type is
+# registered once and every writer and reader of the process finds it.
 _by_type: dict[type, TypeProvider] = {}
 _by_name: dict[str, TypeProvider] = {}
 registry = MappingProxyType(_by_name)
@@ -93,7 +95,7 @@ class RegisteredTypeProvider(CompositeProvider):
             raise ProviderError(f"registered types nest deeper than {MAX_DEPTH} levels")
         try:
             meta, parts = tp.flatten(obj)
-        except Exception as e:  # noqa: BLE001 - a user's code: re-raised with what failed
+        except Exception as e:  # a user's code: re-raised with what failed
             raise ProviderError(f"provider {tp.name!r} failed to flatten a {type(obj).__name__}: "
                                 f"{type(e).__name__}: {e}") from e
         if not isinstance(parts, dict):
@@ -137,7 +139,7 @@ def rebuild(name: str, meta, tree: dict | None, leaves: dict[str, torch.Tensor],
                                                                  path + "/")
     try:
         return tp.unflatten(meta, parts)
-    except Exception as e:  # noqa: BLE001 - a user's code: re-raised with what failed
+    except Exception as e:  # a user's code: re-raised with what failed
         raise ProviderError(f"provider {name!r} failed to unflatten: {type(e).__name__}: {e}") from e
 
 

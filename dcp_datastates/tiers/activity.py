@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+# Process-wide on purpose: background uploads yield to every save of the process (persist.py).
 _active = [0]
 _active_cv = threading.Condition()
 

@@ -45,6 +45,7 @@ _MAX_CLAIM_BYTES = 4096
 _UNREADABLE_GRACE_S = 30.0  # a claim still being written by its creator
 
 _live_lock = threading.Lock()
+# Process-wide on purpose: a claim found on disk is live when any save of this process holds it.
 # save ids of this process that hold claims -> [claims held, event set when the last goes,
 # callable telling whether that save still has work in flight]
 _live: dict[str, list] = {}

@@ -40,7 +40,7 @@ class SaveClaims:
                     c = acquire(t, name, self.save_id, busy=self.busy)
                 except CheckpointError:
                     raise  # busy: another save holds it
-                except Exception as e:  # noqa: BLE001 - fsspec backends raise their own types
+                except Exception as e:  # fsspec backends raise their own types
                     if i == 0:
                         raise
                     log.warning("could not claim %s (%s); its flush will report the failure", t.url, e)

@@ -52,7 +52,7 @@ def with_retries(fn, what: str, *, attempts: int = 4, base_delay: float = 0.2):
     for i in range(attempts):
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001 - storage errors come in many types
+        except Exception as e:  # storage errors come in many types
             if i == attempts - 1:
                 raise
             log.warning("%s failed (%s); retry %d/%d in %.1fs", what, e, i + 1, attempts - 1, delay)
@@ -110,6 +110,7 @@ def copy_file(src: StorageTier, dst: StorageTier, name: str) -> int:
     return size
 
 
+# Process-wide on purpose: uploads to slower tiers share one bounded pool, whatever the writers.
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 

@@ -54,6 +54,7 @@ class ReadPathChoice:
                 f"{self.buffered_gbps:.2f} GB/s, {self.probe_bytes >> 20} MiB each)")
 
 
+# Process-wide on purpose: the read path is measured once per file system (st_dev) and process.
 _choices: dict[int, ReadPathChoice] = {}
 _lock = threading.Lock()
 

@@ -38,6 +38,8 @@ from .storage import StorageTier
 
 log = logging.getLogger(__name__)
 
+# Process-wide on purpose: a tidy-up of any save must see the steps any writer of the process is
+# still flushing, whose files it must not remove.
 _inflight_lock = threading.Lock()
 _inflight: dict[tuple[str, str], Manifest] = {}  # (run url, step dir) -> manifest being flushed
 

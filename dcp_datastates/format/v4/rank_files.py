@@ -150,10 +150,12 @@ class _NamedThenRanked(Mapping):
     def __len__(self) -> int:
         return len(self.named) + self._rank_count()
 
-    def items(self):  # noqa: D102 (a walk without looking each name up)
+    def items(self):
+        """(name, size) of every file, walked without looking each name up."""
         return [*self.named.items(), *zip(self._rank_names(), self._rank_sizes())]
 
-    def values(self):  # noqa: D102
+    def values(self):
+        """Every file's size, in order."""
         return [*self.named.values(), *self._rank_sizes()]
 
 
