@@ -255,7 +255,7 @@ def _v4_inputs(ts, layout: str, n: int, path: str, measured: list[tuple[int, int
         results.append([WriteResult(index=PART_INDEX, size_in_bytes=ref.size,
                                     storage_data=PartRecord.of(
                                         r, SAVE_ID, ref, sum(files.values()), [(0, size, f) for f, size in files.items()],
-                                        list(held), RareRecord(explicit=listed)))])
+                                        list(held), RareRecord(listed=listed)))])
     sdm = {t.fqn: TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), []) for t in ts}
     md = Metadata(state_dict_metadata=sdm, planner_data={RULES_KEY: table, **{t.fqn: t.fqn.split(".") for t in ts}})
     return md, results
