@@ -22,7 +22,6 @@ Rules, the ones users were burned by elsewhere:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch.distributed as dist
@@ -31,25 +30,20 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .engine.device_cache import prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
-from .errors import CheckpointError
 from .format import decode_manifest
 from .format.model import Manifest
-from .format.names import MANIFEST_NAME, is_manifest_name, step_of
+from .format.names import MANIFEST_NAME
 from .guard import async_save
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
+from .run_steps import RunSteps
 from .tiers import StorageTier
-from .tiers.manifests import ManifestHead, load_manifest, manifest_head, manifest_is_ours
 from .tiers.retention import purge_steps
 from .writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
 
 MANIFEST_KEY = "dcp_datastates.manifest"
-
-
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
 
 
 class Checkpointer:
@@ -94,6 +88,7 @@ class Checkpointer:
         self.pg = process_group
         self.node_local = node_local
         self.storage_options = list(storage_options or [None] * len(self.tiers))
+        self.steps = RunSteps(self.tiers, self.storage_options, node_local=node_local, pg=process_group)
         self.writer_options = writer_options
         # the staging cache is allocated (pinned on a GPU machine) now, in the background
         prepare_host_cache(writer_options.get("host_cache_bytes") or default_host_cache_bytes())
@@ -116,11 +111,10 @@ class Checkpointer:
     # ------------------------------------------------------------------ paths
     def step_path(self, tier: int, step: int) -> str:
         """The directory (or URL) of ``step`` on tier ``tier``: ``<tier>/step-<step>``."""
-        return _join(self.tiers[tier], f"step-{step}")
+        return self.steps.step_path(tier, step)
 
     def _tier(self, i: int, step: int | None = None) -> StorageTier:
-        url = self.tiers[i] if step is None else self.step_path(i, step)
-        return StorageTier(url, self.storage_options[i])
+        return self.steps.tier(i, step)
 
     @property
     def rank(self) -> int:
@@ -236,57 +230,13 @@ class Checkpointer:
         self._start_purge()
 
     # -------------------------------------------------------------- discovery
-    def _step_dirs(self, i: int) -> list[int]:
-        return sorted(s for s in map(step_of, self._tier(i).listdir()) if s is not None)
-
     def is_committed(self, i: int, step: int) -> bool:
-        """Whether ``step`` has a committed manifest on tier ``i`` (a readable set of rank
-        manifests counts; a directory without one is an interrupted or purged save)."""
-        ours = self._ours(i, step)
-        if ours is not None:
-            return ours  # a .metadata of another format (DCP's own) is no step of ours
-        t = self._tier(i, step)
-        names = [n for n in t.listdir() if is_manifest_name(n)]
-        if not names:
-            return False
-        try:
-            load_manifest(t)
-            return True
-        except CheckpointError:
-            return False
-
-    def _agreed_save(self, step: int) -> str | None:
-        """The save of ``step`` every rank restores when tiers hold different ones (a node kept
-        a copy from an attempt the job rolled back): the newest on a tier all ranks share, else
-        the newest on a node-local tier; None when no copy says (the reader decides alone)."""
-        heads = [manifest_head(self._tier(i, step)) for i in range(len(self.tiers))]
-        views = [heads]
-        if dist.is_available() and dist.is_initialized():
-            views: list[list[ManifestHead | None] | None] = [None] * dist.get_world_size(self.pg)
-            dist.all_gather_object(views, heads, group=self.pg)
-        shared = range(1 if self.node_local else 0, len(self.tiers))
-        for tiers in (shared, range(0, 1 if self.node_local else 0)):
-            found = [h for v in views if v is not None for i in tiers if (h := v[i]) is not None]
-            if found:
-                return max(found, key=lambda h: (h.created_unix, h.save_id)).save_id
-        return None
-
-    def _ours(self, i: int, step: int) -> bool | None:
-        """``manifest_is_ours`` of step ``step`` on tier ``i``; a ``.metadata`` that cannot be
-        read now counts as ours (loading it says why)."""
-        try:
-            return manifest_is_ours(self._tier(i, step))
-        except (OSError, CheckpointError):
-            return True
-
-    def _foreign(self, i: int, step: int) -> bool:
-        """Whether step directory ``step`` of tier ``i`` holds another format's checkpoint."""
-        return self._ours(i, step) is False
+        """Whether ``step`` has a committed manifest on tier ``i``."""
+        return self.steps.is_committed(i, step)
 
     def committed_steps(self, i: int) -> list[int]:
         """Steps whose copy on tier ``i`` is committed (in-flight saves excluded)."""
-        inflight = self._inflight["step"] if self._inflight else None
-        return [s for s in self._step_dirs(i) if s != inflight and self.is_committed(i, s)]
+        return self.steps.committed(i, besides=self._inflight["step"] if self._inflight else None)
 
     def latest_step(self) -> int | None:
         """The newest step committed on any tier, or None."""
@@ -310,8 +260,8 @@ class Checkpointer:
             dist.all_gather_object(everyone, sorted(candidates), group=self.pg)
             candidates = set().union(*map(set, everyone))
         order = [step] if step is not None else sorted(candidates, reverse=True)
-        foreign = sorted({s for i in range(len(self.tiers)) for s in self._step_dirs(i)
-                          if s not in candidates and self._foreign(i, s)})
+        foreign = sorted({s for i in range(len(self.tiers)) for s in self.steps.step_dirs(i)
+                          if s not in candidates and self.steps.foreign(i, s)})
         if foreign and (step in foreign or (step is None and foreign[-1] > max(candidates, default=-1))):
             log.warning("%s holds step(s) %s in DCP's own format, which Checkpointer does not restore "
                         "(load one with dcp.load and FileSystemReader, or `dcp-datastates convert` it)",
@@ -322,7 +272,7 @@ class Checkpointer:
                 self.step_path(0, s), storage_options=self.storage_options[0],
                 fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
                 fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None,
-                save_id=self._agreed_save(s))
+                save_id=self.steps.agreed_save(s))
             try:
                 dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
             except BaseException as e:  # CheckpointException is a BaseException
@@ -379,9 +329,9 @@ class Checkpointer:
                 committed = self.committed_steps(i)
                 keep_set = set(committed[-k:]) | protect
                 newest = committed[-1] if committed else None
-                drop = [s for s in self._step_dirs(i) if s not in keep_set
+                drop = [s for s in self.steps.step_dirs(i) if s not in keep_set
                         and (s in committed or (newest is not None and s < newest
-                                                and not self._foreign(i, s)))]
+                                                and not self.steps.foreign(i, s)))]
                 if drop:
                     log.info("retention: purging steps %s on %s", drop, self.tiers[i])
                     # bytes of retained steps, and of steps still flushing to this tier, stay

@@ -57,8 +57,7 @@ def _promote_young() -> None:
     """At the end of a pause that made many objects, move every young one to the oldest
     generation (``gc.freeze`` then ``gc.unfreeze``), where full collections walk them, instead of
     leaving them all to the next young collection: the pause's objects are records that live
-    until the save or load ends and hold no cycles, and walking them young took 60 ms after a
-    20,000-tensor local plan.  Only on the main thread, inside a save's or a load's call (its
+    until the save or load ends and hold no cycles, so walking them young is wasted work.  Only on the main thread, inside a save's or a load's call (its
     plans, its manifest): a pause that ends on a flush thread runs beside training, whose own
     young objects (a reference cycle holding a GPU tensor) must not wait for a full collection.
     Not where the application has frozen objects itself, whose freeze ``gc.unfreeze`` would end."""
@@ -78,9 +77,8 @@ def paused_gc() -> _GcPause:
     """Build many acyclic records without the cyclic collector running over them.
 
     Decoding a manifest or building DCP's metadata creates a few objects per chunk; each
-    generation-0 collection then walks the ever larger heap of young records, and on 20,000
-    chunks the collector took three quarters of the time (0.39 s of decode with it, 0.10 s
-    without).  The records hold no cycles, so nothing is lost by collecting once, afterwards.
+    generation-0 collection then walks the ever larger heap of young records, which grows as the
+    square of the records made (``docs/benchmarks.md`` has the figures).  The records hold no cycles, so nothing is lost by collecting once, afterwards.
     A save pauses it around its Python work only (a plan, a batch's records, the manifest),
     never around a write, since training runs beside an async save; a load, which its caller
     waits for, keeps it paused through its reads.  All threads share one pause (``_GcPause``)."""

@@ -4,8 +4,8 @@ One buffer of ``capacity`` bytes, allocated once per process (pinned through
 ``cuda_ext`` when a GPU is usable, plain memory otherwise) and reused by every
 later save.  ``prepare_host_cache`` allocates it in the background as soon as a
 writer is made, so that the first snapshot does not wait for it: pinning
-gigabytes takes seconds (2.8 s for 4.8 GB on the H200 machine, issue 14), the
-whole first-checkpoint stall there.  Host memory used for staging therefore never
+gigabytes takes seconds, which would otherwise be the first checkpoint's whole
+stall.  Host memory used for staging therefore never
 grows with the size of the state.  Space is handed out in 4 KiB-aligned
 pieces; when the cache is full, ``alloc`` blocks until a flush frees space:
 this is the back-pressure that keeps memory bounded.

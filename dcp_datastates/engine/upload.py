@@ -1,7 +1,7 @@
 """Loads onto a GPU: storage reads land in pinned slabs and go to the device from there.
 
-A pageable source makes a host-to-device copy synchronous and slow (2.65 GB/s pageable against
-55 GB/s pinned on the H200 machine, issue 14).  So each reader thread reads a piece (at most
+A pageable source makes a host-to-device copy synchronous and many times slower than a pinned
+one (``docs/benchmarks.md``, GPU path).  So each reader thread reads a piece (at most
 ``SLAB_BYTES``) into a pinned slab, verifies it, and uploads it on a side stream straight into
 the destination tensor's bytes; the slab is reused once its copy has landed, and the other
 threads keep reading meanwhile, so storage reads and uploads overlap.  A piece of a resharded

@@ -13,10 +13,9 @@ matters twice over:
 
 So each reader thread reads into its own staging buffer of 2 MiB transparent huge pages (aligned
 for any device, physically contiguous in 2 MiB runs, so requests as large as the device takes)
-and copies the range into place, at memory speed, far above the disk's.  Measured
-(``benchmarks/bench_read_paths.py``): 0.43 s for 1.47 GB staged, the same as O_DIRECT straight
-into page-aligned destinations, against 0.6 to 1.0 s with a staging buffer of 4 KiB pages and
-1.0 to 1.4 s buffered.
+and copies the range into place, at memory speed, far above the disk's: as fast as O_DIRECT
+straight into page-aligned destinations, and faster than both 4 KiB-page staging and buffered
+reads (``benchmarks/bench_read_paths.py``, ``docs/benchmarks.md``).
 
 Ranges mostly in the page cache already are read buffered (memory beats any device), as are
 short ranges (readahead serves runs of small tensors well) and files on file systems that

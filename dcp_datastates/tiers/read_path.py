@@ -1,9 +1,9 @@
 """Which cold-read path a file system serves best: O_DIRECT through the staging buffer, or
 buffered reads.
 
-Neither wins everywhere.  On the CPU machine of ``docs/benchmarks.md`` O_DIRECT through huge-page
-staging reads a cold checkpoint faster than buffered reads; on the H200 machine of issue 14 the
-same bytes took 4.57 s with O_DIRECT and 4 MiB requests against 3.17 s buffered.  So before the
+Neither wins everywhere: on one machine of ``docs/benchmarks.md`` O_DIRECT through huge-page
+staging reads a cold checkpoint faster than buffered reads, on another buffered reads won.  So
+before the
 first load of ``PROBE_MIN_LOAD`` or more from a file system, the reader measures: on as many
 threads as the load uses, each thread reads ``PROBE_BYTES`` of one data file with O_DIRECT, then
 each reads another region buffered, and the wall-clock rate of each round decides (O_DIRECT
