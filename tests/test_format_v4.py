@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import struct
+import time
 import zlib
 from functools import partial
 
@@ -26,7 +27,7 @@ from dcp_datastates.errors import CheckpointError, ManifestError
 from dcp_datastates.format import manifest as manifest_mod
 from dcp_datastates.format.checksum import Digests
 from dcp_datastates.format.table import encode_table
-from dcp_datastates.format.limits import FormatViolation
+from dcp_datastates.format.limits import MAX_WORLD, FormatViolation
 from dcp_datastates.format.v4.chunk_lists import HeldColumns, HeldRecord
 from dcp_datastates.format.manifest import MAGIC, decode_manifest
 from dcp_datastates.format.model import Extent, Seg
@@ -636,3 +637,29 @@ def test_flattening_paths_round_trip_by_pattern():
     for bad in ([[5], []], [None, [0]]):  # a cut past the name's dots; a word made an index
         with pytest.raises(FormatViolation):
             paths_from_wire({"patterns": [bad], "of": np.zeros(1, "<i8").tobytes()}, ["model.w"])
+
+
+@pytest.mark.parametrize("ranks", ["full", "stepped", "distinct"])
+def test_meshes_are_checked_without_walking_their_ranks(ruled, tmp_path, ranks):
+    """Issue 35, case 7: an index whose world size is at its limit and whose meshes each span
+    millions of ranks (copies of one, stepped ones, or many distinct ones; checksums valid) is
+    refused without walking each mesh's ranks: the work is bounded by the index's own size.
+    Walking them took about 0.24 s a mesh, so 200 such meshes took about 50 s; the bound below
+    is 20x the 0.5 s the refusal takes, a check of the complexity, not a timing goal."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(ruled, ck)
+
+    def mutate(body):
+        body["world_size"] = MAX_WORLD
+        if ranks == "full":
+            body["meshes"] = [[[MAX_WORLD], [0, MAX_WORLD, 1]]] * 200
+        elif ranks == "stepped":
+            body["meshes"] = [[[MAX_WORLD // 2], [0, MAX_WORLD, 2]]] * 200
+        else:
+            n = MAX_WORLD // 2 - 100
+            body["meshes"] = [[[n], [k, k + 2 * n, 2]] for k in range(200)]
+    rewrite_manifest(ck, mutate, version=4)
+    t0 = time.perf_counter()
+    with pytest.raises(ManifestError, match="metadata part|more ranks"):
+        DataStatesReader(ck).read_metadata()
+    assert time.perf_counter() - t0 < 10

@@ -137,6 +137,8 @@ def _tensors_from_wire(raw, meshes: list[Mesh]) -> list[IndexTensor]:
     return out
 
 
+_MESH_CHECKS_PER_PART = 16  # a real index has a few meshes, each of at most every rank
+
 # Reads bytes [start, end) of the metadata part named so (short only at the file's end); one per
 # copy of the checkpoint, given to the index when it is decoded (``decode_manifest(parts=...)``).
 PartReader = Callable[[str, int, int], bytes]
@@ -167,10 +169,7 @@ class IndexTable:
             raise FormatViolation("meshes must be a list")
         self.meshes = [Mesh.from_wire(w, world) for w in raw_meshes]
         self.parts = PartTable(body.get("parts"), ranked, world)
-        for m in self.meshes:  # every rank a rule can name has a part
-            missing = self.parts.missing(m.ranks)
-            if missing:
-                raise FormatViolation(f"mesh ranks {missing[:8]} have no metadata part")
+        self._check_meshes()
         self.tensors: list[IndexTensor] = _tensors_from_wire(body.get("tensor_list"), self.meshes)
         self._geoms: dict[int, Geometry | None] = {}
         self._seen: dict[tuple, dict] = {}  # the boxes geometries of one ``layout_key`` share
@@ -187,6 +186,23 @@ class IndexTable:
         self.inline = decode_table(body.get("inline"), positions, block_size, _no_special, source)
         if int((self.listed.owner == INLINE).sum()) != sum(e.count() for e in self.inline.values()):
             raise FormatViolation("the inline table does not hold exactly the chunks listed as inline")
+
+    def _check_meshes(self) -> None:
+        """Every rank a rule can name has a part.  Each distinct mesh is checked once, a mesh of
+        more ranks than there are parts is refused at once, and the checks together walk at
+        most a few times the parts the index lists: the work follows the index's own size,
+        never the ranks its meshes declare."""
+        budget = _MESH_CHECKS_PER_PART * (len(self.parts) + 1)
+        for m in dict.fromkeys(self.meshes):
+            n = len(m.ranks)
+            if n > len(self.parts):
+                raise FormatViolation(f"a mesh of {n} ranks, but only {len(self.parts)} ranks have a metadata part")
+            budget -= min(n, len(self.parts))
+            if budget < 0:
+                raise FormatViolation("the meshes name more ranks than the index's parts can account for")
+            missing = self.parts.missing(m.ranks)
+            if missing:
+                raise FormatViolation(f"mesh ranks {missing[:8]} have no metadata part")
 
     # ------------------------------------------------------ TensorEntry's source
     def geom(self, t: int) -> Geometry | None:

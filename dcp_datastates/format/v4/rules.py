@@ -77,7 +77,9 @@ class Mesh:
             raise FormatViolation("mesh ranks must be a range or a list")
         if len(ranks) != n:
             raise FormatViolation(f"mesh of shape {shape} lists {len(ranks)} ranks")
-        if n and (min(ranks) < 0 or max(ranks) >= max_rank):
+        lo, hi = ((ranks[0], ranks[-1]) if ranks.step > 0 else (ranks[-1], ranks[0])) \
+            if isinstance(ranks, range) and n else (min(ranks, default=0), max(ranks, default=0))
+        if n and (lo < 0 or hi >= max_rank):
             raise FormatViolation(f"mesh ranks must lie in [0, {max_rank})")
         if not isinstance(ranks, range) and len(set(ranks)) != n:
             raise FormatViolation("a mesh lists a rank twice")
