@@ -33,8 +33,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from .errors import PickleNotAllowedError
+from .errors import CoverageError, ManifestError, PickleNotAllowedError
 from .format.layout import align_up
+from .format.limits import MAX_FILE_BYTES, FormatViolation
+from .format.model import BareBox, check_tiling
 from .format.names import MANIFEST_NAME
 from .reader import DataStatesReader
 from .writer import DataStatesWriter
@@ -101,6 +103,37 @@ class _Batches:
         batch = {k: torch.empty(m.size, dtype=m.properties.dtype) for k in group if (m := _tensor_md(self.md[k]))}
         dcp.load(batch, storage_reader=self.reader, no_dist=True)
         self.ready.update(batch)
+
+
+def check_tensors(metadata: Metadata, keys: list[str], checkpoint: str) -> None:
+    """Every tensor of ``keys`` declares a size a file can hold, and its saved chunks lie inside
+    it, do not overlap and cover it whole: checked over the chunks the metadata lists, before
+    anything is allocated or written (a lost chunk would otherwise convert as zeros)."""
+    for k in keys:
+        t = _tensor_md(metadata.state_dict_metadata[k])
+        size = tuple(int(s) for s in t.size)
+        if any(s < 0 for s in size):
+            raise ManifestError(f"declares the size {list(size)}", checkpoint=checkpoint, key=k)
+        numel = math.prod(size)
+        if numel * t.properties.dtype.itemsize > MAX_FILE_BYTES:
+            raise ManifestError(f"declares {numel} elements of {t.properties.dtype}, more than any file "
+                                "holds; the metadata is damaged", checkpoint=checkpoint, key=k)
+        covered, boxes = 0, []
+        for c in t.chunks:
+            o, z = tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)
+            if len(o) != len(size) or len(z) != len(size) or any(
+                    a < 0 or n < 0 or a + n > s for a, n, s in zip(o, z, size)):
+                raise ManifestError(f"a chunk at {list(o)} of size {list(z)} lies outside the tensor's "
+                                    f"size {list(size)}", checkpoint=checkpoint, key=k)
+            covered += math.prod(z)
+            boxes.append(BareBox(o, z))
+        try:
+            check_tiling(k, boxes)
+        except FormatViolation as e:
+            raise ManifestError(str(e), checkpoint=checkpoint, key=k) from None
+        if covered != numel:
+            raise CoverageError(f"its chunks cover {covered} of the {numel} elements it declares: a chunk "
+                                "is missing, so nothing was converted", checkpoint=checkpoint, key=k)
 
 
 def _tensor_keys(metadata: Metadata) -> list[str]:
@@ -173,6 +206,7 @@ def from_dcp(src: str, dst: str, *, allow_pickle: bool = False, options: Convert
     reader = dcp.FileSystemReader(src)
     md = reader.read_metadata()
     keys = _tensor_keys(md)
+    check_tensors(md, keys, src)
     offsets, pos = {}, 0
     for k in keys:
         offsets[k] = pos
@@ -238,16 +272,20 @@ def _write_safetensors(path: str, entries: list[tuple[str, str]], md: Metadata, 
     # pad the header with spaces so the data starts 4 KiB-aligned (the format allows it)
     hlen = align_up(8 + len(raw)) - 8
     raw = raw + b" " * (hlen - len(raw))
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", hlen))
-        f.write(raw)
-        for _, key in entries:
-            t = batches.take(key)
-            if t.numel():
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            del t
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", hlen))
+            f.write(raw)
+            for _, key in entries:
+                t = batches.take(key)
+                if t.numel():
+                    f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                del t
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.remove(path)  # never leave a file whose header promises tensors it does not hold
+        raise
 
 
 @dataclass
@@ -286,6 +324,7 @@ def to_safetensors(src: str, dst: str, *, max_shard_bytes: int | None = None,
     def renamed(k: str) -> str:
         return k[len(strip_prefix):] if strip_prefix and k.startswith(strip_prefix) else k
     tensors = [(renamed(k), k) for k in _tensor_keys(md) if picked(k)]
+    check_tensors(md, [k for _, k in tensors], src)
     bad = sorted(k for _, k in tensors if _tensor_md(md.state_dict_metadata[k]).properties.dtype not in _ST_DTYPES)
     if bad:
         raise ValueError(f"dtypes of {bad[:5]} have no safetensors code")
