@@ -509,3 +509,22 @@ def test_an_async_save_dcp_gave_up_on_does_not_hold_the_writer(tmp_path):
     t.start()
     assert done.wait(60), "the next save waited for the abandoned one"
     assert _own(tmp_path / "b", 5.0, 1024)
+
+
+# ------------------------------------------- issue 35, case 6: manifest kinds supersede
+def _saves_of_two_kinds(rank, world, path, collective_first):
+    import torch.distributed as dist
+    for seed, collective in ((1, collective_first), (2, not collective_first)):
+        dcp.save(rank_state(seed, rank), storage_writer=DataStatesWriter(path, overwrite=True),
+                 use_collectives=collective)
+        dist.barrier()
+
+
+@pytest.mark.parametrize("collective_first", [True, False], ids=["collective-then-per-rank", "per-rank-then-collective"])
+def test_a_save_of_either_kind_supersedes_the_other(tmp_path, collective_first):
+    """A committed save with per-rank manifests over a collective one (and the reverse) is what
+    every later load returns: the newest committed save, whichever kind wrote it.  Before, the
+    old ``.metadata`` stayed and was preferred, so loads silently returned the old state."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(2, _saves_of_two_kinds, path, collective_first)
+    _check_rank_ckpt(path, 2)

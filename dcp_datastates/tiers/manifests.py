@@ -23,7 +23,6 @@ from ..format.names import (
     MANIFEST_NAME,
     PURGED_MARK,
     STEP_DIR,
-    is_manifest_name,
     parse_rank_manifest,
     step_of,
 )
@@ -178,11 +177,27 @@ def load_manifest(tier: StorageTier, parts_also: Sequence[StorageTier] = ()) -> 
     ``parts_also``: other copies of the checkpoint a format 4 index may read its parts from."""
     where = tier.url
     names = tier.listdir()
-    if MANIFEST_NAME in names or (not tier.local and tier.exists(MANIFEST_NAME)):
+    collective = MANIFEST_NAME in names or (not tier.local and tier.exists(MANIFEST_NAME))
+    per_rank = any(parse_rank_manifest(n) is not None for n in names)
+    if collective and not per_rank:  # the usual case: nothing to choose between
         return read_manifest(tier, MANIFEST_NAME, parts_also)
-    if not any(is_manifest_name(n) for n in names):
+    if not collective and not per_rank:
         raise NotACheckpointError(_why_not_a_checkpoint(tier, names), checkpoint=where)
-    saves = rank_saves(tier, names)
+    if collective:  # both kinds: the newest committed save wins, whichever kind wrote it
+        m = read_manifest(tier, MANIFEST_NAME, parts_also)
+        try:
+            saves = rank_saves(tier, names)
+        except CheckpointError as e:  # a damaged rank manifest never hides a committed .metadata
+            log.warning("%s: rank manifests beside .metadata cannot be read (%s); loading .metadata", where, e)
+            return m
+        done = [g for g in saves if g[0].complete and g[0].created_unix > m.created_unix]
+        if not done:
+            return m
+        log.info("%s: per-rank save %s is newer than the collective save %s in .metadata; loading it",
+                 where, done[-1][0].save_id, m.save_id)
+        saves = done
+    else:
+        saves = rank_saves(tier, names)
     complete = [g for g in saves if g[0].complete]
     newer = [g for g in saves if not g[0].complete and (not complete or g[0].created_unix > complete[-1][0].created_unix)]
     if not complete:
