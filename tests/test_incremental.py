@@ -17,6 +17,7 @@ from dcp_datastates.tiers.manifests import load_manifest
 from dcp_datastates.tiers import StorageTier
 from tests import workers
 from tests.dist import run_ranks
+from tests.manifest_tools import rewrite_manifest
 
 MiB = 1 << 20
 
@@ -326,3 +327,28 @@ def test_packed_tiny_tensors_round_trip_incrementally(tmp_path):
         dcp.load(out, storage_reader=DataStatesReader(str(run / step)), no_dist=True)
         bad = [k for k in want if not torch.equal(out[k], want[k])]
         assert not bad, (step, bad[:5])
+
+
+@pytest.mark.parametrize("why", ["unknown-version", "unreadable"])
+def test_retention_deletes_nothing_an_unreadable_manifest_could_use(tmp_path, why):
+    """Issue 35, case 1: steps 1 to 3 incremental (step 3 references files of steps 1 and 2);
+    a purge of steps 1 and 2 while step 3's manifest cannot be read (a format version this
+    release does not know, as a newer release in the same run writes; or a read error) deletes
+    nothing any manifest could reference, and says so once: step 3 loads exactly afterwards.
+    Before, only step 3's own directory was kept and steps 1 and 2 were removed whole."""
+    run = tmp_path / "run"
+    c = Checkpointer([str(run)], async_mode=None, incremental=True)
+    _run_steps(c, range(1, 4))
+    c.close()
+    meta = run / "step-3" / ".metadata"
+    good = meta.read_bytes()
+    if why == "unknown-version":
+        def newer(body):
+            body["version"] = 99
+        rewrite_manifest(str(run / "step-3"), newer, version=3)
+    else:
+        meta.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # fails its checksum: unreadable
+    from dcp_datastates.tiers.retention import purge_steps
+    purge_steps(StorageTier(str(run)), ["step-1", "step-2"])
+    meta.write_bytes(good)  # the manifest reads again (the newer release, or the disk, is back)
+    _assert_equal(_load(str(run / "step-3"), _state(3)), _state(3))

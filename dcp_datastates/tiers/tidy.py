@@ -63,11 +63,19 @@ def run_references(run: StorageTier, *, skip: str | None = None,
                    also: Sequence[tuple[str, Manifest]] = ()) -> dict[str, set[str]]:
     """``{directory: files}`` referenced by the committed manifests in every real directory
     of ``run`` (links are not followed), by manifests registered as flushing, and by ``also``.
-    A directory whose manifest cannot be read holds ``"*"`` (keep everything).  Raises
-    ``OSError`` when ``run`` cannot be listed."""
+    ``"*"`` in a directory's set means keep everything there.  A committed manifest that cannot
+    be read now (a read error, a format version this release does not know) could reference
+    files in any directory of the run, an incremental step's base among them, so then every
+    directory holds ``"*"``: the pass deletes nothing, and says so once.  Raises ``OSError`` when
+    ``run`` cannot be listed."""
     live: dict[str, set[str]] = {}
+    dirs: list[str] = []
+    unreadable: list[tuple[str, Exception]] = []
     for name, kind in run.entries():
-        if kind != "dir" or name == skip:
+        if kind != "dir":
+            continue
+        dirs.append(name)
+        if name == skip:
             continue
         t = run.child(name)
         if not any(is_manifest_name(n) for n in t.listdir()):
@@ -78,8 +86,13 @@ def run_references(run: StorageTier, *, skip: str | None = None,
             # DCP's own format (a run being migrated): its files are its own, none of ours
             log.debug("%s holds a checkpoint in DCP's own format; it references none of ours", t.url)
         except (CheckpointError, OSError) as e:
-            log.warning("cannot read the manifest of %s (%s); keeping every file it might use",
-                        t.url, e)
+            unreadable.append((t.url, e))
+    if unreadable:
+        url, e = unreadable[0]
+        log.warning("cannot read the committed manifest of %s%s (%s); it may use files of any step "
+                    "of %s, so this pass deletes nothing there", url,
+                    f" and {len(unreadable) - 1} more" if len(unreadable) > 1 else "", e, run.url)
+        for name in dirs:
             live.setdefault(name, set()).add("*")
     with _inflight_lock:
         pending = [(d, m) for (u, d), m in _inflight.items() if u == run.url.rstrip("/")]
