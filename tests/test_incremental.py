@@ -352,3 +352,24 @@ def test_retention_deletes_nothing_an_unreadable_manifest_could_use(tmp_path, wh
     purge_steps(StorageTier(str(run)), ["step-1", "step-2"])
     meta.write_bytes(good)  # the manifest reads again (the newer release, or the disk, is back)
     _assert_equal(_load(str(run / "step-3"), _state(3)), _state(3))
+
+
+def test_retention_never_purges_a_step_a_per_rank_save_is_writing(tmp_path):
+    """Issue 35 (read-only finding): retention checked only the collective ``.claim``, not a
+    per-rank save's ``.claim.rank-N``, so it could purge a step such a save was writing.  Here
+    rank 0 of a per-rank save holds its live claim on step 2 while a purge drops steps 1 and 2:
+    step 2 is left alone, committed and whole."""
+    from dcp_datastates.format.names import rank_claim_name
+    from dcp_datastates.tiers.claim import acquire
+    from dcp_datastates.tiers.retention import purge_steps
+    run = tmp_path / "run"
+    for s in (1, 2, 3):
+        _save(str(run / f"step-{s}"), _state(s))
+    claim = acquire(StorageTier(str(run / "step-2")), rank_claim_name(0), "0123456789ab", busy=lambda: True)
+    try:
+        purge_steps(StorageTier(str(run)), ["step-1", "step-2"])
+        assert (run / "step-2" / ".metadata").exists()
+        _assert_equal(_load(str(run / "step-2"), _state(2)), _state(2))
+    finally:
+        claim.release()
+    assert not (run / "step-1").exists()

@@ -35,6 +35,7 @@ import time
 import msgpack
 
 from ..errors import CheckpointBusyError, CheckpointError
+from ..format.names import CLAIM_NAME, RANK_CLAIM_PREFIX, TEMP_INFIX
 from ..format.values import pack_plain
 from .storage import StorageTier
 
@@ -262,8 +263,15 @@ def _take_over(tier: StorageTier, name: str, save_id: str) -> bool:
         raise
 
 
+def claimed(tier: StorageTier) -> bool:
+    """Whether any save, collective or per-rank, holds a live claim on ``tier`` (retention and
+    tidy-ups leave such a directory alone)."""
+    return any(holds_live_claim(tier, n) for n in tier.listdir()
+               if n == CLAIM_NAME or (n.startswith(RANK_CLAIM_PREFIX) and TEMP_INFIX not in n))
+
+
 def holds_live_claim(tier: StorageTier, name: str) -> bool:
-    """Whether ``tier`` is claimed by a save that is not stale (used by retention)."""
+    """Whether ``tier`` is claimed as ``name`` by a save that is not stale."""
     try:
         cur = _read(tier, name)
     except FileNotFoundError:
@@ -273,4 +281,4 @@ def holds_live_claim(tier: StorageTier, name: str) -> bool:
     return _stale_reason(tier, name, cur, DEFAULT_TTL_S) is None
 
 
-__all__ = ["Claim", "ClaimRecord", "acquire", "holds_live_claim"]
+__all__ = ["Claim", "ClaimRecord", "acquire", "claimed", "holds_live_claim"]

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 from ..errors import CheckpointError
 from ..format.model import Manifest
-from ..format.names import CLAIM_NAME, PURGED_MARK, STEP_DIR, is_manifest_name, is_ours
-from .claim import holds_live_claim
+from ..format.names import PURGED_MARK, STEP_DIR, is_manifest_name, is_ours
+from .claim import claimed
 from .manifests import manifest_is_ours
 from .storage import StorageTier
 from .tidy import run_references
@@ -81,7 +81,7 @@ def purge_steps(run: StorageTier, drop: list[str], *,
         if t is None:
             log.warning("retention: %s/%s leaves the run directory; left alone", run.url, name)
             continue
-        if holds_live_claim(t, CLAIM_NAME):
+        if claimed(t):
             log.warning("retention: %s is being saved right now; not purging it", t.url)
             continue
         try:
@@ -120,7 +120,7 @@ def purge_steps(run: StorageTier, drop: list[str], *,
 
 def _sweep(t: StorageTier, keep: set[str]) -> bool:
     """Remove ``t``'s files that are ours and not live; True if the directory went."""
-    if "*" in keep or _manifests(t) or holds_live_claim(t, CLAIM_NAME):
+    if "*" in keep or _manifests(t) or claimed(t):
         return False  # unreadable user of it, committed again since, or being saved now
     foreign = []
     for n, kind in t.entries():
