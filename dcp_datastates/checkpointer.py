@@ -183,8 +183,9 @@ class Checkpointer:
             ok = w.wait_persisted(timeout) and ok
             with self._lock:
                 self._persisting.pop(step, None)
-        self._join_purge()
-        self._purge()
+        with self._purge_lock:  # one retention pass at a time, this one included
+            self._join_purge()
+            self._purge()
         return ok
 
     def _on_committed(self, md) -> None:
