@@ -528,3 +528,35 @@ def test_a_save_of_either_kind_supersedes_the_other(tmp_path, collective_first):
     path = str(tmp_path / "ckpt")
     run_ranks(2, _saves_of_two_kinds, path, collective_first)
     _check_rank_ckpt(path, 2)
+
+
+# --------------------------------------------- issue 35, case 8: a zombie holds no claim
+def test_a_claim_of_a_zombie_process_is_stale(tmp_path):
+    """A checkpoint process killed by SIGKILL stays a zombie until its parent reaps it (DCP's
+    PROCESS mode never does, nor does an init that does not reap).  Its claim must count as
+    stale: before, ``kill(pid, 0)`` succeeded on the zombie, so every later save into the
+    directory failed with ``CheckpointBusyError``, across restarts too."""
+    import socket
+
+    from dcp_datastates.format.names import CLAIM_NAME
+    from dcp_datastates.tiers import StorageTier
+    from dcp_datastates.tiers.claim import ClaimRecord, acquire
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # exited, not reaped: a zombie
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        if fields[0] == b"Z":
+            break
+        time.sleep(0.02)
+    started = int(fields[19])  # what a claim records: the process's start time
+    try:
+        tier = StorageTier(str(tmp_path / "ck"))
+        tier.makedirs()
+        rec = ClaimRecord("0123456789ab", socket.gethostname(), child.pid, started, time.time())
+        tier.commit_bytes(CLAIM_NAME, rec.to_bytes())
+        claim = acquire(tier, CLAIM_NAME, "ba9876543210")
+        assert claim.took_over == ["0123456789ab"]
+        claim.release()
+    finally:
+        child.wait()

@@ -93,21 +93,35 @@ class ClaimRecord:
         return rec
 
 
-def _process_start(pid: int) -> int:
+def _proc_stat(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (empty where unreadable)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rpartition(b")")[2].split()[19])
-    except (OSError, ValueError, IndexError):
+            return f.read().rpartition(b")")[2].split()
+    except OSError:
+        return []
+
+
+def _process_start(pid: int) -> int:
+    try:
+        return int(_proc_stat(pid)[19])
+    except (ValueError, IndexError):
         return 0
 
 
 def _alive(pid: int, started: int) -> bool:
+    """Whether process ``pid`` (started at ``started``, 0: unknown) still runs.  A zombie (it
+    exited, and nobody reaped it: a killed checkpoint process, under a parent or an init that
+    does not reap) runs no more, though ``kill(pid, 0)`` still finds it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    fields = _proc_stat(pid)
+    if fields[:1] in ([b"Z"], [b"X"]):
+        return False
     return not started or _process_start(pid) in (0, started)
 
 
