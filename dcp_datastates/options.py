@@ -16,7 +16,8 @@ from .format.checksum import BLOCK_SIZE
 DEFAULT_DEDUP_UNIT = 4 << 20
 
 
-def _urls(x: Sequence[str] | str | None) -> tuple[str, ...]:
+def url_tuple(x: Sequence[str] | str | None) -> tuple[str, ...]:
+    """One URL, several, or none, as a tuple of strings."""
     return tuple(str(p) for p in ([x] if isinstance(x, str) else x or []))
 
 
@@ -58,7 +59,7 @@ class WriterOptions:
     """An async save copies tensors of at most 64 KiB at the call, up to this many bytes."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "persist_to", _urls(self.persist_to))
+        object.__setattr__(self, "persist_to", url_tuple(self.persist_to))
         if self.incremental_base is not None:
             object.__setattr__(self, "incremental_base", str(self.incremental_base))
         if self.eager_copy_bytes < 0:

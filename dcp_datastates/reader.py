@@ -44,6 +44,7 @@ from .loading.files import Fetcher, FileSet, ReadStats
 from .loading.metadata import manifest_to_metadata
 from .loading.ranges import batches, coalesce
 from .loading.tasks import ReadTask, SmallTask, small_whole
+from .options import url_tuple
 from .planner import deliver_object
 from .tiers import StorageTier, read_path
 from .tiers.manifests import load_manifest
@@ -93,7 +94,7 @@ class DataStatesReader(StorageReader):
         self.allow_pickle = allow_pickle
         self.verify = verify
         self.storage_options = storage_options
-        self.fallback = [str(f) for f in ([fallback] if isinstance(fallback, str) else fallback or [])]
+        self.fallback = list(url_tuple(fallback))
         self.fallback_options = fallback_options
         self.o_direct = o_direct
         self.save_id = save_id
@@ -174,9 +175,10 @@ class DataStatesReader(StorageReader):
 
     def _load_manifest(self) -> Manifest:
         errors: list[Exception] = []
-        for tier in self._tiers(every=True):
-            try:
-                m = load_manifest(tier, [x for x in self._tiers() if x.url != tier.url])
+        every = self._tiers(every=True)
+        for tier in every:
+            try:  # a format 4 index reads its parts from this tier, then from the others of this save
+                m = load_manifest(tier, [x for x in every if x.url != tier.url and x.url not in self._skip])
                 if self.save_id is not None and m.save_id != self.save_id:
                     self._skip.add(tier.url)
                     raise ManifestError(f"holds save {m.save_id} of this step, not save {self.save_id} "

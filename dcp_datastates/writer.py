@@ -39,7 +39,7 @@ from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from .engine.snapshot import SaveJob
 from .errors import CheckpointError
 from .format.v4.rules import RuleTable
-from .options import DEFAULT_DEDUP_UNIT, WriterOptions
+from .options import DEFAULT_DEDUP_UNIT, WriterOptions, url_tuple
 from .saving import RankSave
 from .session import SAVE_IDS, WriterSessions
 from .tiers import StorageTier
@@ -89,7 +89,7 @@ class DataStatesWriter(StorageWriter):
             overwrite=overwrite, thread_count=thread_count, host_cache_bytes=host_cache_bytes,
             device_cache_bytes=device_cache_bytes, allow_pickle=allow_pickle, sync_files=sync_files,
             storage_options=storage_options, async_mode=async_mode,
-            persist_to=() if persist_to is None else ((persist_to,) if isinstance(persist_to, str) else tuple(persist_to)),
+            persist_to=url_tuple(persist_to),
             persist=persist, persist_options=persist_options, o_direct=o_direct,
             incremental_base=incremental_base, dedup_unit_bytes=dedup_unit_bytes,
             step_barrier_s=step_barrier_s, eager_copy_bytes=eager_copy_bytes)

@@ -197,7 +197,7 @@ class IndexTable:
             n = len(m.ranks)
             if n > len(self.parts):
                 raise FormatViolation(f"a mesh of {n} ranks, but only {len(self.parts)} ranks have a metadata part")
-            budget -= min(n, len(self.parts))
+            budget -= n
             if budget < 0:
                 raise FormatViolation("the meshes name more ranks than the index's parts can account for")
             missing = self.parts.missing(m.ranks)
