@@ -7,6 +7,7 @@ from .errors import (
     CheckpointError,
     CheckpointExistsError,
     ChecksumMismatch,
+    ClaimLostError,
     CoverageError,
     DataFileError,
     ManifestError,
@@ -30,7 +31,7 @@ __all__ = [
     "DataStatesLoadPlanner", "DataStatesSavePlanner",
     "DataFileError", "DataStatesReader", "DataStatesWriter", "ManifestError", "MissingKeyError",
     "NotACheckpointError", "PickleNotAllowedError", "ProviderError", "SnapshotError",
-    "SnapshotGuard", "TornSnapshotError", "CheckpointBusyError",
+    "SnapshotGuard", "TornSnapshotError", "CheckpointBusyError", "ClaimLostError",
     "TypeProvider", "UnsupportedFormatVersion", "UnsupportedValueError", "__version__",
     "async_save", "register_provider", "unregister_provider",
 ]

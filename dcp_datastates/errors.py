@@ -90,6 +90,11 @@ class CheckpointBusyError(CheckpointError):
     """Another save holds the checkpoint directory (its claim file is live)."""
 
 
+class ClaimLostError(CheckpointBusyError):
+    """A save no longer holds its directory's claim at its commit or clean-up: it commits and
+    removes nothing (the fence)."""
+
+
 class UnsafeFileError(DataFileError):
     """A checkpoint file is a symlink, a device, a FIFO or otherwise not a regular file."""
 

@@ -132,6 +132,14 @@ class RankSave:
         if self.claims is not None:
             self.claims.release(url)
 
+    def fence(self, url: str) -> None:
+        """The last check before a manifest is committed on ``url``: this save still holds
+        its claim there (``ClaimLostError`` otherwise)."""
+        if self.claims is None:
+            raise CheckpointError("this save never claimed its directory; it commits nothing",
+                                  checkpoint=url)
+        self.claims.fence(url)
+
     def after_commit(self, tier: StorageTier, manifest: Manifest) -> None:
         if self.claims is not None:
             self.claims.after_commit(tier, manifest)
@@ -151,7 +159,7 @@ class RankSave:
             fut.add_done_callback(lambda f: self._end(session))
         self.persistence = Persistence(self.tier, self.persist_tiers(), self.save_id, self.rank,
                                        on_done=session.mark_persisted, after_commit=self.after_commit,
-                                       on_tier_failed=self.release)
+                                       on_tier_failed=self.release, fence=self.fence)
         persistence = self.persistence
         if not copy_items:
             session.mark_snapshot()
@@ -241,6 +249,7 @@ class RankSave:
         rename: the rename is the commit), then tidy what it superseded and let the claim go."""
         manifest, body = self._manifest(metadata, results)
         name = MANIFEST_NAME if self.use_collectives else rank_manifest_name(self.rank, self.save_id)
+        self.fence(self.tier.url)
         self.tier.commit_bytes(name, body, sync=self.opts.sync_files)
         if self.use_collectives:
             # DCP broadcasts this Metadata to every rank as the save's result: a run-level

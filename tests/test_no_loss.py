@@ -396,26 +396,6 @@ def test_claim_released_and_no_leftovers(tmp_path):
     assert len([n for n in names if n.endswith(".dsd")]) == 1 and ".metadata" in names
 
 
-def test_stale_claim_of_dead_process_is_taken_over(tmp_path):
-    path = str(tmp_path / "step-1")
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    from dcp_datastates.tiers import StorageTier
-    from dcp_datastates.tiers.claim import ClaimRecord, _process_start
-    import socket
-    os.makedirs(path)
-    rec = ClaimRecord("0123456789ab", socket.gethostname(), p.pid, _process_start(p.pid), time.time())
-    with open(os.path.join(path, ".claim"), "wb") as f:
-        f.write(rec.to_bytes())
-    open(os.path.join(path, "data-r00000-0123456789ab-00.dsd"), "wb").write(b"x" * 100)
-    with pytest.raises(BaseException, match="another save is writing"):
-        _save(path, {"w": torch.randn(16)})
-    assert StorageTier(path).listdir() == [".claim", "data-r00000-0123456789ab-00.dsd"]
-    p.kill()
-    p.wait()
-    _save(path, {"w": torch.randn(16)})
-    assert not any("0123456789ab" in n for n in os.listdir(path)) and ".claim" not in os.listdir(path)
-
-
 def test_error_types_are_checkpoint_errors():
     assert issubclass(__import__("dcp_datastates.errors", fromlist=["x"]).CheckpointBusyError, CheckpointError)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0

@@ -9,12 +9,31 @@ stores have no rename).  ``StorageTier`` (``storage.py``) holds one and adds the
 arithmetic; nothing above it asks which one it holds, except to use a local file descriptor
 where one can exist (``local``).
 
+Claims (``claim.py``) go through it too: ``try_lock`` and ``lock_held`` where the kernel
+keeps locks, ``create_exclusive`` where it does not.
+
 A test injects faults by wrapping a ``Backend`` (or a ``Sink``), never by branches here.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+
+
+class LockUnsupported(OSError):
+    """The filesystem keeps no kernel locks (an object store; a mount without locks)."""
+
+
+class HeldLock:
+    """A file held under the kernel's exclusive lock, released by the kernel when its process
+    dies.  ``read``/``write`` are the file's contents; ``still_named`` tells whether the path
+    still names this very file (nobody removed or replaced it)."""
+
+    def size(self) -> int: ...
+    def read(self) -> bytes: ...
+    def write(self, data: bytes) -> None: ...
+    def still_named(self) -> bool: ...
+    def unlock(self, *, unlink: bool) -> None: ...
 
 
 class Sink:
@@ -90,3 +109,19 @@ class Backend(ABC):
     @abstractmethod
     def remove_dir(self, root: str) -> None:
         """Remove an empty directory (``OSError`` where it is not empty)."""
+
+    def try_lock(self, path: str) -> HeldLock | None:
+        """Open ``path`` (created where missing) and take the kernel's exclusive lock on it
+        without waiting; ``None`` where another open file holds it.  ``LockUnsupported``
+        where the filesystem keeps no locks."""
+        raise LockUnsupported(f"{type(self).__name__} keeps no locks")
+
+    def lock_held(self, path: str) -> bool:
+        """Whether some open file holds the kernel's lock on ``path`` (``LockUnsupported``
+        where the filesystem keeps none; ``False`` where the file does not exist)."""
+        raise LockUnsupported(f"{type(self).__name__} keeps no locks")
+
+    @abstractmethod
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless it exists (False then); as atomic as the
+        filesystem allows (``O_EXCL``; S3's conditional create)."""

@@ -1,73 +1,71 @@
 """One writer per checkpoint directory: the claim file.
 
-Before a save writes anything into a directory it creates the claim (``.claim``; with
-``use_collectives=False`` one per rank, ``.claim.rank-NNNNN``) with an exclusive create that
-carries its save id, host, process and start time.  A second save that finds a live claim
-fails with :class:`CheckpointBusyError` and touches nothing.  The claim goes when the save
-has committed and tidied up, or has failed.
+Before a save writes anything into a directory it claims it: the claim file (``.claim``; with
+``use_collectives=False`` one per rank, ``.claim.rank-NNNNN``) records its save id, host and
+process.  A second save that finds a live claim fails with :class:`CheckpointBusyError` and
+touches nothing.  The claim goes when the save has committed and tidied up, or has failed.
 
-A claim left by a crash is *stale* and is taken over:
+**Liveness comes from the kernel** where the filesystem keeps locks (local disks, NFS, Lustre
+mounted with ``flock``).  The save holds an exclusive lock on its open claim file for its whole
+life, and the kernel drops it when the process ends, however it ends (SIGKILL, the OOM killer,
+a zombie nobody reaps).  A claim file whose lock can be taken is stale, whatever its record
+says; taking the lock is the takeover, one atomic step with no window between reading and
+replacing.  Pids and host names decide nothing, so containers that share a host name, other
+pid namespaces and a job requeued on another node are all told right.
 
-* its process is gone (same host), or was restarted under the same pid;
-* it belongs to this very process but to no save still in flight here;
-* it comes from another host and is older than ``ttl_s`` (a host cannot see another's
-  processes; raise the TTL above your longest save, or remove the file by hand).
+**Where no lock is kept** (object stores, mounts without locks) the claim is a lease: it is
+created exclusively (S3's conditional create where fsspec offers it), its holder renews it
+every ``lease_s / 5``, and it is stale once not renewed for ``lease_s`` (default 600 s,
+``DCP_DATASTATES_CLAIM_LEASE_S``), or at once where its record names a process of this very
+kernel and pid namespace that no longer runs.
 
-Taking over renames the stale claim aside (atomic: of two contenders one wins), then claims
-afresh.  The save ids of the attempts taken over are kept: their files, named with that id,
-belong to no committed checkpoint and are removed once the new save commits.
+**The fence.**  Either way a save checks, as the last step before it commits a manifest and
+before it removes any file, that the claim still names its save id (:meth:`Claim.fence`), and
+fails with :class:`ClaimLostError` otherwise.  A save that lost its claim (removed by hand; a
+lease that lapsed while the process was stopped) never commits and never deletes.
 
-On object stores an exclusive create is not available everywhere: the claim is written after
-an existence check and read back, which narrows the race to a small window but cannot close
-it.  Local and network file systems get the exclusive create.
+The save ids of the attempts taken over are kept (``Claim.took_over``): their files, named
+with that id, belong to no committed checkpoint and are removed once the new save commits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import msgpack
 
-from ..errors import CheckpointBusyError, CheckpointError
+from ..errors import CheckpointBusyError, CheckpointError, ClaimLostError
 from ..format.names import CLAIM_NAME, RANK_CLAIM_PREFIX, TEMP_INFIX
 from ..format.values import pack_plain
+from .backend import HeldLock, LockUnsupported
 from .storage import StorageTier
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TTL_S = float(os.environ.get("DCP_DATASTATES_CLAIM_TTL_S", 6 * 3600))
+DEFAULT_LEASE_S = float(os.environ.get("DCP_DATASTATES_CLAIM_LEASE_S", 600))
 _MAX_CLAIM_BYTES = 4096
-_UNREADABLE_GRACE_S = 30.0  # a claim still being written by its creator
-
-_live_lock = threading.Lock()
-# Process-wide on purpose: a claim found on disk is live when any save of this process holds it.
-# save ids of this process that hold claims -> [claims held, event set when the last goes,
-# callable telling whether that save still has work in flight]
-_live: dict[str, list] = {}
+_UNREADABLE_GRACE_S = 30.0  # a lease claim still being written by its creator
+_PROBE_RETRIES = 5  # a lock held for a moment by another process's liveness probe
 
 
-def _hold(save_id: str, busy) -> None:
-    with _live_lock:
-        entry = _live.setdefault(save_id, [0, threading.Event(), busy])
-        entry[0] += 1
-        entry[2] = busy
+def _namespace() -> str:
+    """This kernel's boot and this process's pid namespace: two records with the same one can
+    compare pids; any other pair cannot (containers sharing a host name have other ones)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
 
 
-def _drop(save_id: str) -> None:
-    with _live_lock:
-        entry = _live.get(save_id)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] <= 0:
-            del _live[save_id]
-            entry[1].set()
+_NAMESPACE = _namespace()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +74,8 @@ class ClaimRecord:
     host: str
     pid: int
     started: int  # the process's start time (/proc), 0 where unknown
-    created_unix: float
+    created_unix: float  # when written or last renewed
+    namespace: str = ""  # see _namespace; "" where unknown
 
     def to_bytes(self) -> bytes:
         return pack_plain(dataclasses.asdict(self))
@@ -85,12 +84,14 @@ class ClaimRecord:
     def from_bytes(cls, data: bytes) -> "ClaimRecord | None":
         try:
             d = msgpack.unpackb(data, raw=False, max_map_len=16, max_str_len=256, max_array_len=0)
-            rec = cls(str(d["save_id"]), str(d["host"]), int(d["pid"]), int(d["started"]),
-                      float(d["created_unix"]))
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
+            return cls(str(d["save_id"]), str(d["host"]), int(d["pid"]), int(d["started"]),
+                       float(d["created_unix"]), str(d.get("namespace", "")))
+        except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as e:
             log.debug("unreadable claim record (%s)", e)
             return None
-        return rec
+
+    def who(self) -> str:
+        return f"save {self.save_id}, host {self.host}, pid {self.pid}"
 
 
 def _proc_stat(pid: int) -> list[bytes]:
@@ -110,9 +111,8 @@ def _process_start(pid: int) -> int:
 
 
 def _alive(pid: int, started: int) -> bool:
-    """Whether process ``pid`` (started at ``started``, 0: unknown) still runs.  A zombie (it
-    exited, and nobody reaped it: a killed checkpoint process, under a parent or an init that
-    does not reap) runs no more, though ``kill(pid, 0)`` still finds it."""
+    """Whether process ``pid`` (started at ``started``, 0: unknown) of this pid namespace still
+    runs; a zombie runs no more, though ``kill(pid, 0)`` still finds it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -127,80 +127,151 @@ def _alive(pid: int, started: int) -> bool:
 
 def _this_record(save_id: str) -> ClaimRecord:
     pid = os.getpid()
-    return ClaimRecord(save_id, socket.gethostname(), pid, _process_start(pid), time.time())
+    return ClaimRecord(save_id, socket.gethostname(), pid, _process_start(pid), time.time(), _NAMESPACE)
 
 
+# ------------------------------------------------------- the claims this process holds
 @dataclasses.dataclass
+class _Holder:
+    """A save of this process that holds claims.  Process-wide on purpose: a claim found on
+    disk whose save id is here belongs to this process, live while ``busy()``."""
+    busy: Callable[[], bool]
+    claims: list["Claim"] = dataclasses.field(default_factory=list)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+_live_lock = threading.Lock()
+_live: dict[str, _Holder] = {}
+
+
+def _holder(save_id: str) -> _Holder | None:
+    with _live_lock:
+        return _live.get(save_id)
+
+
+def _forget(claim: "Claim") -> None:
+    with _live_lock:
+        h = _live.get(claim.record.save_id)
+        if h is None or claim not in h.claims:
+            return
+        h.claims.remove(claim)
+        if not h.claims:
+            del _live[claim.record.save_id]
+            h.done.set()
+
+
+class _Renewer:
+    """Renews the lease claims of this process every ``period`` seconds (one thread)."""
+
+    def __init__(self) -> None:
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def ensure(self) -> None:
+        with self._wake:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="dcp-datastates-lease", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with _live_lock:
+                leases = [c for h in _live.values() for c in h.claims if c.lock is None]
+            if not leases:
+                with self._wake:
+                    self._thread = None
+                return
+            for c in leases:
+                c.renew()
+            time.sleep(max(0.05, min(c.lease_s for c in leases) / 5))
+
+
+_renewer = _Renewer()
+
+
+# ------------------------------------------------------------------- a claim
+@dataclasses.dataclass(eq=False)
 class Claim:
-    """A held claim on ``tier``; ``took_over`` lists the save ids of stale claims replaced."""
+    """A held claim on ``tier``; ``took_over`` lists the save ids of stale claims replaced.
+    ``lock`` is the kernel's lock on the claim file; ``None`` for a lease."""
     tier: StorageTier
     name: str
     record: ClaimRecord
     took_over: list[str]
+    lock: HeldLock | None
+    lease_s: float = DEFAULT_LEASE_S
     released: bool = False
 
+    def _names_us(self) -> bool:
+        try:
+            if self.lock is not None:
+                cur = ClaimRecord.from_bytes(self.lock.read()) if self.lock.still_named() else None
+            else:
+                cur = _read(self.tier, self.name)
+        except (OSError, CheckpointError) as e:
+            log.warning("could not read the claim %s/%s back (%s)", self.tier.url, self.name, e)
+            return False
+        return cur is not None and cur.save_id == self.record.save_id
+
+    def fence(self) -> None:
+        """Raise :class:`ClaimLostError` unless the claim still names this save: the check
+        before a manifest is committed and before any file is removed."""
+        if self.released or not self._names_us():
+            raise ClaimLostError(
+                f"save {self.record.save_id} no longer holds this directory's claim (removed, "
+                "or taken over after its lease lapsed); it commits nothing and removes nothing",
+                checkpoint=self.tier.url, file=self.name)
+
+    def renew(self) -> None:
+        """Lease claims: write the record again with the current time, while it is ours."""
+        if self.released or self.lock is not None:
+            return
+        try:
+            if self._names_us():
+                self.tier.backend.commit(self.tier.root, self.tier.path(self.name),
+                                         f"{self.name}{TEMP_INFIX}lease", self._fresh_record(), sync=True)
+        except (OSError, CheckpointError) as e:
+            log.warning("could not renew the claim %s/%s (%s)", self.tier.url, self.name, e)
+
+    def _fresh_record(self) -> bytes:
+        return dataclasses.replace(self.record, created_unix=time.time()).to_bytes()
+
     def release(self) -> None:
-        """Remove the claim if it is still ours (idempotent)."""
+        """Remove the claim if it is still ours and let it go (idempotent)."""
         if self.released:
             return
         self.released = True
         try:
-            cur = _read(self.tier, self.name)
-            if cur is not None and cur.save_id == self.record.save_id:
-                self.tier.remove(self.name)
+            if self.lock is not None:
+                self.lock.unlock(unlink=True)
+            else:
+                cur = _read(self.tier, self.name)
+                if cur is not None and cur.save_id == self.record.save_id:
+                    self.tier.remove(self.name)
         except (OSError, CheckpointError) as e:
             log.warning("could not release the claim %s/%s (%s); the next save takes it over",
                         self.tier.url, self.name, e)
         finally:
-            _drop(self.record.save_id)
+            _forget(self)
 
 
 def _read(tier: StorageTier, name: str) -> ClaimRecord | None:
     return ClaimRecord.from_bytes(tier.read_bytes(name, max_bytes=_MAX_CLAIM_BYTES))
 
 
-def _create(tier: StorageTier, name: str, rec: ClaimRecord) -> bool:
-    """Exclusive create; False if the claim exists."""
-    data = rec.to_bytes()
-    if tier.local:
-        try:
-            fd = os.open(tier.path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
-            return False
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        tier.sync_dir()
-        return True
-    if tier.exists(name):
-        return False
-    tier.fs.pipe_file(tier.path(name), data)
-    back = _read(tier, name)
-    return back is not None and back.save_id == rec.save_id
-
-
-def _stale_reason(tier: StorageTier, name: str, rec: ClaimRecord | None, ttl_s: float) -> str | None:
-    me = socket.gethostname()
+def _lease_stale(tier: StorageTier, name: str, rec: ClaimRecord | None, lease_s: float) -> str | None:
+    """Why a lease claim (no kernel lock) is stale, or None while it is live."""
     if rec is None:
         try:
             age = time.time() - (os.lstat(tier.path(name)).st_mtime if tier.local else 0.0)
         except FileNotFoundError:
             return "gone"
         return "unreadable" if age > _UNREADABLE_GRACE_S else None
-    if rec.host == me:
-        if rec.pid == os.getpid() and rec.started in (0, _process_start(rec.pid)):
-            with _live_lock:
-                entry = _live.get(rec.save_id)
-            if entry is None or not entry[2]():
-                return "left by an earlier save of this process that no longer runs"
-            return None
-        if not _alive(rec.pid, rec.started):
-            return f"its process {rec.pid} is gone"
-        return None
-    if time.time() - rec.created_unix > ttl_s:
-        return f"older than {ttl_s:.0f} s (from host {rec.host})"
+    if rec.namespace and rec.namespace == _NAMESPACE and rec.pid != os.getpid() \
+            and not _alive(rec.pid, rec.started):
+        return f"its process {rec.pid} is gone"
+    if time.time() - rec.created_unix > lease_s:
+        return f"not renewed for {lease_s:.0f} s (from host {rec.host})"
     return None
 
 
@@ -208,73 +279,136 @@ def _always() -> bool:
     return True
 
 
-def acquire(tier: StorageTier, name: str, save_id: str, *, ttl_s: float = DEFAULT_TTL_S,
-            wait_own_s: float = 600.0, busy=_always) -> Claim:
+class _Acquire:
+    """One attempt to claim ``tier`` as ``name`` for ``save_id`` (see :func:`acquire`)."""
+
+    def __init__(self, tier: StorageTier, name: str, save_id: str, lease_s: float,
+                 wait_own_s: float) -> None:
+        self.tier, self.name, self.path = tier, name, tier.path(name)
+        self.rec = _this_record(save_id)
+        self.lease_s, self.wait_own_s = lease_s, wait_own_s
+        self.took_over: list[str] = []
+
+    def ours_in_flight(self, cur: ClaimRecord | None) -> bool:
+        """``cur`` belongs to another save of this process: wait for it if it still runs, else
+        let it go (a save DCP abandoned).  True when the caller should try again."""
+        h = None if cur is None else _holder(cur.save_id)
+        if h is None or cur is None or cur.save_id == self.rec.save_id:
+            return False
+        if h.busy():
+            log.info("%s is being saved by an earlier save of this process (%s); waiting for it "
+                     "to finish", self.tier.url, cur.save_id)
+            if not h.done.wait(self.wait_own_s):
+                raise CheckpointBusyError(
+                    f"an earlier save ({cur.save_id}) of this process still holds the directory "
+                    f"after {self.wait_own_s:.0f} s", checkpoint=self.tier.url, file=self.name)
+        else:
+            log.info("releasing the claim of %s left by save %s of this process, which no "
+                     "longer runs", self.tier.url, cur.save_id)
+            for c in list(h.claims):
+                if c.name == self.name and c.tier.url == self.tier.url:
+                    c.release()
+        return True
+
+    def busy(self, cur: ClaimRecord | None) -> CheckpointBusyError:
+        who = "unknown" if cur is None else cur.who()
+        return CheckpointBusyError(
+            f"another save is writing this checkpoint ({who}); wait for it, or save elsewhere",
+            checkpoint=self.tier.url, file=self.name)
+
+    def unusable(self, why: str) -> CheckpointBusyError:
+        return CheckpointBusyError(f"the claim file is unusable ({why}); remove it by hand",
+                                   checkpoint=self.tier.url, file=self.name)
+
+    def by_lock(self) -> Claim:
+        """Claim under the kernel's lock (``LockUnsupported`` where there is none)."""
+        for _ in range(8):
+            lock = None
+            for _ in range(_PROBE_RETRIES):
+                lock = self.tier.backend.try_lock(self.path)
+                if lock is not None:
+                    break
+                time.sleep(0.02)
+            if lock is None:
+                cur = self.current()
+                if self.ours_in_flight(cur):
+                    continue
+                raise self.busy(cur)
+            try:
+                if lock.size() > _MAX_CLAIM_BYTES:
+                    raise self.unusable(f"{lock.size()} bytes, over {_MAX_CLAIM_BYTES}")
+                old = ClaimRecord.from_bytes(lock.read()) if lock.size() else None
+                if old is not None and old.save_id != self.rec.save_id and _holder(old.save_id) is not None:
+                    raise self.busy(old)  # a lock this process holds that the kernel did not see
+                lock.write(self.rec.to_bytes())
+            except BaseException:
+                lock.unlock(unlink=False)
+                raise
+            if old is not None and old.save_id != self.rec.save_id:
+                log.info("took over the stale claim of %s (%s: its lock was free)", self.tier.url, old.who())
+                self.took_over.append(old.save_id)
+            return Claim(self.tier, self.name, self.rec, self.took_over, lock)
+        raise CheckpointBusyError("could not claim the directory (contended)",
+                                  checkpoint=self.tier.url, file=self.name)
+
+    def current(self) -> ClaimRecord | None:
+        try:
+            return _read(self.tier, self.name)
+        except FileNotFoundError:
+            return None
+        except CheckpointError as e:  # a link, a FIFO, a huge file: not ours to touch
+            raise self.unusable(str(e)) from None
+
+    def by_lease(self) -> Claim:
+        """Claim as a lease: an exclusive create, renewed while the save runs."""
+        for _ in range(8):
+            if self.tier.backend.create_exclusive(self.path, self.rec.to_bytes()):
+                return Claim(self.tier, self.name, self.rec, self.took_over, None, self.lease_s)
+            try:
+                cur = _read(self.tier, self.name)
+            except FileNotFoundError:
+                continue  # released meanwhile
+            except CheckpointError as e:
+                raise self.unusable(str(e)) from None
+            if cur is not None and cur.save_id == self.rec.save_id:
+                raise self.busy(cur)  # this very save already holds it
+            if self.ours_in_flight(cur):
+                continue
+            why = _lease_stale(self.tier, self.name, cur, self.lease_s)
+            if why is None:
+                raise self.busy(cur)
+            # Remove and create again.  Two contenders can both remove a stale lease, the second
+            # one removing the first's fresh claim: the first one's fence then fails.
+            self.tier.remove(self.name)
+            log.info("took over the stale claim of %s (%s)", self.tier.url, why)
+            if cur is not None:
+                self.took_over.append(cur.save_id)
+        raise CheckpointBusyError("could not claim the directory (contended)",
+                                  checkpoint=self.tier.url, file=self.name)
+
+
+def acquire(tier: StorageTier, name: str, save_id: str, *, lease_s: float = DEFAULT_LEASE_S,
+            wait_own_s: float = 600.0, busy: Callable[[], bool] = _always) -> Claim:
     """Claim ``tier`` for save ``save_id``, or raise :class:`CheckpointBusyError`.
 
     ``busy()`` tells whether this save still has work in flight; a claim of this process whose
-    save is no longer busy (DCP failed the save on another rank, say) is stale.  A claim held
+    save is no longer busy (DCP failed the save on another rank, say) is let go.  A claim held
     by a busy save of this same process (a re-save while the previous save of this directory
     is still flushing) is waited for, up to ``wait_own_s``."""
     tier.makedirs()
-    rec = _this_record(save_id)
-    _hold(save_id, busy)
-    took_over: list[str] = []
+    attempt = _Acquire(tier, name, save_id, lease_s, wait_own_s)
     try:
-        for _ in range(8):
-            if _create(tier, name, rec):
-                return Claim(tier, name, rec, took_over)
-            try:
-                cur = _read(tier, name)
-            except FileNotFoundError:
-                continue  # released meanwhile
-            except CheckpointError as e:  # a link, a FIFO, a huge file: not ours to touch
-                raise CheckpointBusyError(f"the claim file is unusable ({e}); remove it by hand",
-                                          checkpoint=tier.url, file=name) from None
-            if cur is not None and cur.save_id == save_id:
-                return Claim(tier, name, rec, took_over)  # already ours (a retried step)
-            if cur is not None and cur.host == rec.host and cur.pid == rec.pid:
-                with _live_lock:
-                    entry = _live.get(cur.save_id)
-                ev = None if entry is None or not entry[2]() else entry[1]
-                if ev is not None:
-                    log.info("%s is being saved by an earlier save of this process (%s); waiting "
-                             "for it to finish", tier.url, cur.save_id)
-                    if not ev.wait(wait_own_s):
-                        raise CheckpointBusyError(
-                            f"an earlier save ({cur.save_id}) of this process still holds the "
-                            f"directory after {wait_own_s:.0f} s", checkpoint=tier.url, file=name)
-                    continue
-            why = _stale_reason(tier, name, cur, ttl_s)
-            if why is None:
-                who = "unknown" if cur is None else f"save {cur.save_id}, host {cur.host}, pid {cur.pid}"
-                raise CheckpointBusyError(
-                    f"another save is writing this checkpoint ({who}); wait for it, save elsewhere, "
-                    f"or remove {name} if that save is dead", checkpoint=tier.url, file=name)
-            if _take_over(tier, name, save_id):
-                log.info("took over the stale claim of %s (%s)", tier.url, why)
-                if cur is not None:
-                    took_over.append(cur.save_id)
-        raise CheckpointBusyError("could not claim the directory (contended)", checkpoint=tier.url,
-                                  file=name)
-    except BaseException:
-        _drop(save_id)
-        raise
-
-
-def _take_over(tier: StorageTier, name: str, save_id: str) -> bool:
-    aside = f"{name}.stale-{save_id}"
-    try:
-        if tier.local:
-            os.rename(tier.path(name), tier.path(aside))
-            os.unlink(tier.path(aside))
-        else:
-            tier.remove(name)
-        return True
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            return False  # another contender moved it first
-        raise
+        claim = attempt.by_lock()
+    except LockUnsupported as e:
+        log.debug("%s keeps no locks (%s): the claim is a lease", tier.url, e)
+        claim = attempt.by_lease()
+    with _live_lock:
+        h = _live.setdefault(save_id, _Holder(busy))
+        h.busy = busy
+        h.claims.append(claim)
+    if claim.lock is None:
+        _renewer.ensure()
+    return claim
 
 
 def claimed(tier: StorageTier) -> bool:
@@ -287,12 +421,21 @@ def claimed(tier: StorageTier) -> bool:
 def holds_live_claim(tier: StorageTier, name: str) -> bool:
     """Whether ``tier`` is claimed as ``name`` by a save that is not stale."""
     try:
+        return tier.backend.lock_held(tier.path(name))
+    except LockUnsupported:
+        pass
+    except CheckpointError:
+        return True  # a link or a FIFO in its place: leave the directory alone
+    try:
         cur = _read(tier, name)
     except FileNotFoundError:
         return False
     except CheckpointError:
         return True
-    return _stale_reason(tier, name, cur, DEFAULT_TTL_S) is None
+    h = None if cur is None else _holder(cur.save_id)
+    if h is not None:
+        return h.busy()
+    return _lease_stale(tier, name, cur, DEFAULT_LEASE_S) is None
 
 
 __all__ = ["Claim", "ClaimRecord", "acquire", "claimed", "holds_live_claim"]

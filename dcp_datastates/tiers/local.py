@@ -9,15 +9,17 @@ as a regular file reached without a symbolic link.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import stat
+import struct
 import threading
 import uuid
 
 from ..errors import UnsafeFileError
 from ..format.layout import align_up
-from .backend import Backend, Sink
+from .backend import Backend, HeldLock, LockUnsupported, Sink
 from .direct_io import pread_full
 
 log = logging.getLogger(__name__)
@@ -26,14 +28,15 @@ _PWRITE_MAX = 1 << 30  # Linux caps one write at ~2 GiB; stay well below
 _SAFE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
-def open_regular(path: str, flags: int = os.O_RDONLY, *, checkpoint: str | None = None) -> int:
+def open_regular(path: str, flags: int = os.O_RDONLY, *, checkpoint: str | None = None,
+                 mode: int = 0o644) -> int:
     """Open an existing checkpoint file without following a symbolic link, and only if it is
     a regular file: a link planted in place of a data file cannot make us read outside the
     checkpoint, and a FIFO or device cannot block or flood the reader (``O_NONBLOCK`` makes
     the open itself return at once; regular files ignore it)."""
     name = os.path.basename(path)
     try:
-        fd = os.open(path, flags | _SAFE_FLAGS)
+        fd = os.open(path, flags | _SAFE_FLAGS, mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafeFileError("is a symbolic link; checkpoint files are never read through "
@@ -114,6 +117,73 @@ class LocalSink(Sink):
             os.unlink(self.path)
         except OSError:
             pass
+
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+_HELD = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+
+
+def _lock(fd: int, kind: int) -> bool:
+    """Take (``F_WRLCK``, ``F_RDLCK``) or drop (``F_UNLCK``) the lock of ``fd``'s open file
+    description without waiting; False where another holds it.
+
+    Open-file-description locks (Linux) belong to the open file, not to the process: two saves
+    of one process conflict, closing another descriptor of the file drops nothing, and NFS
+    carries them to the server.  ``flock`` stands in where they are missing."""
+    try:
+        if hasattr(fcntl, "F_OFD_SETLK"):
+            try:
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("@hhqqi0q", kind, os.SEEK_SET, 0, 0, 0))
+                return True
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # a kernel before 3.15
+                    raise
+        op = {fcntl.F_WRLCK: fcntl.LOCK_EX, fcntl.F_RDLCK: fcntl.LOCK_SH}.get(kind, fcntl.LOCK_UN)
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in _HELD:
+            return False
+        if e.errno in _NO_LOCKS:
+            raise LockUnsupported(e.errno, f"the filesystem keeps no locks ({os.strerror(e.errno)})") from None
+        raise
+
+
+class FileLock(HeldLock):
+    """A claim file held under an open-file-description lock (see ``_lock``)."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path = fd, path
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def read(self) -> bytes:
+        buf = bytearray(self.size())
+        return bytes(buf[:pread_full(self.fd, memoryview(buf), 0)])
+
+    def write(self, data: bytes) -> None:
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+        os.fsync(self.fd)
+        LocalBackend().sync_dir(os.path.dirname(self.path))
+
+    def still_named(self) -> bool:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(self.fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def unlock(self, *, unlink: bool) -> None:
+        """Let the lock go (removing the file first where ``unlink``: a contender that opened
+        it meanwhile finds, once it holds the lock, that the path no longer names it)."""
+        try:
+            if unlink and self.still_named():
+                os.unlink(self.path)
+        finally:
+            os.close(self.fd)  # the last descriptor of the open file: the kernel drops its lock
 
 
 class LocalBackend(Backend):
@@ -219,6 +289,45 @@ class LocalBackend(Backend):
 
     def remove_dir(self, root: str) -> None:
         os.rmdir(root)
+
+    def try_lock(self, path: str) -> HeldLock | None:
+        for _ in range(64):
+            fd = open_regular(path, os.O_RDWR | os.O_CREAT, checkpoint=os.path.dirname(path))
+            try:
+                if not _lock(fd, fcntl.F_WRLCK):
+                    os.close(fd)
+                    return None
+            except BaseException:
+                os.close(fd)
+                raise
+            held = FileLock(fd, path)
+            if held.still_named():
+                return held
+            held.unlock(unlink=False)  # removed by its holder between our open and our lock
+        raise OSError(errno.EAGAIN, f"{path} keeps being replaced while it is locked")
+
+    def lock_held(self, path: str) -> bool:
+        try:
+            fd = open_regular(path, checkpoint=os.path.dirname(path))
+        except FileNotFoundError:
+            return False
+        try:
+            return not _lock(fd, fcntl.F_RDLCK)
+        finally:
+            os.close(fd)
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.sync_dir(os.path.dirname(path))
+        return True
 
 
 def temp_name(name: str, infix: str) -> str:

@@ -4,13 +4,16 @@
 (``claim.py``), reads under those claims what the save will replace (``tidy.py``), and after
 each tier commits removes what that tier's superseded manifest or a dead attempt owned, then
 lets the claim go.  A save that fails lets every claim go at once.
+
+``fence(url)`` is the check before every commit and every removal: it raises
+:class:`ClaimLostError` unless this save still holds that tier's claim.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ClaimLostError
 from ..format.model import Manifest
 from ..format.names import CLAIM_NAME, rank_claim_name
 from .claim import Claim, acquire
@@ -47,7 +50,7 @@ class SaveClaims:
                     continue
                 self._claims[t.url] = c
                 self._tidies[t.url] = Tidy(t, self.save_id, superseded_here(t, rank=self.rank),
-                                           list(c.took_over), self.rank)
+                                           list(c.took_over), self.rank, fence=c.fence)
         except BaseException:
             self.release()
             raise
@@ -62,6 +65,7 @@ class SaveClaims:
                 tidy.run({f for f in manifest.files if f not in manifest.homes})
             else:
                 names, old, protect = rank_superseded(tier, self.rank, self.save_id)
+                tidy.fence()
                 for n in names:  # uncommit first: a crash from here on leaves only leftovers
                     tier.remove(n)
                 tidy.superseded = old
@@ -71,6 +75,14 @@ class SaveClaims:
                         "until the next save here", tier.url, e)
         finally:
             self.release(tier.url)
+
+    def fence(self, url: str) -> None:
+        """Raise :class:`ClaimLostError` unless this save still holds ``url``'s claim."""
+        c = self._claims.get(url)
+        if c is None:
+            raise ClaimLostError(f"save {self.save_id} holds no claim here; it commits nothing",
+                                 checkpoint=url)
+        c.fence()
 
     def release(self, url: str | None = None) -> None:
         """Let the claim of ``url`` (default: every claim) go."""

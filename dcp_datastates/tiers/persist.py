@@ -179,11 +179,12 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
 
 def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], save_id: str,
                          *, timeout: float = 3600.0, on_commit=None,
-                         give_up: threading.Event | None = None) -> Future:
+                         give_up: threading.Event | None = None, fence=None) -> Future:
     """Phase 2 on the coordinator: wait for every rank's marker, then write the manifest.
 
     Stops waiting, and never commits, as soon as a rank reports that its upload failed (its
-    ``.failed.rank-`` marker) or ``give_up`` is set (the coordinator's own upload failed)."""
+    ``.failed.rank-`` marker) or ``give_up`` is set (the coordinator's own upload failed).
+    ``fence()`` runs just before the commit and raises where this save lost ``dst``'s claim."""
     stop = give_up or threading.Event()
     run_dir, step = dst.parent(), dst.name
 
@@ -219,6 +220,8 @@ def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], sa
                                    f"within {timeout:.0f}s (missing {missing})")
             stop.wait(delay)
             delay = min(delay * 2, 2.0)
+        if fence is not None:
+            fence()
         with_retries(lambda: dst.commit_bytes(MANIFEST_NAME, manifest), f"manifest commit on {dst.url}")
         log.info("persisted %s", dst.url)
         if on_commit is not None:
@@ -287,12 +290,15 @@ class Persistence:
     Phase 2: ``start_commits`` commits the manifest on each tier once every rank uploaded (the
     coordinator, collective saves) or once this rank did (per-rank manifests).  ``on_done``
     gets the first error or None when this rank's part is over; ``after_commit(tier, manifest)``
-    runs once a tier committed; ``on_tier_failed(url)`` once a tier's flush failed."""
+    runs once a tier committed; ``on_tier_failed(url)`` once a tier's flush failed;
+    ``fence(url)`` just before a manifest is committed there (it raises where the save lost
+    that tier's claim)."""
 
     def __init__(self, src: StorageTier, tiers: list[StorageTier], save_id: str, rank: int, *,
-                 on_done, after_commit, on_tier_failed) -> None:
+                 on_done, after_commit, on_tier_failed, fence) -> None:
         self.src, self.tiers, self.save_id, self.rank = src, tiers, save_id, rank
         self.on_done, self.after_commit, self.on_tier_failed = on_done, after_commit, on_tier_failed
+        self.fence = fence
         self.uploads: list[Future] = []
         self.futures: list[Future] = []
 
@@ -317,6 +323,7 @@ class Persistence:
             return
         if not collective:  # every rank commits its own rank manifest after its own upload
             def commit(tier: StorageTier) -> None:
+                self.fence(tier.url)
                 tier.commit_bytes(name, body)
                 self.after_commit(tier, manifest)
             self.futures = [then(f, lambda t=t: commit(t)) for f, t in zip(self.uploads, self.tiers)]
@@ -334,7 +341,8 @@ class Persistence:
         for f, ev in zip(self.uploads, give_up):
             f.add_done_callback(lambda f, ev=ev: ev.set() if f.exception() is not None else None)
         commits = [commit_when_complete(t, body, list(range(manifest.world_size)), self.save_id,
-                                        on_commit=committed, give_up=ev)
+                                        on_commit=committed, give_up=ev,
+                                        fence=lambda u=t.url: self.fence(u))
                    for t, ev in zip(self.tiers, give_up)]
         for f, t in zip(commits, self.tiers):
             f.add_done_callback(lambda f, u=t.url: self.on_tier_failed(u) if f.exception() else None)

@@ -159,6 +159,23 @@ class FsspecBackend(Backend):
         except FileNotFoundError:
             pass
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """S3's conditional create where fsspec offers it (``mode="create"``); elsewhere an
+        existence check first, which narrows the race but cannot close it (the fence at commit
+        catches a save that lost it)."""
+        self._fresh(posixpath.dirname(path))
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except TypeError:  # this filesystem's pipe_file takes no mode
+            pass
+        if self.fs.exists(path):
+            return False
+        self.fs.pipe_file(path, data)
+        return True
+
     def remove_dir(self, root: str) -> None:
         try:
             self.fs.rmdir(root)

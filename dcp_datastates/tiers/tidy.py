@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import CheckpointError, ForeignFormatError
 from ..format.model import Manifest
@@ -109,6 +109,7 @@ class Tidy:
     superseded: list[Manifest] = dataclasses.field(default_factory=list)
     dead_ids: list[str] = dataclasses.field(default_factory=list)
     rank: int | None = None  # per-rank manifests: touch only this rank's leftovers
+    fence: Callable[[], None] = lambda: None  # raises where the save lost its claim
 
     def _own_temp(self, n: str) -> bool:
         base = n.partition(TEMP_INFIX)[0]
@@ -151,6 +152,7 @@ class Tidy:
                         "them cannot be read", t.url)
             return []
         removed = []
+        self.fence()
         for n in sorted(doomed - keep):
             t.remove(n)
             removed.append(n)

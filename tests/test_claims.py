@@ -1,0 +1,256 @@
+"""One writer per checkpoint directory, with liveness from the kernel (issue 35, cases 2, 3
+and 8; the fenced commit; leases where no lock is kept).
+
+Every holder here is a real process holding a real claim: a record written by hand proves
+nothing about liveness any more, since only the kernel's lock on the claim file does."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import ClaimLostError, DataStatesReader, DataStatesWriter
+from dcp_datastates.errors import CheckpointBusyError
+from dcp_datastates.format.names import CLAIM_NAME
+from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers import claim as claim_mod
+from dcp_datastates.tiers.backend import LockUnsupported
+from dcp_datastates.tiers.claim import ClaimRecord, acquire, holds_live_claim
+from dcp_datastates.tiers.local import LocalBackend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 1024, generator=g), "v": torch.randn(4096, generator=g), "seed": seed}
+
+
+def _save(path, sd, **kw):
+    dcp.save(sd, storage_writer=DataStatesWriter(path, **kw), no_dist=True)
+
+
+def _loads(path, seed: int) -> None:
+    out = {"w": torch.zeros(256, 1024), "v": torch.zeros(4096), "seed": -1}
+    dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
+    want = _state(seed)
+    assert out["seed"] == seed and torch.equal(out["w"], want["w"]) and torch.equal(out["v"], want["v"])
+
+
+def _wait_file(path: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"the child exited ({proc.returncode}) before {path}: {out[-3000:]}")
+        assert time.monotonic() < deadline, f"no {path} within {timeout} s"
+        time.sleep(0.05)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+# ------------------------------------------------- a live holder, then a dead one
+def test_a_claim_held_by_a_live_process_is_busy_and_free_once_it_dies(tmp_path):
+    path = str(tmp_path / "step-1")
+    os.makedirs(path)
+    ready = str(tmp_path / "ready")
+    p = subprocess.Popen([sys.executable, "-m", "tests.claim_child", "hold", path, "0123456789ab", ready],
+                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_file(ready, p)
+        open(os.path.join(path, "data-r00000-0123456789ab-00.dsd"), "wb").write(b"x" * 100)
+        assert holds_live_claim(StorageTier(path), CLAIM_NAME)
+        with pytest.raises(BaseException, match="another save is writing"):
+            _save(path, _state(1))
+        assert sorted(os.listdir(path)) == [".claim", "data-r00000-0123456789ab-00.dsd"]
+    finally:
+        p.kill()
+        p.wait()
+    assert not holds_live_claim(StorageTier(path), CLAIM_NAME)  # the kernel let the lock go
+    _save(path, _state(1))
+    assert not any("0123456789ab" in n for n in os.listdir(path)) and ".claim" not in os.listdir(path)
+    _loads(path, 1)
+
+
+# --------------------------- case 2: a live save in another pid namespace, same host name
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a second pid namespace needs root and unshare(1)")
+def test_a_live_save_in_another_pid_namespace_is_never_taken_over(tmp_path):
+    """Two containers sharing a host name and a volume cannot see each other's pids.  Before,
+    the second save judged the first one's claim by ``kill(pid, 0)`` on a pid of the other
+    namespace, took it over, committed, and removed the first save's files; the first then
+    committed over files that no longer existed."""
+    path = str(tmp_path / "ck")
+    _save(path, _state(1))
+    ready = str(tmp_path / "ready")
+    code = ("from tests.faults import install; install()\n"
+            "import torch.distributed.checkpoint as dcp\n"
+            "from dcp_datastates import DataStatesWriter\n"
+            "from tests.test_claims import _state\n"
+            f"dcp.save(_state(2), storage_writer=DataStatesWriter({path!r}, overwrite=True), no_dist=True)\n")
+    env = dict(ENV, DCP_DATASTATES_FAULT="write", DCP_DATASTATES_FAULT_READY=ready)
+    p = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        _wait_file(ready, p)
+        rec = ClaimRecord.from_bytes(open(os.path.join(path, CLAIM_NAME), "rb").read())
+        assert rec is not None and rec.host == socket.gethostname() and rec.pid < 10  # its own namespace
+        theirs = sorted(n for n in os.listdir(path) if rec.save_id in n)
+        assert theirs, "the paused save wrote a data file"
+        with pytest.raises(BaseException, match="another save is writing"):
+            _save(path, _state(3), overwrite=True)
+        assert sorted(n for n in os.listdir(path) if rec.save_id in n) == theirs  # nothing of it removed
+        _loads(path, 1)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    _save(path, _state(3), overwrite=True)  # its process is gone: the kernel freed the claim
+    _loads(path, 3)
+    assert not any(rec.save_id in n for n in os.listdir(path))
+
+
+# ------------------------------------------ case 3: contenders for one stale claim
+def _stale_claim(path: str) -> None:
+    os.makedirs(path)
+    rec = ClaimRecord("0123456789ab", socket.gethostname(), _dead_pid(), 0, time.time(), claim_mod._NAMESPACE)
+    with open(os.path.join(path, CLAIM_NAME), "wb") as f:
+        f.write(rec.to_bytes())
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_one_stale_claim_gets_exactly_one_new_owner(tmp_path, trial):
+    """Six processes find one stale claim at once, each pausing 50 ms after reading a claim
+    file.  Before, each renamed ``.claim`` aside after reading the stale record, by then often
+    another contender's fresh claim: two owners every time with the pause."""
+    path, ready = str(tmp_path / "ck"), str(tmp_path / "tried")
+    _stale_claim(path)
+    os.makedirs(ready)
+    start_at = time.time() + 12  # every contender has imported torch by then
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.claim_child", "contend", path, ready,
+                               str(start_at), "6"], env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(6)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    results = sorted(open(os.path.join(ready, n)).read() for n in os.listdir(ready))
+    assert results == ["busy"] * 5 + ["owner"], results
+    assert not os.path.exists(os.path.join(path, CLAIM_NAME))  # the owner let it go
+
+
+# ----------------------------------------------------------------- the fence
+def test_a_save_that_lost_its_claim_commits_nothing_and_removes_nothing(tmp_path, monkeypatch):
+    """An operator removes the claim of a running save and another save claims the directory:
+    the first save must neither commit its manifest nor tidy the files it would replace."""
+    path = str(tmp_path / "ck")
+    _save(path, _state(1))
+    before = sorted(os.listdir(path))
+    tier = StorageTier(path)
+    others = []
+    orig = LocalBackend.open_sink
+
+    @functools.wraps(orig)
+    def open_sink(self, p, name, **kw):  # the save is writing its data when it loses the claim
+        if not others:
+            os.unlink(os.path.join(os.path.dirname(p), CLAIM_NAME))
+            others.append(acquire(tier, CLAIM_NAME, "fedcba987654"))
+        return orig(self, p, name, **kw)
+    monkeypatch.setattr(LocalBackend, "open_sink", open_sink)
+    with pytest.raises(BaseException, match="no longer holds this directory's claim") as e:
+        _save(path, _state(2), overwrite=True)
+    assert "ClaimLostError" in repr(e.value) or isinstance(e.value, ClaimLostError)
+    others[0].release()
+    after = sorted(os.listdir(path))
+    assert set(before) <= set(after), "a file of the committed checkpoint was removed"
+    _loads(path, 1)
+
+
+def test_a_retained_step_is_never_tidied_by_a_save_that_lost_its_claim(tmp_path, monkeypatch):
+    """The fence before removals: the tidy after a commit checks the claim again."""
+    from dcp_datastates.tiers.tidy import Tidy
+    calls = []
+    orig = Tidy.run
+
+    def run(self, protect_own):
+        calls.append(1)
+        os.unlink(self.tier.path(CLAIM_NAME))  # lost between the commit and the tidy
+        return orig(self, protect_own)
+    monkeypatch.setattr(Tidy, "run", run)
+    path = str(tmp_path / "ck")
+    _save(path, _state(1))
+    names = sorted(os.listdir(path))
+    _save(path, _state(2), overwrite=True)  # commits; its tidy is refused (logged)
+    assert calls and set(names) - {".metadata"} <= set(os.listdir(path))
+    _loads(path, 2)
+
+
+# ------------------------------------------ leases, where the filesystem keeps no locks
+@pytest.fixture
+def no_locks(monkeypatch):
+    def refuse(self, path):
+        raise LockUnsupported("this test's filesystem keeps no locks")
+    monkeypatch.setattr(LocalBackend, "try_lock", refuse)
+    monkeypatch.setattr(LocalBackend, "lock_held", refuse)
+
+
+def test_a_lease_is_renewed_while_its_save_runs_and_lapses_after(tmp_path, no_locks):
+    tier = StorageTier(str(tmp_path / "ck"))
+    c = acquire(tier, CLAIM_NAME, "0123456789ab", lease_s=0.5)
+    assert c.lock is None
+    first = ClaimRecord.from_bytes(open(tier.path(CLAIM_NAME), "rb").read())
+    time.sleep(1.0)
+    again = ClaimRecord.from_bytes(open(tier.path(CLAIM_NAME), "rb").read())
+    assert first is not None and again is not None and again.created_unix > first.created_unix
+    c.fence()
+    c.release()
+    # a lease of another kernel or namespace, not renewed: stale after lease_s, not before
+    rec = ClaimRecord("0123456789ab", "elsewhere", 1, 0, time.time(), "another-kernel/1")
+    open(tier.path(CLAIM_NAME), "wb").write(rec.to_bytes())
+    with pytest.raises(CheckpointBusyError, match="another save is writing"):
+        acquire(tier, CLAIM_NAME, "ba9876543210", lease_s=60)
+    old = ClaimRecord("0123456789ab", "elsewhere", 1, 0, time.time() - 120, "another-kernel/1")
+    open(tier.path(CLAIM_NAME), "wb").write(old.to_bytes())
+    c = acquire(tier, CLAIM_NAME, "ba9876543210", lease_s=60)
+    assert c.took_over == ["0123456789ab"]
+    c.release()
+
+
+def test_a_lease_of_a_dead_process_in_this_namespace_is_stale_at_once(tmp_path, no_locks):
+    tier = StorageTier(str(tmp_path / "ck"))
+    tier.makedirs()
+    rec = ClaimRecord("0123456789ab", socket.gethostname(), _dead_pid(), 0, time.time(), claim_mod._NAMESPACE)
+    open(tier.path(CLAIM_NAME), "wb").write(rec.to_bytes())
+    c = acquire(tier, CLAIM_NAME, "ba9876543210")
+    assert c.took_over == ["0123456789ab"]
+    c.release()
+
+
+def test_object_store_claims_are_created_conditionally(s3):
+    bucket = s3.make_bucket("claims")
+    tier = StorageTier(f"s3://{bucket}/ck", s3.options())
+    tier.makedirs()
+    assert tier.backend.create_exclusive(tier.path(CLAIM_NAME), b"one")
+    assert not tier.backend.create_exclusive(tier.path(CLAIM_NAME), b"two")
+    assert tier.read_bytes(CLAIM_NAME) == b"one"
+    tier.remove(CLAIM_NAME)
+    c = acquire(tier, CLAIM_NAME, "0123456789ab")
+    assert c.lock is None
+    with pytest.raises(CheckpointBusyError):
+        acquire(StorageTier(f"s3://{bucket}/ck", s3.options()), CLAIM_NAME, "ba9876543210", wait_own_s=0.1)
+    c.fence()
+    c.release()
+    assert not tier.exists(CLAIM_NAME)
