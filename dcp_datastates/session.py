@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -218,6 +219,47 @@ def _before_step(optimizer, args, kwargs) -> None:
     return None
 
 
+class SaveThreads:
+    """Ends the async saves whose DCP thread ended before their snapshot.
+
+    DCP runs each THREAD-mode async save in a thread of an executor of its own, which ends with
+    the save.  When that thread ends before this rank's snapshot, the save failed somewhere this
+    rank's writer never heard of: in the coordinator's planning, on another rank, in DCP
+    itself.  Then the session is marked failed, which lets every optimizer step barrier go, and
+    the save's slot is given back, so the next save through the writer starts at once.  One
+    waiter thread per DCP thread, joining it: no polling.  (A DCP that kept one thread for
+    every save would only have its last save ended here; the barrier's timeout ends the rest.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: dict[threading.Thread, tuple[SaveSession, Callable[[SaveSession], None]]] = {}
+
+    def watch(self, session: SaveSession, end: Callable[[SaveSession], None]) -> None:
+        """The current thread runs ``session``'s save; ``end(session)`` once it is over."""
+        thread = threading.current_thread()
+        if thread is threading.main_thread():
+            return
+        with self._lock:
+            first = thread not in self._watched
+            self._watched[thread] = (session, end)
+        if first:
+            threading.Thread(target=self._wait, args=(thread,), name="dcp-datastates-save-end",
+                             daemon=True).start()
+
+    def _wait(self, thread: threading.Thread) -> None:
+        thread.join()
+        with self._lock:
+            session, end = self._watched.pop(thread)
+        if not (session.snapshotted or session.failed):
+            log.info("an async save ended before this rank's snapshot (it failed in DCP's planning "
+                     "or on another rank); releasing the optimizer step barrier")
+            session.mark_failed(CheckpointError("the save failed before this rank's snapshot "
+                                                "(in DCP's planning or on another rank)"))
+        end(session)
+
+
+SAVE_THREADS = SaveThreads()  # the process's (see SaveThreads)
+
 SLOT_WAIT_S = 600.0  # how long a save waits for the previous save through the same writer
 
 
@@ -332,6 +374,9 @@ class WriterSessions:
                 "the writer was staged for THREAD mode, so wait_snapshot() could not see it finish; "
                 "pass DataStatesWriter(async_mode='process') or save with "
                 "dcp_datastates.async_save(...), which tells the writer", checkpoint=path)
+        s = self.current
+        if self._staged and s is not None and s.lazy and not s.cross_process:
+            SAVE_THREADS.watch(s, self.end)
         self._staged = False
 
     def session(self) -> SaveSession:
