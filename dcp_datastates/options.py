@@ -57,6 +57,10 @@ class WriterOptions:
     """How long optimizers' ``step()`` waits for an async save's snapshot (0: not at all)."""
     eager_copy_bytes: int = 64 << 20
     """An async save copies tensors of at most 64 KiB at the call, up to this many bytes."""
+    snapshot: str = "lazy"
+    """``"lazy"``: copied while training runs (in-place changes through autograd-visible
+    tensors fail the save); ``"at_call"``: copied before ``async_save`` returns, into as much as
+    the first cache level's size allows (see docs/configuration.md)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "persist_to", url_tuple(self.persist_to))
@@ -72,6 +76,8 @@ class WriterOptions:
         if self.host_cache_bytes is not None and self.host_cache_bytes < BLOCK_SIZE:
             raise ValueError(f"host_cache_bytes must be at least {BLOCK_SIZE} (one checksum block), "
                              f"got {self.host_cache_bytes}")
+        if self.snapshot not in ("lazy", "at_call"):
+            raise ValueError(f"snapshot must be 'lazy' or 'at_call', got {self.snapshot!r}")
         if self.async_mode not in (None, "thread", "process"):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {self.async_mode!r}")
         if self.dedup_unit_bytes <= 0 or self.dedup_unit_bytes % BLOCK_SIZE:

@@ -322,6 +322,9 @@ class WriterSessions:
             session = SaveSession(lazy=True, cross_process=True)
             if opts.step_barrier_s > 0:
                 hold_step(session, opts.step_barrier_s)
+            if opts.snapshot == "at_call":  # copied here; the daemon reads the copies
+                state_dict = copy_small(state_dict, opts.eager_copy_bytes,
+                                        {"cpu": opts.host_cache_bytes or 0, "cuda": opts.device_cache_bytes}).state_dict
             # The daemon reads CPU tensors through shared memory: move them there now, in the
             # caller thread, so the pickler never copies live memory in the background.
             for t in iter_tensors(state_dict):
@@ -335,7 +338,13 @@ class WriterSessions:
             try:
                 if opts.step_barrier_s > 0:
                     hold_step(session, opts.step_barrier_s)
-                small = copy_small(state_dict, opts.eager_copy_bytes)
+                whole = {"cpu": opts.host_cache_bytes or 0, "cuda": opts.device_cache_bytes} \
+                    if opts.snapshot == "at_call" else None
+                small = copy_small(state_dict, opts.eager_copy_bytes, whole)
+                if whole is not None and small.left:
+                    log.warning("snapshot='at_call': %d tensors (%.1f MiB) did not fit the first cache "
+                                "level and are copied lazily", len(small.left),
+                                sum(t.nbytes for t in small.left) / 2**20)
                 # copies follow the kernels queued so far (the small copies' too); a tensor left
                 # live that changes in place before its bytes are copied fails the save
                 # (engine/snapshot.py), never a torn checkpoint

@@ -71,6 +71,10 @@ class DataStatesWriter(StorageWriter):
         step_barrier_s: optimizers' ``step()`` waits up to this for an async save's snapshot (0: off).
         eager_copy_bytes: an async save copies tensors of at most 64 KiB when it is called, up to
             this many bytes in all (0: none); the rest are copied lazily.
+        snapshot: ``"lazy"`` (the default) copies the state while training runs; ``"at_call"``
+            copies it before ``async_save`` returns, as far as the first cache level's size
+            allows (``host_cache_bytes`` for CPU tensors, ``device_cache_bytes`` for GPU ones),
+            so no in-place change, however made, can reach the checkpoint.
     """
 
     _synchronize_after_execute: bool = False
@@ -83,7 +87,7 @@ class DataStatesWriter(StorageWriter):
                  persist_options: dict | None = None, o_direct: bool = True,
                  incremental_base: str | None = None, dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT,
                  step_barrier_s: float = 600.0, device_cache_bytes: int = 0,
-                 eager_copy_bytes: int = 64 << 20) -> None:
+                 eager_copy_bytes: int = 64 << 20, snapshot: str = "lazy") -> None:
         super().__init__()
         opts = WriterOptions(
             overwrite=overwrite, thread_count=thread_count, host_cache_bytes=host_cache_bytes,
@@ -92,7 +96,7 @@ class DataStatesWriter(StorageWriter):
             persist_to=url_tuple(persist_to),
             persist=persist, persist_options=persist_options, o_direct=o_direct,
             incremental_base=incremental_base, dedup_unit_bytes=dedup_unit_bytes,
-            step_barrier_s=step_barrier_s, eager_copy_bytes=eager_copy_bytes)
+            step_barrier_s=step_barrier_s, eager_copy_bytes=eager_copy_bytes, snapshot=snapshot)
         cache_bytes = host_cache_bytes or default_host_cache_bytes()
         self.options = dataclasses.replace(opts, host_cache_bytes=cache_bytes)
         prepare_host_cache(cache_bytes)  # in the background: ready for the first save

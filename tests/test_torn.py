@@ -182,3 +182,104 @@ def test_small_copies_keep_the_structure_within_their_budget():
 
 class _StateDict(dict):
     """A dict subclass, which ``copy_small`` does not rebuild."""
+
+
+# ------------------------------ issue 35, case 4: every way a script changes a tensor
+def _mutate(kind: str, t: torch.Tensor) -> None:
+    """Change ``t`` in place the way a training script might."""
+    if kind == "autograd":
+        with torch.no_grad():
+            t.add_(1)
+    elif kind == "data":  # hand-written SGD and EMA code; .data has a version counter of its own
+        t.data.add_(1)
+    elif kind == "set_":
+        with torch.no_grad():
+            t.set_(t.detach() + 1)
+    elif kind == "numpy":
+        t.detach().numpy()[...] += 1
+    elif kind == "dlpack":
+        torch.from_dlpack(t.detach().__dlpack__()).add_(1)
+    else:
+        raise ValueError(kind)
+
+
+PATHS = ["autograd", "data", "set_", "numpy", "dlpack"]
+
+
+def _twelve():
+    g = torch.Generator().manual_seed(7)
+    return {f"t{i}": torch.nn.Parameter(torch.randn(1 << 20, generator=g)) for i in range(12)}  # 4 MiB each
+
+
+@pytest.mark.parametrize("kind", PATHS)
+def test_at_call_snapshot_commits_the_state_at_the_call_whatever_changes_it(tmp_path, kind):
+    """With ``snapshot="at_call"`` and a host cache that holds the state, no change after
+    ``async_save`` returns, through any path, reaches the checkpoint."""
+    sd = _twelve()
+    before = {k: v.detach().clone() for k, v in sd.items()}
+    path = str(tmp_path / "ck")
+    writer = DataStatesWriter(path, host_cache_bytes=64 << 20, snapshot="at_call")
+    fut = dcp.async_save(sd, storage_writer=writer)
+    _mutate(kind, sd["t11"])
+    fut.result(timeout=120)
+    assert not torch.equal(sd["t11"].detach(), before["t11"])  # it did change
+    _loads_exactly(path, before)
+
+
+@pytest.mark.parametrize("kind", ["autograd"])
+def test_lazy_snapshot_detects_changes_that_bump_the_version_counter(tmp_path, kind):
+    """The default lazy snapshot: a change that bumps the tensor's version counter before its
+    bytes are copied fails the save, uncommitted (a 1 MiB host cache copies the last tensor
+    long after the change)."""
+    sd = _twelve()
+    path = str(tmp_path / "ck")
+    fut = dcp.async_save(sd, storage_writer=DataStatesWriter(path, host_cache_bytes=1 << 20))
+    _mutate(kind, sd["t11"])
+    with pytest.raises(BaseException) as ei:
+        fut.result(timeout=120)
+    assert "changed in place" in str(_unwrap(ei.value)) + str(ei.value)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+
+
+@pytest.mark.parametrize("kind", ["data", "set_", "numpy", "dlpack"])
+def test_lazy_snapshot_does_not_see_changes_that_bypass_the_version_counter(tmp_path, kind):
+    """What docs/configuration.md says the lazy snapshot cannot see: a change through
+    ``.data``, ``set_`` (new storage, read when the copy comes), ``numpy()`` or DLPack before
+    the tensor's bytes are copied commits the changed value.  (The fences: ``snapshot="at_call"``, ``wait_snapshot()``, ``SnapshotGuard``.)"""
+    sd = _twelve()
+    before = {k: v.detach().clone() for k, v in sd.items()}
+    path = str(tmp_path / "ck")
+    fut = dcp.async_save(sd, storage_writer=DataStatesWriter(path, host_cache_bytes=1 << 20))
+    _mutate(kind, sd["t11"])
+    fut.result(timeout=120)
+    out = {k: torch.zeros_like(v) for k, v in before.items()}
+    dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
+    assert torch.equal(out["t11"], before["t11"] + 1)  # the documented hole, as documented
+
+
+def test_at_call_snapshot_copies_what_fits_and_leaves_the_rest_lazy(tmp_path, caplog):
+    import logging
+    caplog.set_level(logging.WARNING, logger="dcp_datastates")
+    sd = _twelve()
+    before = {k: v.detach().clone() for k, v in sd.items()}
+    path = str(tmp_path / "ck")
+    fut = dcp.async_save(sd, storage_writer=DataStatesWriter(path, host_cache_bytes=24 << 20, snapshot="at_call"))
+    fut.result(timeout=120)
+    assert any("did not fit the first cache level" in r.message for r in caplog.records)
+    _loads_exactly(path, before)
+
+
+def test_at_call_snapshot_in_process_mode(tmp_path):
+    from tests.dist import run_ranks
+    run_ranks(1, _process_at_call, str(tmp_path / "ck"))
+
+
+def _process_at_call(rank, world, path):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    sd = _twelve()
+    before = {k: v.detach().clone() for k, v in sd.items()}
+    fut = async_save(sd, storage_writer=DataStatesWriter(path, host_cache_bytes=64 << 20, snapshot="at_call"),
+                     async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    _mutate("data", sd["t11"])
+    fut.result(timeout=120)
+    _loads_exactly(path, before)

@@ -92,14 +92,16 @@ class SmallCopies:
     live: bool = False
 
 
-def copy_small(state_dict, budget: int) -> SmallCopies:
+def copy_small(state_dict, budget: int, whole: dict[str, int] | None = None) -> SmallCopies:
     """The state dict, its dicts, lists and tuples rebuilt with each tensor (a DTensor: its
     local shard) of at most ``EAGER_TENSOR_BYTES`` replaced by a copy made now, on the
-    caller's stream, while ``budget`` bytes last.  Everything else stays as it is: copied
-    lazily, under the version check.  A tensor that appears twice is copied once."""
-    if budget <= 0:
+    caller's stream, while ``budget`` bytes last.  With ``whole`` (``{device type: bytes}``,
+    a snapshot at the call), tensors of any size are copied too, while that device type's
+    bytes last.  Everything else stays as it is: copied lazily, under the version check.  A
+    tensor that appears twice is copied once."""
+    if budget <= 0 and not whole:
         return SmallCopies(state_dict, left=list(iter_tensors(state_dict)), live=True)
-    walk = _SmallCopier(state_dict, budget)
+    walk = _SmallCopier(state_dict, budget, dict(whole or {}))
     walk.out.state_dict = walk(state_dict)
     return walk.out
 
@@ -108,15 +110,18 @@ class _SmallCopier:
     """``copy_small``'s walk.  (A class, not a closure that calls itself: such a closure is a
     reference cycle, which would keep the state's tensors alive until a full collection.)"""
 
-    def __init__(self, state_dict, budget: int) -> None:
-        self.out, self.budget = SmallCopies(state_dict), budget
+    def __init__(self, state_dict, budget: int, whole: dict[str, int]) -> None:
+        self.out, self.budget, self.whole = SmallCopies(state_dict), budget, whole
         self.memo: dict[int, object] = {}
 
     def copied(self, t: torch.Tensor) -> torch.Tensor | None:
-        out, n = self.out, t.nbytes
-        if n > EAGER_TENSOR_BYTES or out.nbytes + n > self.budget or t.layout != torch.strided:
+        out, n, kind = self.out, t.nbytes, t.device.type
+        small = n <= EAGER_TENSOR_BYTES and out.nbytes + n <= self.budget
+        if t.layout != torch.strided or not (small or n <= self.whole.get(kind, 0)):
             out.left.append(t)
             return None
+        if not small:
+            self.whole[kind] -= n
         out.nbytes += n
         c = t.detach().clone()
         out.copies.append(c)
