@@ -128,9 +128,10 @@ class RankSave:
         return not self._wrote and time.monotonic() - self._planned_at < PLANNED_GRACE_S
 
     def release(self, url: str | None = None) -> None:
-        """Let this save's claim on ``url`` (default: every tier) go."""
+        """This save failed on ``url`` (default: every tier): let its claims go, keeping their
+        records for the next save there to take over (see ``SaveClaims.abandon``)."""
         if self.claims is not None:
-            self.claims.release(url)
+            self.claims.abandon(url)
 
     def fence(self, url: str) -> None:
         """The last check before a manifest is committed on ``url``: this save still holds
@@ -159,7 +160,8 @@ class RankSave:
             fut.add_done_callback(lambda f: self._end(session))
         self.persistence = Persistence(self.tier, self.persist_tiers(), self.save_id, self.rank,
                                        on_done=session.mark_persisted, after_commit=self.after_commit,
-                                       on_tier_failed=self.release, fence=self.fence)
+                                       on_tier_failed=self.release, fence=self.fence,
+                                       unclaimed=self.claims.unclaimed if self.claims is not None else None)
         persistence = self.persistence
         if not copy_items:
             session.mark_snapshot()

@@ -110,6 +110,12 @@ class Backend(ABC):
     def remove_dir(self, root: str) -> None:
         """Remove an empty directory (``OSError`` where it is not empty)."""
 
+    def copy_local(self, src_path: str, path: str, tmp_name: str, size: int, *, pace, piece: int) -> None:
+        """Copy ``size`` bytes of the local file ``src_path`` to ``path`` through the temporary
+        ``tmp_name`` beside it, inside the kernel; ``pace()`` before each ``piece``.  ``OSError``
+        where this filesystem cannot (the caller then streams the bytes)."""
+        raise OSError(f"{type(self).__name__} copies no local files")
+
     def try_lock(self, path: str) -> HeldLock | None:
         """Open ``path`` (created where missing) and take the kernel's exclusive lock on it
         without waiting; ``None`` where another open file holds it.  ``LockUnsupported``

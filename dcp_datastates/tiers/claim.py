@@ -52,6 +52,7 @@ DEFAULT_LEASE_S = float(os.environ.get("DCP_DATASTATES_CLAIM_LEASE_S", 600))
 _MAX_CLAIM_BYTES = 4096
 _UNREADABLE_GRACE_S = 30.0  # a lease claim still being written by its creator
 _PROBE_RETRIES = 5  # a lock held for a moment by another process's liveness probe
+_MAX_INHERITED = 64  # attempts a claim carries over (each one a save that died or failed here)
 
 
 def _namespace() -> str:
@@ -76,22 +77,30 @@ class ClaimRecord:
     started: int  # the process's start time (/proc), 0 where unknown
     created_unix: float  # when written or last renewed
     namespace: str = ""  # see _namespace; "" where unknown
+    inherits: tuple[str, ...] = ()  # the attempts this save took over, whose files it removes
 
     def to_bytes(self) -> bytes:
-        return pack_plain(dataclasses.asdict(self))
+        d = dataclasses.asdict(self)
+        d["inherits"] = list(self.inherits)
+        return pack_plain(d)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "ClaimRecord | None":
         try:
-            d = msgpack.unpackb(data, raw=False, max_map_len=16, max_str_len=256, max_array_len=0)
+            d = msgpack.unpackb(data, raw=False, max_map_len=16, max_str_len=256, max_array_len=_MAX_INHERITED)
             return cls(str(d["save_id"]), str(d["host"]), int(d["pid"]), int(d["started"]),
-                       float(d["created_unix"]), str(d.get("namespace", "")))
+                       float(d["created_unix"]), str(d.get("namespace", "")),
+                       tuple(str(s) for s in d.get("inherits", ())))
         except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as e:
             log.debug("unreadable claim record (%s)", e)
             return None
 
     def who(self) -> str:
         return f"save {self.save_id}, host {self.host}, pid {self.pid}"
+
+    def attempts(self) -> list[str]:
+        """The save ids whose files belong to whoever takes this claim over."""
+        return [self.save_id, *self.inherits]
 
 
 def _proc_stat(pid: int) -> list[bytes]:
@@ -222,6 +231,19 @@ class Claim:
                 "or taken over after its lease lapsed); it commits nothing and removes nothing",
                 checkpoint=self.tier.url, file=self.name)
 
+    def carry(self, save_ids: list[str]) -> None:
+        """Add to the record the saves this one will supersede once it commits: should it die
+        between its commit and its tidy-up, whoever takes the claim over removes their files."""
+        new = [s for s in save_ids if s != self.record.save_id and s not in self.record.inherits]
+        if not new:
+            return
+        self.record = dataclasses.replace(self.record, inherits=(*self.record.inherits, *new)[-_MAX_INHERITED:])
+        if self.lock is not None:
+            self.lock.write(self.record.to_bytes())
+        else:
+            self.tier.backend.commit(self.tier.root, self.tier.path(self.name), f"{self.name}{TEMP_INFIX}carry",
+                                     self.record.to_bytes(), sync=True)
+
     def renew(self) -> None:
         """Lease claims: write the record again with the current time, while it is ours."""
         if self.released or self.lock is not None:
@@ -236,15 +258,17 @@ class Claim:
     def _fresh_record(self) -> bytes:
         return dataclasses.replace(self.record, created_unix=time.time()).to_bytes()
 
-    def release(self) -> None:
-        """Remove the claim if it is still ours and let it go (idempotent)."""
+    def release(self, *, keep_record: bool = False) -> None:
+        """Let the claim go (idempotent), removing its file if it is still ours.  A save that
+        failed keeps the record (``keep_record``): the next save here takes it over and removes
+        this attempt's files, found by its save id, whatever this one could not."""
         if self.released:
             return
         self.released = True
         try:
             if self.lock is not None:
-                self.lock.unlock(unlink=True)
-            else:
+                self.lock.unlock(unlink=not keep_record)
+            elif not keep_record:
                 cur = _read(self.tier, self.name)
                 if cur is not None and cur.save_id == self.record.save_id:
                     self.tier.remove(self.name)
@@ -267,9 +291,12 @@ def _lease_stale(tier: StorageTier, name: str, rec: ClaimRecord | None, lease_s:
         except FileNotFoundError:
             return "gone"
         return "unreadable" if age > _UNREADABLE_GRACE_S else None
-    if rec.namespace and rec.namespace == _NAMESPACE and rec.pid != os.getpid() \
-            and not _alive(rec.pid, rec.started):
-        return f"its process {rec.pid} is gone"
+    if rec.namespace and rec.namespace == _NAMESPACE:
+        if rec.pid == os.getpid() and rec.started in (0, _process_start(rec.pid)):
+            if _holder(rec.save_id) is None:
+                return "left by an earlier save of this process that no longer runs"
+        elif not _alive(rec.pid, rec.started):
+            return f"its process {rec.pid} is gone"
     if time.time() - rec.created_unix > lease_s:
         return f"not renewed for {lease_s:.0f} s (from host {rec.host})"
     return None
@@ -307,7 +334,7 @@ class _Acquire:
                      "longer runs", self.tier.url, cur.save_id)
             for c in list(h.claims):
                 if c.name == self.name and c.tier.url == self.tier.url:
-                    c.release()
+                    c.release(keep_record=True)
         return True
 
     def busy(self, cur: ClaimRecord | None) -> CheckpointBusyError:
@@ -340,16 +367,26 @@ class _Acquire:
                 old = ClaimRecord.from_bytes(lock.read()) if lock.size() else None
                 if old is not None and old.save_id != self.rec.save_id and _holder(old.save_id) is not None:
                     raise self.busy(old)  # a lock this process holds that the kernel did not see
+                if old is not None and old.save_id != self.rec.save_id:
+                    self.inherit(old)
                 lock.write(self.rec.to_bytes())
             except BaseException:
                 lock.unlock(unlink=False)
                 raise
             if old is not None and old.save_id != self.rec.save_id:
                 log.info("took over the stale claim of %s (%s: its lock was free)", self.tier.url, old.who())
-                self.took_over.append(old.save_id)
             return Claim(self.tier, self.name, self.rec, self.took_over, lock)
         raise CheckpointBusyError("could not claim the directory (contended)",
                                   checkpoint=self.tier.url, file=self.name)
+
+    def inherit(self, old: ClaimRecord) -> None:
+        """Take over ``old``'s attempts: their files are this save's to remove once it commits,
+        and, should it fail too, the next one's (the record carries them)."""
+        for sid in old.attempts():
+            if sid != self.rec.save_id and sid not in self.took_over:
+                self.took_over.append(sid)
+        del self.took_over[:-_MAX_INHERITED]
+        self.rec = dataclasses.replace(self.rec, inherits=tuple(self.took_over))
 
     def current(self) -> ClaimRecord | None:
         try:
@@ -382,7 +419,7 @@ class _Acquire:
             self.tier.remove(self.name)
             log.info("took over the stale claim of %s (%s)", self.tier.url, why)
             if cur is not None:
-                self.took_over.append(cur.save_id)
+                self.inherit(cur)
         raise CheckpointBusyError("could not claim the directory (contended)",
                                   checkpoint=self.tier.url, file=self.name)
 

@@ -18,7 +18,7 @@ from ..format.model import Manifest
 from ..format.names import CLAIM_NAME, rank_claim_name
 from .claim import Claim, acquire
 from .storage import StorageTier
-from .tidy import Tidy, rank_superseded, superseded_here
+from .tidy import Tidy, other_kind_superseded, rank_superseded, superseded_here
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class SaveClaims:
         self.busy = busy
         self._claims: dict[str, Claim] = {}
         self._tidies: dict[str, Tidy] = {}
+        self.unclaimed: dict[str, Exception] = {}  # slower tiers it could not claim: not flushed to
 
     def acquire(self, tiers: list[StorageTier]) -> None:
         """Claim each tier's directory; the first tier must succeed.  A slower tier that cannot
@@ -46,13 +47,15 @@ class SaveClaims:
                 except Exception as e:  # fsspec backends raise their own types
                     if i == 0:
                         raise
-                    log.warning("could not claim %s (%s); its flush will report the failure", t.url, e)
+                    log.warning("could not claim %s (%s); this save is not flushed there", t.url, e)
+                    self.unclaimed[t.url] = e
                     continue
                 self._claims[t.url] = c
-                self._tidies[t.url] = Tidy(t, self.save_id, superseded_here(t, rank=self.rank),
-                                           list(c.took_over), self.rank, fence=c.fence)
+                old = superseded_here(t, rank=self.rank)
+                c.carry([m.save_id for m in old])
+                self._tidies[t.url] = Tidy(t, self.save_id, old, list(c.took_over), self.rank, fence=c.fence)
         except BaseException:
-            self.release()
+            self.abandon()
             raise
 
     def after_commit(self, tier: StorageTier, manifest: Manifest) -> None:
@@ -62,17 +65,24 @@ class SaveClaims:
             if tidy is None:
                 return
             if self.rank is None:
-                tidy.run({f for f in manifest.files if f not in manifest.homes})
+                names, old, protect = [], [], {f for f in manifest.files if f not in manifest.homes}
             else:
                 names, old, protect = rank_superseded(tier, self.rank, self.save_id)
-                tidy.fence()
-                for n in names:  # uncommit first: a crash from here on leaves only leftovers
-                    tier.remove(n)
+            kind_names, kind_old = other_kind_superseded(tier, manifest, rank=self.rank)
+            tidy.fence()
+            claim = self._claims.get(tier.url)
+            if claim is not None and kind_old:  # should this save die now, the next one removes them
+                claim.carry([m.save_id for m in kind_old])
+            for n in names + kind_names:  # uncommit first: a crash from here on leaves only leftovers
+                tier.remove(n)
+            if self.rank is not None:
                 tidy.superseded = old
-                tidy.run(protect)
+            tidy.superseded += kind_old
+            tidy.run(protect)
         except (OSError, CheckpointError) as e:
-            log.warning("%s committed, but tidying superseded files failed (%s); they stay "
-                        "until the next save here", tier.url, e)
+            log.warning("%s committed, but tidying superseded files failed (%s); the claim's record "
+                        "stays, and the next save here removes them", tier.url, e)
+            self.abandon(tier.url)  # the record names what this save superseded: the next one removes it
         finally:
             self.release(tier.url)
 
@@ -86,8 +96,16 @@ class SaveClaims:
 
     def release(self, url: str | None = None) -> None:
         """Let the claim of ``url`` (default: every claim) go."""
+        self._let_go(url, failed=False)
+
+    def abandon(self, url: str | None = None) -> None:
+        """This save failed on ``url`` (default: everywhere): let its claims go but keep their
+        records, so the next save there takes them over and removes this attempt's files."""
+        self._let_go(url, failed=True)
+
+    def _let_go(self, url: str | None, *, failed: bool) -> None:
         for u in list(self._claims) if url is None else [url]:
             self._tidies.pop(u, None)
             c = self._claims.pop(u, None)
             if c is not None:
-                c.release()
+                c.release(keep_record=failed)

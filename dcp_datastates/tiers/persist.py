@@ -33,7 +33,6 @@ from ..format.model import Manifest
 from ..format.names import MANIFEST_NAME, PERSISTED_RECORD, failed_marker, uploaded_marker
 from ..format.values import pack_plain
 from .activity import wait_for_quiet
-from .local import open_regular
 from .storage import StorageTier
 from .tidy import flushing
 
@@ -60,34 +59,14 @@ def with_retries(fn, what: str, *, attempts: int = 4, base_delay: float = 0.2):
             delay *= 4
 
 
-def _copy_local(src: StorageTier, dst: StorageTier, name: str, size: int) -> int:
-    """Kernel-side copy between local files (no user-space buffer; reflink where supported)."""
-    tmp = dst.path(f"{name}.part")
-    fd = open_regular(src.path(name), checkpoint=src.url)
-    with os.fdopen(fd, "rb") as fi, open(tmp, "wb") as fo:
-        left = size
-        while left > 0:
-            wait_for_quiet(YIELD_S)
-            n = os.copy_file_range(fi.fileno(), fo.fileno(), min(left, UPLOAD_PIECE))
-            if n <= 0:
-                raise OSError(f"copy_file_range stopped with {left} bytes of {name} left")
-            left -= n
-        os.fsync(fo.fileno())
-        for f in (fi, fo):  # neither copy needs to stay in the page cache
-            try:
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            except (AttributeError, OSError):
-                pass
-    os.replace(tmp, dst.path(name))
-    return size
-
-
 def copy_file(src: StorageTier, dst: StorageTier, name: str) -> int:
     """Stream one file from ``src`` to ``dst`` in large pieces (multipart on object stores)."""
     size = src.size(name)
     if src.local and dst.local and hasattr(os, "copy_file_range"):
         try:
-            return _copy_local(src, dst, name, size)
+            dst.backend.copy_local(src.path(name), dst.path(name), f"{name}.part", size,
+                                   pace=lambda: wait_for_quiet(YIELD_S), piece=UPLOAD_PIECE)
+            return size
         except OSError as e:  # e.g. EXDEV on old kernels: fall back to the buffered copy
             log.debug("copy_file_range failed (%s); buffered copy", e)
     sink = dst.open_sink(name)
@@ -283,6 +262,12 @@ def then(fut: Future, fn) -> Future:
     return out
 
 
+def _failed(e: Exception) -> Future:
+    f: Future = Future()
+    f.set_exception(e)
+    return f
+
+
 class Persistence:
     """One save's flush to slower tiers, as one rank runs it.
 
@@ -295,10 +280,12 @@ class Persistence:
     that tier's claim)."""
 
     def __init__(self, src: StorageTier, tiers: list[StorageTier], save_id: str, rank: int, *,
-                 on_done, after_commit, on_tier_failed, fence) -> None:
+                 on_done, after_commit, on_tier_failed, fence,
+                 unclaimed: dict[str, Exception] | None = None) -> None:
         self.src, self.tiers, self.save_id, self.rank = src, tiers, save_id, rank
         self.on_done, self.after_commit, self.on_tier_failed = on_done, after_commit, on_tier_failed
         self.fence = fence
+        self.unclaimed = dict(unclaimed or {})  # tiers this save could not claim: failed at once
         self.uploads: list[Future] = []
         self.futures: list[Future] = []
 
@@ -307,7 +294,8 @@ class Persistence:
 
     def start_uploads(self, files: dict[str, int], refs: dict[str, tuple[str, int]], *,
                       waits_for_commit: bool) -> None:
-        self.uploads = [upload_rank(self.src, dst, files, self.rank, self.save_id, refs=refs)
+        self.uploads = [_failed(self.unclaimed[dst.url]) if dst.url in self.unclaimed else
+                        upload_rank(self.src, dst, files, self.rank, self.save_id, refs=refs)
                         for dst in self.tiers]
         self.futures = list(self.uploads)
         for f, t in zip(self.uploads, self.tiers):

@@ -25,7 +25,10 @@ from collections.abc import Callable, Sequence
 from ..errors import CheckpointError, ForeignFormatError
 from ..format.model import Manifest
 from ..format.names import (
+    CLAIM_NAME,
     MANIFEST_NAME,
+    PERSISTED_RECORD,
+    RANK_CLAIM_PREFIX,
     TEMP_INFIX,
     data_file_save_id,
     is_manifest_name,
@@ -33,6 +36,7 @@ from ..format.names import (
     marker_save_id,
     parse_rank_manifest,
 )
+from .claim import holds_live_claim
 from .manifests import load_manifest, rank_saves, read_manifest
 from .storage import StorageTier
 
@@ -114,7 +118,7 @@ class Tidy:
     def _own_temp(self, n: str) -> bool:
         base = n.partition(TEMP_INFIX)[0]
         if self.rank is None:
-            return base == MANIFEST_NAME
+            return base in (MANIFEST_NAME, PERSISTED_RECORD)
         p = parse_rank_manifest(base)
         return p is not None and p[0] == self.rank
 
@@ -135,7 +139,7 @@ class Tidy:
             if sid is not None and (sid in dead or (sid == self.save_id and marker_save_id(base))):
                 if mine in base or marker_save_id(base):
                     doomed.add(n)
-            elif is_temp_manifest(n) and self._own_temp(n):
+            elif (is_temp_manifest(n) or TEMP_INFIX in n) and self._own_temp(n):
                 doomed.add(n)  # under the claim nobody else commits this manifest here
         doomed = (doomed & set(names)) - protect_own
         if not doomed:
@@ -182,6 +186,28 @@ def rank_superseded(tier: StorageTier, rank: int, save_id: str) -> tuple[list[st
             else:
                 protect.update(m.files)
     return names, old, protect
+
+
+def other_kind_superseded(tier: StorageTier, manifest: Manifest, *, rank: int | None) -> tuple[list[str], list[Manifest]]:
+    """The manifests of the other kind that ``manifest``, just committed in ``tier``, supersedes
+    (their names, to uncommit, and the manifests, whose files go): for a collective save, every
+    older rank manifest; for a save with rank manifests once it is complete on every rank, an
+    older ``.metadata``.  None while a save of the other kind holds its claim here."""
+    if rank is None:
+        if any(n.startswith(RANK_CLAIM_PREFIX) and TEMP_INFIX not in n and holds_live_claim(tier, n)
+               for n in tier.listdir()):
+            return [], []
+        names, old = [], []
+        for s, ms in rank_saves(tier):
+            if s.created_unix < manifest.created_unix:
+                names += list(s.names.values())
+                old += list(ms.values())
+        return names, old
+    mine = [s for s, _ in rank_saves(tier) if s.save_id == manifest.save_id]
+    if not mine or not mine[0].complete or not tier.exists(MANIFEST_NAME) or holds_live_claim(tier, CLAIM_NAME):
+        return [], []
+    old_m = read_manifest(tier, MANIFEST_NAME)
+    return ([MANIFEST_NAME], [old_m]) if old_m.created_unix < mine[0].created_unix else ([], [])
 
 
 def superseded_here(tier: StorageTier, *, rank: int | None) -> list[Manifest]:
