@@ -112,7 +112,9 @@ class RankSave:
 
     def claim(self) -> None:
         self._planned_at, self._wrote = time.monotonic(), False
-        self.claims = SaveClaims(self.save_id, rank=None if self.use_collectives else self.rank, busy=self.busy)
+        base = self.opts.incremental_base
+        self.claims = SaveClaims(self.save_id, rank=None if self.use_collectives else self.rank, busy=self.busy,
+                                 base="" if base is None else base.rstrip("/").rpartition("/")[2])
         self.claims.acquire([self.tier, *self.persist_tiers()])
         if not self.opts.overwrite and self.committed_here():
             raise CheckpointExistsError("a committed checkpoint appeared here while this save "

@@ -254,3 +254,43 @@ def test_object_store_claims_are_created_conditionally(s3):
     c.fence()
     c.release()
     assert not tier.exists(CLAIM_NAME)
+
+
+# ---------------------------- retention leaves the base of an incremental save in flight
+def test_retention_keeps_the_base_of_an_incremental_save_in_flight(tmp_path, monkeypatch):
+    """A plain writer's incremental save of step-2 on step-1 is still copying when a retention
+    pass drops step-1: the base is found through step-2's live claim and left whole, and step-2
+    commits and loads exactly.  (Before, only the Checkpointer's own in-flight save was known.)"""
+    from dcp_datastates.tiers.retention import purge_steps
+    run = tmp_path / "run"
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(1 << 20, generator=g) for i in range(16)}  # 64 MiB
+    _save(str(run / "step-1"), sd)
+    sd["t15"] = sd["t15"] + 1  # one tensor changed: the rest is referenced in step-1
+    want = {k: v.clone() for k, v in sd.items()}
+    import threading
+    purged = threading.Event()
+    orig = LocalBackend.commit
+
+    @functools.wraps(orig)
+    def commit(self, root, p, tmp_name, data, *, sync):  # step-2 commits only after the purge
+        if p.endswith(os.path.join("step-2", ".metadata")):
+            assert purged.wait(60)
+        return orig(self, root, p, tmp_name, data, sync=sync)
+    monkeypatch.setattr(LocalBackend, "commit", commit)
+    w = DataStatesWriter(str(run / "step-2"), incremental_base="step-1", host_cache_bytes=1 << 20)
+    fut = dcp.async_save(sd, storage_writer=w, no_dist=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(run / "step-2" / CLAIM_NAME):
+        assert time.monotonic() < deadline and not fut.done()
+        time.sleep(0.002)
+    assert purge_steps(StorageTier(str(run)), ["step-1"]) == []
+    purged.set()
+    fut.result(timeout=120)
+    assert os.path.exists(run / "step-1" / ".metadata")
+    out = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(out, storage_reader=DataStatesReader(str(run / "step-2")), no_dist=True)
+    assert all(torch.equal(out[k], want[k]) for k in want)
+    assert purge_steps(StorageTier(str(run)), ["step-1"]) == []  # step-2 still uses its bytes
+    dcp.load(out, storage_reader=DataStatesReader(str(run / "step-2")), no_dist=True)
+    assert all(torch.equal(out[k], want[k]) for k in want)

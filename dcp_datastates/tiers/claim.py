@@ -78,6 +78,7 @@ class ClaimRecord:
     created_unix: float  # when written or last renewed
     namespace: str = ""  # see _namespace; "" where unknown
     inherits: tuple[str, ...] = ()  # the attempts this save took over, whose files it removes
+    base: str = ""  # the sibling step an incremental save references (retention keeps it)
 
     def to_bytes(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -90,7 +91,7 @@ class ClaimRecord:
             d = msgpack.unpackb(data, raw=False, max_map_len=16, max_str_len=256, max_array_len=_MAX_INHERITED)
             return cls(str(d["save_id"]), str(d["host"]), int(d["pid"]), int(d["started"]),
                        float(d["created_unix"]), str(d.get("namespace", "")),
-                       tuple(str(s) for s in d.get("inherits", ())))
+                       tuple(str(s) for s in d.get("inherits", ())), str(d.get("base", "")))
         except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as e:
             log.debug("unreadable claim record (%s)", e)
             return None
@@ -134,9 +135,10 @@ def _alive(pid: int, started: int) -> bool:
     return not started or _process_start(pid) in (0, started)
 
 
-def _this_record(save_id: str) -> ClaimRecord:
+def _this_record(save_id: str, base: str = "") -> ClaimRecord:
     pid = os.getpid()
-    return ClaimRecord(save_id, socket.gethostname(), pid, _process_start(pid), time.time(), _NAMESPACE)
+    return ClaimRecord(save_id, socket.gethostname(), pid, _process_start(pid), time.time(), _NAMESPACE,
+                       base=base)
 
 
 # ------------------------------------------------------- the claims this process holds
@@ -310,9 +312,9 @@ class _Acquire:
     """One attempt to claim ``tier`` as ``name`` for ``save_id`` (see :func:`acquire`)."""
 
     def __init__(self, tier: StorageTier, name: str, save_id: str, lease_s: float,
-                 wait_own_s: float) -> None:
+                 wait_own_s: float, base: str = "") -> None:
         self.tier, self.name, self.path = tier, name, tier.path(name)
-        self.rec = _this_record(save_id)
+        self.rec = _this_record(save_id, base)
         self.lease_s, self.wait_own_s = lease_s, wait_own_s
         self.took_over: list[str] = []
 
@@ -425,15 +427,16 @@ class _Acquire:
 
 
 def acquire(tier: StorageTier, name: str, save_id: str, *, lease_s: float = DEFAULT_LEASE_S,
-            wait_own_s: float = 600.0, busy: Callable[[], bool] = _always) -> Claim:
+            wait_own_s: float = 600.0, busy: Callable[[], bool] = _always, base: str = "") -> Claim:
     """Claim ``tier`` for save ``save_id``, or raise :class:`CheckpointBusyError`.
 
     ``busy()`` tells whether this save still has work in flight; a claim of this process whose
     save is no longer busy (DCP failed the save on another rank, say) is let go.  A claim held
     by a busy save of this same process (a re-save while the previous save of this directory
-    is still flushing) is waited for, up to ``wait_own_s``."""
+    is still flushing) is waited for, up to ``wait_own_s``.  ``base``: the sibling directory an
+    incremental save references, which retention then leaves alone while the claim lives."""
     tier.makedirs()
-    attempt = _Acquire(tier, name, save_id, lease_s, wait_own_s)
+    attempt = _Acquire(tier, name, save_id, lease_s, wait_own_s, base)
     try:
         claim = attempt.by_lock()
     except LockUnsupported as e:
@@ -453,6 +456,26 @@ def claimed(tier: StorageTier) -> bool:
     tidy-ups leave such a directory alone)."""
     return any(holds_live_claim(tier, n) for n in tier.listdir()
                if n == CLAIM_NAME or (n.startswith(RANK_CLAIM_PREFIX) and TEMP_INFIX not in n))
+
+
+def bases_in_flight(run: StorageTier) -> set[str]:
+    """The step directories of ``run`` that saves in flight there use as incremental bases
+    (found through their live claims, whatever wrote them)."""
+    out: set[str] = set()
+    for d, kind in run.entries():
+        if kind != "dir":
+            continue
+        t = run.child(d)
+        for n in t.listdir():
+            if (n == CLAIM_NAME or n.startswith(RANK_CLAIM_PREFIX)) and TEMP_INFIX not in n \
+                    and holds_live_claim(t, n):
+                try:
+                    rec = _read(t, n)
+                except (OSError, CheckpointError):
+                    continue
+                if rec is not None and rec.base:
+                    out.add(rec.base)
+    return out
 
 
 def holds_live_claim(tier: StorageTier, name: str) -> bool:
@@ -475,4 +498,4 @@ def holds_live_claim(tier: StorageTier, name: str) -> bool:
     return _lease_stale(tier, name, cur, DEFAULT_LEASE_S) is None
 
 
-__all__ = ["Claim", "ClaimRecord", "acquire", "claimed", "holds_live_claim"]
+__all__ = ["Claim", "ClaimRecord", "acquire", "bases_in_flight", "claimed", "holds_live_claim"]

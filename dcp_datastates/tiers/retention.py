@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from ..errors import CheckpointError
 from ..format.model import Manifest
 from ..format.names import PURGED_MARK, STEP_DIR, is_manifest_name, is_ours
-from .claim import claimed
+from .claim import bases_in_flight, claimed
 from .manifests import manifest_is_ours
 from .storage import StorageTier
 from .tidy import run_references
@@ -71,6 +71,7 @@ def purge_steps(run: StorageTier, drop: list[str], *,
     Returns the directories removed completely (husks that stay are not listed)."""
     kinds = dict(run.entries())
     foreign: set[str] = set()  # dropped names left alone: not uncommitted, so not swept
+    bases = bases_in_flight(run)
     for name in drop:
         if kinds.get(name) != "dir":
             if name in kinds:
@@ -83,6 +84,10 @@ def purge_steps(run: StorageTier, drop: list[str], *,
             continue
         if claimed(t):
             log.warning("retention: %s is being saved right now; not purging it", t.url)
+            continue
+        if name in bases:
+            log.warning("retention: %s is the base of an incremental save in flight; not purging it", t.url)
+            foreign.add(name)
             continue
         try:
             if manifest_is_ours(t) is False:
