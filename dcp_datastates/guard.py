@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch.distributed.checkpoint as dcp
+
+from .errors import CheckpointError
 
 
 class SnapshotGuard:
@@ -46,4 +50,31 @@ def async_save(state_dict, *, storage_writer, **kwargs):
     fut = dcp.async_save(state_dict, storage_writer=storage_writer, **kwargs)
     upload = getattr(fut, "upload_completion", fut)
     storage_writer.attach(upload)
+    if upload is fut and isinstance(fut, Future):
+        return _explained(fut, getattr(storage_writer, "path", None))
     return fut
+
+
+_DEAD = (BrokenPipeError, EOFError, ConnectionResetError)
+
+
+def _explained(fut: Future, path) -> Future:
+    """``fut``, with the raw pipe error DCP gives once its checkpoint process has died (SIGKILL,
+    the OOM killer) turned into a ``CheckpointError`` that says what happened and what to do."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        e = f.exception()
+        if e is None:
+            out.set_result(f.result())
+        elif isinstance(e, _DEAD) or "background process is dead" in str(e):
+            err = CheckpointError(
+                f"DCP's checkpoint process has died ({type(e).__name__}: {e}); DCP does not start "
+                "another one in this trainer, so every later PROCESS-mode save fails too: restart "
+                "the trainer, or save in THREAD mode", checkpoint=path)
+            err.__cause__ = e
+            out.set_exception(err)
+        else:
+            out.set_exception(e)
+    fut.add_done_callback(done)
+    return out

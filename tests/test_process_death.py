@@ -1,0 +1,85 @@
+"""DCP's checkpoint process killed by SIGKILL in the middle of a save (issue 35, case 8).
+
+Before: the killed process stayed a zombie, its claim counted as live, and every later save into
+that directory failed with ``CheckpointBusyError``, across restarts too; later PROCESS-mode saves
+in that trainer failed with a raw ``BrokenPipeError``.  Now the kernel drops the dead process's
+claim lock, the previous step loads exactly, the next save into the directory commits, and a
+later PROCESS-mode save fails with an error that says what happened."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import CheckpointError, DataStatesReader, DataStatesWriter, async_save
+from tests.dist import run_ranks
+
+
+def _state(seed: int, mib: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(mib << 18, generator=g), "seed": seed}
+
+
+def _checkpoint_processes() -> list[int]:
+    """This process's children that are spawned multiprocessing workers (DCP's daemon)."""
+    out = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            kids = open(f"/proc/self/task/{task}/children").read().split()
+        except OSError:
+            continue
+        for k in kids:
+            try:
+                cmd = open(f"/proc/{k}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                out.append(int(k))
+    return out
+
+
+def _kill_mid_save(rank, world, path, out):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    process = AsyncCheckpointerType.PROCESS
+    async_save(_state(1), storage_writer=DataStatesWriter(path), async_checkpointer_type=process).result(timeout=300)
+    daemons = _checkpoint_processes()
+    assert daemons, "DCP's checkpoint process was not found"
+    fut = async_save(_state(2, 256), storage_writer=DataStatesWriter(path, overwrite=True, host_cache_bytes=1 << 20),
+                     async_checkpointer_type=process)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(path, ".claim")):  # the save is under way in the daemon
+        assert time.monotonic() < deadline and not fut.done(), "the second save never claimed the directory"
+        time.sleep(0.005)
+    for pid in daemons:
+        os.kill(pid, signal.SIGKILL)
+    try:
+        fut.result(timeout=120)
+        raise AssertionError("the save of a killed checkpoint process succeeded")
+    except BaseException as e:  # noqa: BLE001 - DCP's error for its dead process
+        assert not isinstance(e, AssertionError), e
+    back = {"w": torch.zeros(4 << 18), "seed": -1}
+    dcp.load(back, storage_reader=DataStatesReader(path))
+    assert back["seed"] == 1 and torch.equal(back["w"], _state(1)["w"])  # the previous step, exactly
+    # the directory is free: the dead process held its claim under a lock the kernel dropped
+    dcp.save(_state(3), storage_writer=DataStatesWriter(path, overwrite=True))
+    back = {"w": torch.zeros(4 << 18), "seed": -1}
+    dcp.load(back, storage_reader=DataStatesReader(path))
+    assert back["seed"] == 3 and torch.equal(back["w"], _state(3)["w"])
+    # a later PROCESS-mode save says what happened, not a raw BrokenPipeError
+    later = async_save(_state(4), storage_writer=DataStatesWriter(path + "-later"), async_checkpointer_type=process)
+    try:
+        later.result(timeout=120)
+        raise AssertionError("a PROCESS-mode save without a checkpoint process succeeded")
+    except CheckpointError as e:
+        assert "checkpoint process has died" in str(e), e
+    open(out, "w").write("ok")
+
+
+def test_a_checkpoint_process_killed_mid_save_frees_its_directory(tmp_path):
+    out = str(tmp_path / "ok")
+    run_ranks(1, _kill_mid_save, str(tmp_path / "ck"), out, timeout=400)
+    assert open(out).read() == "ok"
