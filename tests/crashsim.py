@@ -36,13 +36,11 @@ import threading
 import time
 from collections.abc import Callable
 
-os.environ.setdefault("DCP_DATASTATES_HOST_CACHE_BYTES", str(8 << 20))
+import torch
+import torch.distributed.checkpoint as dcp
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-
-from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter  # noqa: E402
-from dcp_datastates.format.names import (  # noqa: E402
+from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.format.names import (
     CLAIM_NAME,
     DATA_FILE,
     PART_FILE,
@@ -50,11 +48,11 @@ from dcp_datastates.format.names import (  # noqa: E402
     TEMP_INFIX,
     is_manifest_name,
 )
-from dcp_datastates.tiers import StorageTier  # noqa: E402
-from dcp_datastates.tiers import storage as storage_mod  # noqa: E402
-from dcp_datastates.tiers.backend import Backend, HeldLock, Sink  # noqa: E402
-from dcp_datastates.tiers.local import LocalBackend  # noqa: E402
-from dcp_datastates.tiers.tidy import run_references  # noqa: E402
+from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers import storage as storage_mod
+from dcp_datastates.tiers.backend import Backend, HeldLock, Sink
+from dcp_datastates.tiers.local import LocalBackend
+from dcp_datastates.tiers.tidy import run_references
 
 CRASHED = 77
 WRITES = {"pwrite", "commit", "lock-write", "copy"}
@@ -610,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--only", help="one point (e.g. crash-6), its work directory kept")
     args = ap.parse_args(argv)
+    os.environ.setdefault("DCP_DATASTATES_HOST_CACHE_BYTES", str(8 << 20))  # the forks' default
     SIZE[0] = args.size
     KEEP[0] = args.only is not None
     if not args.scenarios:
