@@ -58,6 +58,19 @@ def _wait_file(path: str, proc: subprocess.Popen, timeout: float = 90) -> None:
         time.sleep(0.05)
 
 
+def hold_claim(path: str, save_id: str, ready: str) -> subprocess.Popen:
+    """A live process holding ``path``'s claim for save ``save_id``, once it returns."""
+    p = subprocess.Popen([sys.executable, "-m", "tests.claim_child", "hold", path, save_id, ready],
+                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_file(ready, p)
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+    return p
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
@@ -68,11 +81,8 @@ def _dead_pid() -> int:
 def test_a_claim_held_by_a_live_process_is_busy_and_free_once_it_dies(tmp_path):
     path = str(tmp_path / "step-1")
     os.makedirs(path)
-    ready = str(tmp_path / "ready")
-    p = subprocess.Popen([sys.executable, "-m", "tests.claim_child", "hold", path, "0123456789ab", ready],
-                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = hold_claim(path, "0123456789ab", str(tmp_path / "ready"))
     try:
-        _wait_file(ready, p)
         open(os.path.join(path, "data-r00000-0123456789ab-00.dsd"), "wb").write(b"x" * 100)
         assert holds_live_claim(StorageTier(path), CLAIM_NAME)
         with pytest.raises(BaseException, match="another save is writing"):

@@ -7,8 +7,6 @@ save through the same writer starts cleanly.  Plain ``dcp.async_save``, real glo
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import torch
@@ -16,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from tests.dist import run_ranks
-from tests.test_claims import ENV, ROOT, _wait_file
+from tests.test_claims import hold_claim
 
 
 def _model():
@@ -61,11 +59,8 @@ def test_a_save_failed_by_the_coordinator_releases_every_rank(tmp_path):
     busy, free, out = str(tmp_path / "busy"), str(tmp_path / "free"), str(tmp_path / "out")
     os.makedirs(busy)
     os.makedirs(out)
-    ready = str(tmp_path / "ready")
-    holder = subprocess.Popen([sys.executable, "-m", "tests.claim_child", "hold", busy, "0123456789ab", ready],
-                              env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    holder = hold_claim(busy, "0123456789ab", str(tmp_path / "ready"))
     try:
-        _wait_file(ready, holder)
         run_ranks(2, _fails_then_steps, busy, free, out, timeout=400)
     finally:
         holder.kill()
