@@ -304,3 +304,75 @@ def test_retention_keeps_the_base_of_an_incremental_save_in_flight(tmp_path, mon
     assert purge_steps(StorageTier(str(run)), ["step-1"]) == []  # step-2 still uses its bytes
     dcp.load(out, storage_reader=DataStatesReader(str(run / "step-2")), no_dist=True)
     assert all(torch.equal(out[k], want[k]) for k in want)
+
+
+def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(tmp_path, monkeypatch):
+    """An incremental step persisted to a slow tier copies the files it references from a step
+    that tier never had; a retention pass there between that copy and the step's commit used to
+    sweep them (no committed manifest named them yet), and the slow tier's copy did not load."""
+    from dcp_datastates import Checkpointer
+    from dcp_datastates.tiers import persist
+    from dcp_datastates.tiers.retention import purge_steps
+    t1, t2 = str(tmp_path / "t1"), str(tmp_path / "t2")
+    import threading
+    orig, orig_commit = persist.copy_file, persist.commit_when_complete
+    swept, copied = [], threading.Event()
+
+    def copy_file(src, dst, name):  # a retention pass on the slow tier right after the copy
+        if dst.name == "step-2":  # a husk an earlier pass uncommitted and could not finish
+            dst.makedirs()
+            dst.commit_bytes(".purged", b"")
+        out = orig(src, dst, name)
+        if dst.name == "step-2":
+            swept.append(purge_steps(dst.parent(), []))  # sweeps husks
+            copied.set()
+        return out
+
+    def commit_when_complete(dst, *a, **kw):  # the commit comes after the copy (another rank's)
+        if dst.name == "step-3":
+            copied.wait(30)
+        return orig_commit(dst, *a, **kw)
+    monkeypatch.setattr(persist, "copy_file", copy_file)
+    monkeypatch.setattr(persist, "commit_when_complete", commit_when_complete)
+    c = Checkpointer([t1, t2], async_mode=None, persist_every=2, incremental=True)
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(8)}
+    for step in (1, 2, 3):  # step 2 is not persisted; step 3 references what step 2 changed
+        sd[f"t{step}"] = sd[f"t{step}"] + step
+        c.save(step, sd)
+        assert c.wait_persisted(120)
+    c.close()
+    assert swept, "the step-3 flush copied no referenced file"
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=DataStatesReader(os.path.join(t2, "step-3")), no_dist=True)
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_purges_of_one_checkpointer_never_overlap(tmp_path, monkeypatch):
+    """``wait_persisted()`` purges too; it takes the same lock as the background passes."""
+    import threading
+
+    from dcp_datastates import Checkpointer
+    from dcp_datastates import checkpointer as ck
+    active, peak, lock = [0], [0], threading.Lock()
+    orig = ck.purge_steps
+
+    def purge_steps(*a, **kw):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            time.sleep(0.05)
+            return orig(*a, **kw)
+        finally:
+            with lock:
+                active[0] -= 1
+    monkeypatch.setattr(ck, "purge_steps", purge_steps)
+    c = Checkpointer([str(tmp_path / "t1"), str(tmp_path / "t2")], keep=1)
+    sd = {"w": torch.randn(1 << 16)}
+    for step in range(1, 7):
+        c.save(step, sd)
+        c.wait_persisted(120)
+    c.close()
+    assert peak[0] == 1
+    assert sorted(os.listdir(tmp_path / "t2")) == ["step-6"]

@@ -34,7 +34,7 @@ from ..format.names import MANIFEST_NAME, PERSISTED_RECORD, failed_marker, uploa
 from ..format.values import pack_plain
 from .activity import wait_for_quiet
 from .storage import StorageTier
-from .tidy import flushing
+from .tidy import flushing, pin
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +117,16 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank: int,
-                save_id: str, refs: dict[str, tuple[str, int]] | None = None) -> Future:
+                save_id: str, refs: dict[str, tuple[str, int]] | None = None,
+                pins: list[tuple[StorageTier, str, str]] | None = None) -> Future:
     """Phase 1 on one rank: upload its files, then its marker.
 
     ``refs`` are files of earlier checkpoints that this incremental save references
     (``{name: (home directory, size)}``).  They normally are on ``dst`` already, next to it; one
     that is not (its step was never persisted) is copied into its home directory there, so that
-    the slow tier's copy is complete without re-sending the rest."""
+    the slow tier's copy is complete without re-sending the rest.  Such a copy is pinned live
+    there (``tidy.pin``) before it starts, and recorded in ``pins`` for the caller to let go
+    once the manifest that references it has committed."""
     def run() -> None:
         try:
             upload()
@@ -146,6 +149,9 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
                     continue
             except OSError:
                 pass
+            if pins is not None:  # no purge there sweeps it before the manifest commits
+                pin(dst.parent(), home, name)
+                pins.append((dst.parent(), home, name))
             with_retries(there.makedirs, f"creating {there.url}")
             with_retries(partial(copy_file, src.sibling(home), there, name),
                          f"upload of referenced {home}/{name} to {there.url}")
@@ -288,14 +294,23 @@ class Persistence:
         self.unclaimed = dict(unclaimed or {})  # tiers this save could not claim: failed at once
         self.uploads: list[Future] = []
         self.futures: list[Future] = []
+        self.pins: list[tuple[StorageTier, str, str]] = []  # referenced files copied, held live
 
     def pending(self) -> bool:
         return any(not f.done() for f in self.futures)
 
+    def _over(self, error: BaseException | None) -> None:
+        """This rank's part is over: the files it pinned are a committed manifest's now (or
+        belong to nothing: the next tidy-up may take them)."""
+        for run, name, file in self.pins:
+            pin(run, name, file, on=False)
+        self.pins = []
+        self.on_done(error)
+
     def start_uploads(self, files: dict[str, int], refs: dict[str, tuple[str, int]], *,
                       waits_for_commit: bool) -> None:
         self.uploads = [_failed(self.unclaimed[dst.url]) if dst.url in self.unclaimed else
-                        upload_rank(self.src, dst, files, self.rank, self.save_id, refs=refs)
+                        upload_rank(self.src, dst, files, self.rank, self.save_id, refs=refs, pins=self.pins)
                         for dst in self.tiers]
         self.futures = list(self.uploads)
         for f, t in zip(self.uploads, self.tiers):
@@ -303,7 +318,7 @@ class Persistence:
         if not self.tiers:
             self.on_done(None)
         elif not waits_for_commit:
-            when_all(self.uploads, self.on_done)
+            when_all(self.uploads, self._over)
 
     def start_commits(self, manifest: Manifest, body: bytes, name: str, *, collective: bool,
                       record_on: StorageTier | None) -> None:
@@ -315,7 +330,7 @@ class Persistence:
                 tier.commit_bytes(name, body)
                 self.after_commit(tier, manifest)
             self.futures = [then(f, lambda t=t: commit(t)) for f, t in zip(self.uploads, self.tiers)]
-            when_all(self.futures, self.on_done)
+            when_all(self.futures, self._over)
             return
         lock = threading.Lock()
         by_url = {t.url: t for t in self.tiers}
@@ -335,4 +350,4 @@ class Persistence:
         for f, t in zip(commits, self.tiers):
             f.add_done_callback(lambda f, u=t.url: self.on_tier_failed(u) if f.exception() else None)
         self.futures = self.uploads + commits
-        when_all(self.futures, self.on_done)
+        when_all(self.futures, self._over)

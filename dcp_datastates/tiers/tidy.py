@@ -48,6 +48,22 @@ _inflight_lock = threading.Lock()
 _inflight: dict[tuple[str, str], Manifest] = {}  # (run url, step dir) -> manifest being flushed
 
 
+_pins: dict[tuple[str, str, str], int] = {}  # (run url, step dir, file) -> holders
+
+
+def pin(run: StorageTier, name: str, file: str, *, on: bool = True) -> None:
+    """Hold (or let go, ``on=False``) ``run/name/file`` live: a file an upload is putting on a
+    slower tier for a manifest not committed there yet (an incremental save's reference into a
+    step that tier never had)."""
+    key = (run.url.rstrip("/"), name, file)
+    with _inflight_lock:
+        n = _pins.get(key, 0) + (1 if on else -1)
+        if n > 0:
+            _pins[key] = n
+        else:
+            _pins.pop(key, None)
+
+
 def flushing(run: StorageTier, name: str, m: Manifest | None) -> None:
     """Register (or, with ``m=None``, unregister) a manifest being flushed to ``run/name``: its
     references are live there before it commits."""
@@ -100,6 +116,9 @@ def run_references(run: StorageTier, *, skip: str | None = None,
             live.setdefault(name, set()).add("*")
     with _inflight_lock:
         pending = [(d, m) for (u, d), m in _inflight.items() if u == run.url.rstrip("/")]
+        for u, d, f in _pins:
+            if u == run.url.rstrip("/"):
+                live.setdefault(d, set()).add(f)
     for name, m in [*pending, *also]:
         _add(live, name, m)
     return live
