@@ -106,8 +106,9 @@ class RankSave:
         self.tier.makedirs()
         if not self.opts.overwrite and self.committed_here():
             raise CheckpointExistsError(
-                "a committed checkpoint already exists here; pass overwrite=True to "
-                "DataStatesWriter to replace it, or save to a new path", checkpoint=self.path)
+                "Checkpoint already exists: a committed checkpoint is here; pass overwrite=True to "
+                "DataStatesWriter to replace it, or save to a new path (unlike DCP's "
+                "FileSystemWriter, which overwrites by default)", checkpoint=self.path)
         self.base = load_base(self.tier, self.opts.incremental_base, self.opts.storage_options)
 
     def claim(self) -> None:
@@ -117,8 +118,8 @@ class RankSave:
                                  base="" if base is None else base.rstrip("/").rpartition("/")[2])
         self.claims.acquire([self.tier, *self.persist_tiers()])
         if not self.opts.overwrite and self.committed_here():
-            raise CheckpointExistsError("a committed checkpoint appeared here while this save "
-                                        "was planning; pass overwrite=True to replace it",
+            raise CheckpointExistsError("Checkpoint already exists: a committed checkpoint appeared here "
+                                        "while this save was planning; pass overwrite=True to replace it",
                                         checkpoint=self.path)
 
     def busy(self) -> bool:

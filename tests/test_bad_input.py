@@ -108,6 +108,7 @@ def test_existing_checkpoint_is_not_overwritten(ckpt):
     before = _load(ckpt)["w"].clone()
     msg = _err(lambda: _save(ckpt, {"w": W * 0, "v": {"k": 2}}))
     assert "already exists" in msg and "overwrite=True" in msg and ckpt in msg
+    assert "Checkpoint already exists" in msg  # DCP's FileSystemWriter's phrase, which scripts match
     assert torch.equal(_load(ckpt)["w"], before)  # untouched
 
 
