@@ -84,6 +84,13 @@ class WriterOptions:
             raise ValueError(f"dedup_unit_bytes must be a positive multiple of {BLOCK_SIZE}, "
                              f"got {self.dedup_unit_bytes}")
 
+    def at_call_room(self) -> dict[str, int] | None:
+        """``snapshot="at_call"``: the bytes copied at the call per device type (the first cache
+        level's size); None for a lazy snapshot."""
+        if self.snapshot != "at_call":
+            return None
+        return {"cpu": self.host_cache_bytes or 0, "cuda": self.device_cache_bytes}
+
     @property
     def flushing(self) -> bool:
         """Whether saves flush to slower tiers."""

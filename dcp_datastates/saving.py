@@ -113,9 +113,8 @@ class RankSave:
 
     def claim(self) -> None:
         self._planned_at, self._wrote = time.monotonic(), False
-        base = self.opts.incremental_base
         self.claims = SaveClaims(self.save_id, rank=None if self.use_collectives else self.rank, busy=self.busy,
-                                 base="" if base is None else base.rstrip("/").rpartition("/")[2])
+                                 base="" if self.base is None else self.base.name)
         self.claims.acquire([self.tier, *self.persist_tiers()])
         if not self.opts.overwrite and self.committed_here():
             raise CheckpointExistsError("Checkpoint already exists: a committed checkpoint appeared here "

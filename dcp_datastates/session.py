@@ -322,9 +322,8 @@ class WriterSessions:
             session = SaveSession(lazy=True, cross_process=True)
             if opts.step_barrier_s > 0:
                 hold_step(session, opts.step_barrier_s)
-            if opts.snapshot == "at_call":  # copied here; the daemon reads the copies
-                state_dict = copy_small(state_dict, opts.eager_copy_bytes,
-                                        {"cpu": opts.host_cache_bytes or 0, "cuda": opts.device_cache_bytes}).state_dict
+            if opts.at_call_room() is not None:  # copied here; the daemon reads the copies
+                state_dict = copy_small(state_dict, opts.eager_copy_bytes, opts.at_call_room()).state_dict
             # The daemon reads CPU tensors through shared memory: move them there now, in the
             # caller thread, so the pickler never copies live memory in the background.
             for t in iter_tensors(state_dict):
@@ -338,8 +337,7 @@ class WriterSessions:
             try:
                 if opts.step_barrier_s > 0:
                     hold_step(session, opts.step_barrier_s)
-                whole = {"cpu": opts.host_cache_bytes or 0, "cuda": opts.device_cache_bytes} \
-                    if opts.snapshot == "at_call" else None
+                whole = opts.at_call_room()
                 small = copy_small(state_dict, opts.eager_copy_bytes, whole)
                 if whole is not None and small.left:
                     log.warning("snapshot='at_call': %d tensors (%.1f MiB) did not fit the first cache "

@@ -175,23 +175,28 @@ class _Renewer:
     """Renews the lease claims of this process every ``period`` seconds (one thread)."""
 
     def __init__(self) -> None:
-        self._wake = threading.Condition()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def ensure(self) -> None:
-        with self._wake:
-            if self._thread is None or not self._thread.is_alive():
+        """Called once a lease claim is registered in ``_live``."""
+        with self._lock:
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dcp-datastates-lease", daemon=True)
                 self._thread.start()
 
+    @staticmethod
+    def _leases() -> list["Claim"]:
+        with _live_lock:
+            return [c for h in _live.values() for c in h.claims if c.lock is None]
+
     def _run(self) -> None:
         while True:
-            with _live_lock:
-                leases = [c for h in _live.values() for c in h.claims if c.lock is None]
-            if not leases:
-                with self._wake:
+            with self._lock:  # decided under the lock ``ensure`` takes: a claim added meanwhile is seen
+                leases = self._leases()
+                if not leases:
                     self._thread = None
-                return
+                    return
             for c in leases:
                 c.renew()
             time.sleep(max(0.05, min(c.lease_s for c in leases) / 5))
@@ -240,11 +245,7 @@ class Claim:
         if not new:
             return
         self.record = dataclasses.replace(self.record, inherits=(*self.record.inherits, *new)[-_MAX_INHERITED:])
-        if self.lock is not None:
-            self.lock.write(self.record.to_bytes())
-        else:
-            self.tier.backend.commit(self.tier.root, self.tier.path(self.name), f"{self.name}{TEMP_INFIX}carry",
-                                     self.record.to_bytes(), sync=True)
+        self._store()
 
     def renew(self) -> None:
         """Lease claims: write the record again with the current time, while it is ours."""
@@ -252,13 +253,17 @@ class Claim:
             return
         try:
             if self._names_us():
-                self.tier.backend.commit(self.tier.root, self.tier.path(self.name),
-                                         f"{self.name}{TEMP_INFIX}lease", self._fresh_record(), sync=True)
+                self.record = dataclasses.replace(self.record, created_unix=time.time())
+                self._store()
         except (OSError, CheckpointError) as e:
             log.warning("could not renew the claim %s/%s (%s)", self.tier.url, self.name, e)
 
-    def _fresh_record(self) -> bytes:
-        return dataclasses.replace(self.record, created_unix=time.time()).to_bytes()
+    def _store(self) -> None:
+        """Write the record: in place under the lock, or as a whole new object (a lease)."""
+        if self.lock is not None:
+            self.lock.write(self.record.to_bytes())
+        else:
+            self.tier.commit_bytes(self.name, self.record.to_bytes())
 
     def release(self, *, keep_record: bool = False) -> None:
         """Let the claim go (idempotent), removing its file if it is still ours.  A save that
@@ -451,11 +456,18 @@ def acquire(tier: StorageTier, name: str, save_id: str, *, lease_s: float = DEFA
     return claim
 
 
+def live_claims(tier: StorageTier, *, per_rank_only: bool = False) -> list[str]:
+    """The claim files of ``tier`` (``.claim`` and ``.claim.rank-N``; only the latter with
+    ``per_rank_only``) that a save holds live."""
+    return [n for n in tier.listdir()
+            if ((n == CLAIM_NAME and not per_rank_only) or (n.startswith(RANK_CLAIM_PREFIX) and TEMP_INFIX not in n))
+            and holds_live_claim(tier, n)]
+
+
 def claimed(tier: StorageTier) -> bool:
     """Whether any save, collective or per-rank, holds a live claim on ``tier`` (retention and
     tidy-ups leave such a directory alone)."""
-    return any(holds_live_claim(tier, n) for n in tier.listdir()
-               if n == CLAIM_NAME or (n.startswith(RANK_CLAIM_PREFIX) and TEMP_INFIX not in n))
+    return bool(live_claims(tier))
 
 
 def bases_in_flight(run: StorageTier) -> set[str]:
@@ -466,15 +478,13 @@ def bases_in_flight(run: StorageTier) -> set[str]:
         if kind != "dir":
             continue
         t = run.child(d)
-        for n in t.listdir():
-            if (n == CLAIM_NAME or n.startswith(RANK_CLAIM_PREFIX)) and TEMP_INFIX not in n \
-                    and holds_live_claim(t, n):
-                try:
-                    rec = _read(t, n)
-                except (OSError, CheckpointError):
-                    continue
-                if rec is not None and rec.base:
-                    out.add(rec.base)
+        for n in live_claims(t):
+            try:
+                rec = _read(t, n)
+            except (OSError, CheckpointError):
+                continue
+            if rec is not None and rec.base:
+                out.add(rec.base)
     return out
 
 
@@ -498,4 +508,4 @@ def holds_live_claim(tier: StorageTier, name: str) -> bool:
     return _lease_stale(tier, name, cur, DEFAULT_LEASE_S) is None
 
 
-__all__ = ["Claim", "ClaimRecord", "acquire", "bases_in_flight", "claimed", "holds_live_claim"]
+__all__ = ["Claim", "ClaimRecord", "acquire", "bases_in_flight", "claimed", "holds_live_claim", "live_claims"]

@@ -149,11 +149,20 @@ def _lock(fd: int, kind: int) -> bool:
         raise
 
 
+def _sync_dir(root: str) -> None:
+    dfd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 class FileLock(HeldLock):
     """A claim file held under an open-file-description lock (see ``_lock``)."""
 
     def __init__(self, fd: int, path: str) -> None:
         self.fd, self.path = fd, path
+        self._entry_durable = False  # the directory entry of a file we may have created
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
@@ -166,7 +175,9 @@ class FileLock(HeldLock):
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data, 0)
         os.fsync(self.fd)
-        LocalBackend().sync_dir(os.path.dirname(self.path))
+        if not self._entry_durable:
+            _sync_dir(os.path.dirname(self.path))
+            self._entry_durable = True
 
     def still_named(self) -> bool:
         try:
@@ -275,11 +286,7 @@ class LocalBackend(Backend):
             self.sync_dir(root)
 
     def sync_dir(self, root: str) -> None:
-        dfd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _sync_dir(root)
 
     def remove(self, path: str) -> None:
         try:

@@ -17,6 +17,7 @@ from ..errors import CheckpointError, ClaimLostError
 from ..format.model import Manifest
 from ..format.names import CLAIM_NAME, rank_claim_name
 from .claim import Claim, acquire
+from .manifests import rank_saves
 from .storage import StorageTier
 from .tidy import Tidy, other_kind_superseded, rank_superseded, superseded_here
 
@@ -65,11 +66,12 @@ class SaveClaims:
             tidy = self._tidies.pop(tier.url, None)
             if tidy is None:
                 return
+            saves = rank_saves(tier)  # read once, for both kinds
             if self.rank is None:
                 names, old, protect = [], [], {f for f in manifest.files if f not in manifest.homes}
             else:
-                names, old, protect = rank_superseded(tier, self.rank, self.save_id)
-            kind_names, kind_old = other_kind_superseded(tier, manifest, rank=self.rank)
+                names, old, protect = rank_superseded(tier, self.rank, self.save_id, saves)
+            kind_names, kind_old = other_kind_superseded(tier, manifest, rank=self.rank, saves=saves)
             tidy.fence()
             claim = self._claims.get(tier.url)
             if claim is not None and kind_old:  # should this save die now, the next one removes them

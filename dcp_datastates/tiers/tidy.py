@@ -28,7 +28,6 @@ from ..format.names import (
     CLAIM_NAME,
     MANIFEST_NAME,
     PERSISTED_RECORD,
-    RANK_CLAIM_PREFIX,
     TEMP_INFIX,
     data_file_save_id,
     is_manifest_name,
@@ -36,7 +35,7 @@ from ..format.names import (
     marker_save_id,
     parse_rank_manifest,
 )
-from .claim import holds_live_claim
+from .claim import holds_live_claim, live_claims
 from .manifests import load_manifest, rank_saves, read_manifest
 from .storage import StorageTier
 
@@ -184,12 +183,13 @@ class Tidy:
         return removed
 
 
-def rank_superseded(tier: StorageTier, rank: int, save_id: str) -> tuple[list[str], list[Manifest], set[str]]:
+def rank_superseded(tier: StorageTier, rank: int, save_id: str,
+                    saves: list | None = None) -> tuple[list[str], list[Manifest], set[str]]:
     """For rank ``rank`` that just committed its manifest of ``save_id`` in ``tier``: its own
     older rank manifests that a complete newer save supersedes (names and manifests), and the
     files every remaining rank manifest lists (to protect).  Nothing is superseded until a
     complete save newer than it exists."""
-    saves = rank_saves(tier)
+    saves = rank_saves(tier) if saves is None else saves
     complete = [s for s, _ in saves if s.complete]
     if not complete:
         return [], [], {f for _s, ms in saves for m in ms.values() for f in m.files}
@@ -207,22 +207,24 @@ def rank_superseded(tier: StorageTier, rank: int, save_id: str) -> tuple[list[st
     return names, old, protect
 
 
-def other_kind_superseded(tier: StorageTier, manifest: Manifest, *, rank: int | None) -> tuple[list[str], list[Manifest]]:
+def other_kind_superseded(tier: StorageTier, manifest: Manifest, *, rank: int | None,
+                          saves: list | None = None) -> tuple[list[str], list[Manifest]]:
     """The manifests of the other kind that ``manifest``, just committed in ``tier``, supersedes
     (their names, to uncommit, and the manifests, whose files go): for a collective save, every
     older rank manifest; for a save with rank manifests once it is complete on every rank, an
-    older ``.metadata``.  None while a save of the other kind holds its claim here."""
+    older ``.metadata``.  None while a save of the other kind holds its claim here.  ``saves``:
+    ``rank_saves(tier)``, where the caller has it already."""
+    saves = rank_saves(tier) if saves is None else saves
     if rank is None:
-        if any(n.startswith(RANK_CLAIM_PREFIX) and TEMP_INFIX not in n and holds_live_claim(tier, n)
-               for n in tier.listdir()):
+        if live_claims(tier, per_rank_only=True):
             return [], []
         names, old = [], []
-        for s, ms in rank_saves(tier):
+        for s, ms in saves:
             if s.created_unix < manifest.created_unix:
                 names += list(s.names.values())
                 old += list(ms.values())
         return names, old
-    mine = [s for s, _ in rank_saves(tier) if s.save_id == manifest.save_id]
+    mine = [s for s, _ in saves if s.save_id == manifest.save_id]
     if not mine or not mine[0].complete or not tier.exists(MANIFEST_NAME) or holds_live_claim(tier, CLAIM_NAME):
         return [], []
     old_m = read_manifest(tier, MANIFEST_NAME)
