@@ -7,71 +7,93 @@ and ``wait(persist=True)``):
   mutate them (the optimizer step);
 * **committed**: the manifest is durable on the first tier.
 
-In THREAD mode both sides live in one process.  In PROCESS mode the writer
-(and this object with it) is pickled into DCP's checkpoint daemon, so the
-flags live in a small shared-memory tensor that both processes map.
+In THREAD mode both sides live in one process and share the session object.  In PROCESS mode
+DCP pickles the writer (and its session) into its checkpoint process; pickling is how the
+session learns it crosses processes, and it then gets a pipe (``_Link``) over which the copy in
+the checkpoint process reports each stage back, read by one thread in the trainer.  The trainer
+wakes on those reports, and on DCP's executor thread ending (``SaveThreads``): no shared flags
+to poll.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from multiprocessing.reduction import DupFd
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .engine.live import copy_small, iter_tensors, ready_point, versions
-from .errors import CheckpointError, SnapshotError
+from .engine.live import copy_small, for_process, iter_tensors, ready_point, version_at_start, versions
+from .engine.snapshot import tensor_version
+from .errors import CheckpointError, SnapshotError, TornSnapshotError
 from .options import WriterOptions
 
 log = logging.getLogger(__name__)
 
-_SNAPSHOT, _FAILED, _COMMITTED, _PERSISTED, _PERSIST_FAILED = 0, 1, 2, 3, 4
 _MSG_BYTES = 1024
 STAGES = ("save_called", "snapshot_done", "data_written", "committed", "persisted")
+# reports over the link: a kind byte, a CLOCK_MONOTONIC stamp (system-wide on Linux, so stamps
+# from the checkpoint process compare), and a text of at most _MSG_BYTES (one atomic pipe write)
+_HEAD = struct.Struct("<cdH")
+_SNAP, _FAIL, _STAGE, _PERSISTED, _PERSIST_FAIL, _CALLER_ENDED = b"S", b"F", b"T", b"P", b"Q", b"E"
 
 
 class SaveSession:
     """One save's completion state: snapshotted, failed, committed, persisted, with the time
-    each stage was reached; shared with DCP's checkpoint process in PROCESS mode."""
+    each stage was reached.  Pickled into DCP's checkpoint process, the copy there reports
+    every change back over a pipe (``_Link``)."""
 
-    def __init__(self, *, lazy: bool, cross_process: bool = False) -> None:
+    def __init__(self, *, lazy: bool) -> None:
         self.id = uuid.uuid4().hex[:12]
         self.lazy = lazy
-        self.cross_process = cross_process
-        self.flags = torch.zeros(6, dtype=torch.int64)
-        self.msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
-        self.persist_msg = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
-        # CLOCK_MONOTONIC is system-wide on Linux, so stamps from the PROCESS-mode daemon compare
-        self.stamps = torch.zeros(len(STAGES), dtype=torch.float64)
-        if cross_process:
-            self.flags.share_memory_()
-            self.msg.share_memory_()
-            self.persist_msg.share_memory_()
-            self.stamps.share_memory_()
+        self.snapshotted = self.failed = self.committed = self.persisted = False
+        self.error = self.persist_error = ""
+        self.stamps = [0.0] * len(STAGES)
         self.stamps[0] = time.monotonic()
-        self._event = threading.Event()  # snapshotted or failed (this process)
-        self._persisted = threading.Event()  # persisted, or failed (this process)
+        self._event = threading.Event()  # snapshotted or failed
+        self._persisted = threading.Event()  # persisted, or failed
         self._future = None  # the async_save future, when the caller attached it
         self.ready: object = None  # a lazy THREAD save: the point its copies follow (engine/live.py)
         self.versions: dict | None = None  # and the version counters of what it copies lazily
+        self._out: int | None = None  # in the checkpoint process: the pipe's write end
+        self._link: _Link | None = None  # in the trainer, once pickled: the pipe's reader
+
+    @property
+    def cross_process(self) -> bool:
+        """Whether this save's calls run in DCP's checkpoint process (the session was pickled)."""
+        return self._link is not None or self._out is not None
 
     def __getstate__(self):
+        """Pickled for DCP's checkpoint process: the copy there gets the pipe's write end."""
         d = dict(self.__dict__)
-        d["_event"] = d["_persisted"] = None
-        d["_future"] = None
+        d.update(_event=None, _persisted=None, _future=None, _link=None, ready=None, versions=None)
+        if self._link is None and self._out is None:
+            self._link = _Link(self)
+        d["_out"] = self._link.handoff() if self._link is not None else None
         return d
 
     def __setstate__(self, d):
+        out = d.pop("_out")
         self.__dict__.update(d)
-        self._event = threading.Event()
-        self._persisted = threading.Event()
+        self._event, self._persisted = threading.Event(), threading.Event()
+        self._out = out.detach() if out is not None else None
+        self._link = None
+
+    def __del__(self):
+        fd = getattr(self, "_out", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # closed already
 
     @property
     def future(self):
@@ -85,74 +107,77 @@ class SaveSession:
             fut.add_done_callback(lambda _f: self._event.set())
 
     # -- producer side ------------------------------------------------------
+    def _report(self, kind: bytes, text: str = "", stamp: float = 0.0) -> None:
+        """Tell the trainer (in the checkpoint process only)."""
+        if self._out is None:
+            return
+        body = text.encode()[:_MSG_BYTES]
+        try:
+            os.write(self._out, _HEAD.pack(kind, stamp, len(body)) + body)
+        except OSError as e:  # the trainer is gone: nobody is left to tell
+            log.info("could not report a save's progress to the trainer: %s", e)
+
     def stamp(self, stage: str) -> None:
         i = STAGES.index(stage)
         if self.stamps[i] == 0:
             self.stamps[i] = time.monotonic()
+            self._report(_STAGE, stage, self.stamps[i])
 
     def timings(self) -> dict[str, float]:
         """Seconds from the save call to each stage reached so far."""
-        t0 = float(self.stamps[0])
-        return {f"{name}_s": round(float(v) - t0, 6) for name, v in zip(STAGES[1:], self.stamps[1:].tolist())
-                if v}
+        t0 = self.stamps[0]
+        return {f"{name}_s": round(v - t0, 6) for name, v in zip(STAGES[1:], self.stamps[1:]) if v}
 
     def mark_snapshot(self) -> None:
-        self.stamp("snapshot_done")
-        self.flags[_SNAPSHOT] = 1
+        if self.stamps[1] == 0:
+            self.stamps[1] = time.monotonic()
+        self.snapshotted = True
+        self._report(_SNAP, "", self.stamps[1])
         self._event.set()
 
-    def mark_failed(self, exc: BaseException) -> None:
-        text = f"{type(exc).__name__}: {exc}".encode()[: _MSG_BYTES - 1]
-        self.msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        self.flags[_FAILED] = 1
+    def mark_failed(self, exc: BaseException | str) -> None:
+        text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        self.error = self.error or text[:_MSG_BYTES]
+        self.failed = True
+        self._report(_FAIL, self.error)
         self._event.set()
         self._persisted.set()
 
-    def mark_persisted(self, error: BaseException | None = None) -> None:
+    def mark_persisted(self, error: BaseException | str | None = None) -> None:
         """This rank's part of the slow-tier flush is over (coordinator: every tier committed)."""
         if error is not None:
-            text = f"{type(error).__name__}: {error}".encode()[: _MSG_BYTES - 1]
-            self.persist_msg[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-            self.flags[_PERSIST_FAILED] = 1
+            self.persist_error = (error if isinstance(error, str) else f"{type(error).__name__}: {error}")[
+                :_MSG_BYTES]
+            self._report(_PERSIST_FAIL, self.persist_error)
         else:
             self.stamp("persisted")
-        self.flags[_PERSISTED] = 1
+            self._report(_PERSISTED)
+        self.persisted = True
         self._persisted.set()
+
+    def mark_committed(self) -> None:
+        self.stamp("committed")
+        self.committed = True
+
+    # -- consumer side ------------------------------------------------------
+    def error_text(self) -> str:
+        return self.error
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
         """Wait until this rank's part of the flush to the slower tiers is over; False on timeout,
         raises if the save or a flush failed."""
-        if not self._wait(self._persisted, lambda: bool(self.flags[_PERSISTED]) or self.failed, timeout):
+        if not (self._persisted.wait(timeout) or self.persisted or self.failed):
             return False
-        if self.failed and not self.flags[_PERSISTED]:
+        if self.failed and not self.persisted:
             raise SnapshotError(f"save failed: {self.error_text()}")
-        if self.flags[_PERSIST_FAILED]:
-            raw = bytes(self.persist_msg.numpy()).rstrip(b"\0").decode(errors="replace")
-            raise SnapshotError(f"flush to a persistent tier failed: {raw}")
+        if self.persist_error:
+            raise SnapshotError(f"flush to a persistent tier failed: {self.persist_error}")
         return True
-
-    def mark_committed(self) -> None:
-        self.stamp("committed")
-        self.flags[_COMMITTED] = 1
-
-    # -- consumer side ------------------------------------------------------
-    @property
-    def snapshotted(self) -> bool:
-        return bool(self.flags[_SNAPSHOT])
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.flags[_FAILED])
-
-    def error_text(self) -> str:
-        raw = bytes(self.msg.numpy()).rstrip(b"\0")
-        return raw.decode(errors="replace")
 
     def wait_snapshot(self, timeout: float | None = None) -> bool:
         """Wait until every byte left the live state; False on timeout, raises if the save failed."""
         fut = self._future
-        if not self._wait(self._event, lambda: self.snapshotted or self.failed or (
-                fut is not None and fut.done()), timeout):
+        if not (self._event.wait(timeout) or self.snapshotted or self.failed or (fut is not None and fut.done())):
             return False
         if self.failed:
             raise SnapshotError(f"async save failed before its snapshot completed: {self.error_text()}")
@@ -160,21 +185,95 @@ class SaveSession:
             raise SnapshotError(f"async save failed: {fut.exception()}") from fut.exception()
         return True  # snapshotted (a completed save implies it)
 
-    def _wait(self, event: threading.Event, done, timeout: float | None) -> bool:
-        """Wait until ``done()``.  In one process the producer sets ``event``: a plain wait.  In
-        PROCESS mode the producer is DCP's checkpoint daemon, which can only flip flags in the
-        shared memory both map (an Event cannot be handed to an already running process), so
-        the wait re-reads them at a backing-off interval of at most 10 ms."""
-        if not self.cross_process:
-            return event.wait(timeout) or done()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        poll = 0.0005
-        while not done():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            event.wait(poll)
-            poll = min(poll * 2, 0.01)
-        return True
+    def caller_ended(self) -> None:
+        """DCP's thread that handed this save to the checkpoint process has ended (the save is
+        over there, however it ended).  Reports from over there that are still in the pipe are
+        read first; if none said the snapshot is done, the save failed before it."""
+        if self._link is not None:
+            self._link.caller_ended()
+        elif not (self.snapshotted or self.failed):
+            self.mark_failed(CheckpointError("the save failed before this rank's snapshot "
+                                             "(in DCP's planning or on another rank)"))
+
+
+class _Link:
+    """The trainer's end of a pickled session's pipe: one thread applies the reports of the
+    session's copy in DCP's checkpoint process to the session here, waking its waiters.  The
+    trainer keeps a write end too, to say in order, after every report sent before it, that
+    DCP's thread for the save has ended (``caller_ended``)."""
+
+    def __init__(self, session: SaveSession) -> None:
+        self.session = session
+        self.r, self.w = os.pipe()
+        self._w_lock = threading.Lock()  # the trainer's write end: written once, then closed
+        self._handed = False
+        threading.Thread(target=self._read, name="dcp-datastates-save-link", daemon=True).start()
+
+    def handoff(self) -> object:
+        """The write end, picklable for the checkpoint process (once: a second copy could not
+        be told apart from the first)."""
+        if self._handed:
+            log.warning("a save's session was pickled twice; the second copy cannot report back")
+            return None
+        self._handed = True
+        return DupFd(self.w)
+
+    def caller_ended(self) -> None:
+        """Say so after every report already in the pipe, then close the trainer's write end:
+        the pipe ends once the checkpoint process closes its own (or dies)."""
+        with self._w_lock:
+            if self.w < 0:
+                return
+            try:
+                os.write(self.w, _HEAD.pack(_CALLER_ENDED, 0.0, 0))
+            except OSError:
+                pass  # the reader has finished already
+            os.close(self.w)
+            self.w = -1
+
+    def _read(self) -> None:
+        s = self.session
+        try:
+            while True:
+                head = _read_exactly(self.r, _HEAD.size)
+                if head is None:  # the checkpoint process closed its end, or died
+                    if not (s.snapshotted or s.failed):
+                        s.mark_failed("DCP's checkpoint process let go of the save before its snapshot")
+                    elif not s.persisted:
+                        s.mark_persisted("DCP's checkpoint process let go of the save before its flush "
+                                         "to the persistent tiers was over")
+                    break
+                kind, stamp, n = _HEAD.unpack(head)
+                text = (_read_exactly(self.r, n) or b"").decode(errors="replace") if n else ""
+                if kind == _SNAP:
+                    s.stamps[1] = s.stamps[1] or stamp
+                    s.mark_snapshot()
+                elif kind == _FAIL:
+                    s.mark_failed(text)
+                elif kind == _STAGE:
+                    i = STAGES.index(text)
+                    s.stamps[i] = s.stamps[i] or stamp
+                    s.committed = s.committed or text == "committed"
+                elif kind in (_PERSISTED, _PERSIST_FAIL):
+                    s.mark_persisted(text if kind == _PERSIST_FAIL else None)
+                elif kind == _CALLER_ENDED:
+                    if not (s.snapshotted or s.failed):
+                        s.mark_failed("the save ended in DCP's checkpoint process before this rank's "
+                                      "snapshot (it failed there, or on another rank)")
+                if s.failed or s.persisted:
+                    break  # nothing more will come that anyone waits for
+        finally:
+            os.close(self.r)
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
 
 
 # ------------------------------------------------------------ the step barrier
@@ -251,10 +350,9 @@ class SaveThreads:
         with self._lock:
             session, end = self._watched.pop(thread)
         if not (session.snapshotted or session.failed):
-            log.info("an async save ended before this rank's snapshot (it failed in DCP's planning "
-                     "or on another rank); releasing the optimizer step barrier")
-            session.mark_failed(CheckpointError("the save failed before this rank's snapshot "
-                                                "(in DCP's planning or on another rank)"))
+            log.info("an async save's DCP thread ended before this rank's snapshot was known done; "
+                     "unless it is, the optimizer step barrier lets go now")
+        session.caller_ended()
         end(session)
 
 
@@ -298,6 +396,69 @@ class SaveSlot:
                 self._cv.notify_all()
 
 
+class StagedState(dict):
+    """The state dict ``stage`` returns.  To DCP in this process it is a plain dict; pickled, it
+    is being handed to DCP's checkpoint process (PROCESS mode), and ``ProcessHandoff`` makes
+    the copy that process gets, in the thread that pickles it, before it is sent."""
+
+    def __init__(self, state, handoff: ProcessHandoff) -> None:
+        super().__init__(state)
+        self.handoff = handoff
+
+    def __reduce__(self):
+        return dict, (self.handoff.for_process(dict(self)),)
+
+
+class ProcessHandoff:
+    """An async save handed to DCP's checkpoint process.  Tensors that process can read in
+    place (GPU memory, shared memory) are left for it to copy lazily; every other CPU tensor is
+    copied here, into one shared-memory arena, at most ``room`` bytes (``for_process``).  A
+    tensor changed in place between the call and its copy fails the save (the version check
+    of THREAD mode).  The thread doing this is DCP's for the save: its end ends the save on
+    this rank (``SaveThreads``), which releases the optimizer step at once if it failed."""
+
+    def __init__(self, session: SaveSession, own: list, room: int, end: Callable[[SaveSession], None],
+                 path: str | None) -> None:
+        self.session, self.own, self.room, self.end, self.path = session, own, room, end, path
+
+    def for_process(self, state: dict) -> dict:
+        s = self.session
+        SAVE_THREADS.watch(s, self.end)
+        try:
+            if s.failed:
+                raise SnapshotError(f"async save failed before DCP handed it to its checkpoint process: "
+                                    f"{s.error_text()}")
+            _wait_ready(s.ready, state)
+            moved = for_process(state, self.own, self.room, "host_cache_bytes + eager_copy_bytes")
+            started = s.versions or {}
+            torn = [t for t in moved.copied if version_at_start(started, t) != tensor_version(t)]
+            if torn:
+                raise TornSnapshotError(
+                    f"{len(torn)} tensor(s) changed in place before DCP handed the save to its checkpoint "
+                    "process; the save is not committed. Call writer.wait_snapshot() (or use "
+                    "SnapshotGuard) before changing the state outside an optimizer step", checkpoint=self.path)
+        except BaseException as e:
+            s.mark_failed(e)  # lets the optimizer step go; DCP fails the save's future
+            raise
+        s.ready = s.versions = None
+        self.own = []
+        if not moved.live:
+            s.mark_snapshot()  # everything is copied: training may go on before that process starts
+        assert isinstance(moved.state_dict, dict), "a state dict is rebuilt as a dict"
+        return moved.state_dict
+
+
+def _wait_ready(ready, state) -> None:
+    """Wait until the kernels queued before the call are done, so that DCP's checkpoint process
+    reads GPU memory as it was at the call: on the point recorded then, or, without one, on the
+    whole device."""
+    if ready is not None:
+        ready.synchronize()  # pyright: ignore[reportAttributeAccessIssue] (a cuda_ext Event)
+        return
+    for dev in {t.device for t in iter_tensors(state) if t.device.type == "cuda"}:
+        torch.cuda.synchronize(dev)
+
+
 class WriterSessions:
     """The saves through one writer, one at a time, and how each begins.
 
@@ -315,50 +476,44 @@ class WriterSessions:
         self._staged_by: int | None = None  # the thread that staged it
 
     def begin_async(self, state_dict, opts: WriterOptions, path: str | None):
-        """``stage``: an async save's session, and the state dict DCP saves: in THREAD mode
-        with the small tensors copied (``engine/live.py``), snapshotted at once when nothing
-        else is live."""
-        if opts.async_mode == "process":  # DCP's checkpoint process runs saves one by one, on its own copy
-            session = SaveSession(lazy=True, cross_process=True)
+        """``stage``: an async save's session, and the state dict DCP saves, with the small
+        tensors copied (``engine/live.py``), snapshotted at once when nothing else is live.
+        Whether DCP runs the save in this process or pickles it for its checkpoint process is
+        learnt when it pickles the state dict (``StagedState``); ``async_mode="process"``
+        only says so in advance, so that CPU tensors move into shared memory here, now."""
+        session = SaveSession(lazy=True)
+        process = opts.async_mode == "process"  # DCP's checkpoint process runs saves one by one
+        if not process:
+            self._take(session, sync=False, path=path)
+        try:
             if opts.step_barrier_s > 0:
                 hold_step(session, opts.step_barrier_s)
-            if opts.at_call_room() is not None:  # copied here; the daemon reads the copies
-                state_dict = copy_small(state_dict, opts.eager_copy_bytes, opts.at_call_room()).state_dict
-            # The daemon reads CPU tensors through shared memory: move them there now, in the
-            # caller thread, so the pickler never copies live memory in the background.
-            for t in iter_tensors(state_dict):
-                if t.device.type == "cpu" and not t.is_shared():
-                    t.share_memory_()
-                elif t.device.type == "cuda":
-                    torch.cuda.current_stream(t.device).synchronize()
-        else:
-            session = SaveSession(lazy=True)
-            self._take(session, sync=False, path=path)
-            try:
-                if opts.step_barrier_s > 0:
-                    hold_step(session, opts.step_barrier_s)
-                whole = opts.at_call_room()
-                small = copy_small(state_dict, opts.eager_copy_bytes, whole)
-                if whole is not None and small.left:
-                    log.warning("snapshot='at_call': %d tensors (%.1f MiB) did not fit the first cache "
-                                "level and are copied lazily", len(small.left),
-                                sum(t.nbytes for t in small.left) / 2**20)
-                # copies follow the kernels queued so far (the small copies' too); a tensor left
-                # live that changes in place before its bytes are copied fails the save
-                # (engine/snapshot.py), never a torn checkpoint
-                session.ready = ready_point(small.left + small.copies)
-                session.versions = versions(small.left)
-            except BaseException as e:
-                session.mark_failed(e)  # lets the optimizer's step barrier go
-                self.slot.give_back(session)
-                raise
-            if not small.live:
-                session.mark_snapshot()
-            self._staged_by = threading.get_ident()
-            state_dict = small.state_dict
+            whole = opts.at_call_room()
+            small = copy_small(state_dict, opts.eager_copy_bytes, whole)
+            if whole is not None and small.left:
+                log.warning("snapshot='at_call': %d tensors (%.1f MiB) did not fit the first cache "
+                            "level and are copied lazily", len(small.left),
+                            sum(t.nbytes for t in small.left) / 2**20)
+            if process:  # read in place over there, lazily: in shared memory, moved here and now
+                for t in small.left:
+                    if t.device.type == "cpu" and not t.is_shared():
+                        t.share_memory_()
+            # copies follow the kernels queued so far (the small copies' too); a tensor left
+            # live that changes in place before its bytes are copied fails the save
+            # (engine/snapshot.py), never a torn checkpoint
+            session.ready = ready_point(small.left + small.copies)
+            session.versions = versions(small.left)
+        except BaseException as e:
+            session.mark_failed(e)  # lets the optimizer's step barrier go
+            self.slot.give_back(session)
+            raise
+        if not small.live:
+            session.mark_snapshot()
+        self._staged_by = threading.get_ident()
         self.current = session
         self._stage_pid, self._staged = os.getpid(), True
-        return state_dict
+        room = (opts.host_cache_bytes or 0) + opts.eager_copy_bytes
+        return StagedState(small.state_dict, ProcessHandoff(session, small.copies, room, self.end, path))
 
     def begin_sync(self, path: str | None) -> None:
         """A save's first calls on the writer (``reset``, ``set_up_storage_writer``): a
@@ -371,16 +526,10 @@ class WriterSessions:
         self.current, self._staged = session, False
 
     def set_up(self, path: str | None) -> None:
-        """``set_up_storage_writer``: the save's calls begin.  A save staged for THREAD mode
-        whose calls arrive in another process is refused: its waiters could not see it end."""
+        """``set_up_storage_writer``: the save's calls begin (in DCP's checkpoint process, on
+        the session pickled with the writer).  A THREAD-mode save staged here is watched: its
+        DCP thread ending before the snapshot fails it on this rank (``SaveThreads``)."""
         self.begin_sync(path)
-        staged_elsewhere = self._staged and os.getpid() != self._stage_pid
-        if staged_elsewhere and (self.current is None or not self.current.cross_process):
-            raise CheckpointError(
-                "this save runs in DCP's checkpoint process (async_checkpointer_type=PROCESS), but "
-                "the writer was staged for THREAD mode, so wait_snapshot() could not see it finish; "
-                "pass DataStatesWriter(async_mode='process') or save with "
-                "dcp_datastates.async_save(...), which tells the writer", checkpoint=path)
         s = self.current
         if self._staged and s is not None and s.lazy and not s.cross_process:
             SAVE_THREADS.watch(s, self.end)

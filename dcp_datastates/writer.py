@@ -61,8 +61,12 @@ class DataStatesWriter(StorageWriter):
         device_cache_bytes: a first cache level on the GPU for async saves (0: off).
         allow_pickle: store values msgpack cannot express with pickle (the reader must opt in too).
         sync_files: fsync data files and the manifest.  storage_options: fsspec options.
-        async_mode: ``"process"`` when the save runs in DCP's checkpoint process; set for you by
-            ``dcp_datastates.async_save``.  Otherwise a PROCESS save fails with a clear error.
+        async_mode: ``"process"`` says in advance that saves run in DCP's checkpoint process
+            (``async_checkpointer_type=PROCESS``; ``dcp_datastates.async_save`` sets it): CPU
+            tensors then move into shared memory at the call and are copied lazily over there.
+            Without it, DCP's PROCESS mode still works: the writer learns it when DCP pickles the
+            save, and copies CPU tensors outside shared memory then, up to ``host_cache_bytes +
+            eager_copy_bytes`` (GPU tensors are read lazily either way).
         persist_to / persist / persist_options: slower tiers this checkpoint is flushed to in the
             background, each committing on its own (``tiers/persist.py``).
         incremental_base: a committed sibling checkpoint whose unchanged bytes are referenced,

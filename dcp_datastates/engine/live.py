@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import cuda_ext
 
+from ..errors import CheckpointError
 from .snapshot import CopyItem, tensor_version
 
 
@@ -152,4 +153,114 @@ class _SmallCopier:
         if not isinstance(obj, _INERT):  # an object not walked (a BytesIO, a provider's type)
             self.out.live = True
             self.out.left.extend(iter_tensors(obj))  # a dict or list subclass: its tensors stay tracked
+        return obj
+
+
+# ------------------------------------------------------------ DCP's checkpoint process
+_ALIGN = 64
+
+
+@dataclass
+class ForProcess:
+    """What ``for_process`` made: the state dict to pickle for DCP's checkpoint process, the live
+    tensors it copied (their version counters say whether they changed before the copy), the
+    bytes it copied, and whether tensors are left for that process to read lazily."""
+    state_dict: object
+    copied: list = field(default_factory=list)
+    nbytes: int = 0
+    live: bool = False
+
+
+def for_process(state_dict, own: list[torch.Tensor], budget: int, what: str) -> ForProcess:
+    """The state dict as DCP's checkpoint process should get it.  That process reads a tensor
+    in place only through shared memory: GPU memory (CUDA IPC) and CPU tensors already in shared
+    memory stay as they are, to be copied lazily over there.  Every other CPU tensor is copied
+    here, into one shared-memory arena: torch's pickler would otherwise move its storage into
+    shared memory in place, in this (background) thread, under training's feet.  ``own`` are
+    copies made at the call, nobody else's.  More than ``budget`` bytes to copy fail the save
+    before any is copied (``what`` names the setting to raise)."""
+    walk = _ToProcess({id(t) for t in own})
+    walk.plan(state_dict)
+    total = walk.arena_bytes + walk.alone
+    if total > budget:
+        raise CheckpointError(
+            f"DCP's PROCESS mode would copy {total / 2**20:.1f} MiB of CPU tensors that are not in "
+            f"shared memory, more than {what} ({budget / 2**20:.1f} MiB) allows; raise it, or pass "
+            "DataStatesWriter(async_mode='process'), which moves them into shared memory at the call")
+    if walk.arena_bytes:
+        walk.arena = torch.empty(walk.arena_bytes, dtype=torch.uint8).share_memory_()
+    out = ForProcess(walk.rebuild(state_dict), nbytes=total, live=walk.live)
+    out.copied = [t for t in walk.copies if id(t) not in walk.own]
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, the same object at every call (``to_local()`` makes a new one)."""
+    return t._local_tensor if type(t) is DTensor else t  # pyright: ignore[reportAttributeAccessIssue]
+
+
+class _ToProcess:
+    """``for_process``'s walks: ``plan`` places every CPU tensor to copy in the arena,
+    ``rebuild`` copies them there and rebuilds the containers around the copies."""
+
+    def __init__(self, own: set[int]) -> None:
+        self.own, self.live = own, False
+        self.arena_bytes = self.alone = 0  # bytes copied into the arena, and into storages of their own
+        self.offsets: dict[int, int] = {}
+        self.copies: list[torch.Tensor] = []
+        self.arena: torch.Tensor | None = None
+        self.memo: dict[int, torch.Tensor] = {}
+
+    def _to_copy(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.layout == torch.strided and (id(t) in self.own or not t.is_shared())
+
+    def plan(self, obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = _local(obj)
+            if type(obj) not in (DTensor, *_PLAIN) or not self._to_copy(t):
+                self.live = self.live or t.device.type != "meta"
+            elif id(t) not in self.offsets:
+                if type(obj) is DTensor:  # a shared storage of its own (see _copy)
+                    self.offsets[id(t)] = -1
+                    self.alone += t.nbytes
+                else:
+                    self.offsets[id(t)] = self.arena_bytes
+                    self.arena_bytes += -(-t.nbytes // _ALIGN) * _ALIGN
+                self.copies.append(t)
+        elif type(obj) in (dict, OrderedDict):
+            for v in obj.values():
+                self.plan(v)
+        elif type(obj) in (list, tuple):
+            for v in obj:
+                self.plan(v)
+        elif not isinstance(obj, _INERT):
+            self.live = True  # an object not walked: pickled as it is
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        got = self.memo.get(id(t))
+        if got is None and t.nbytes == 0:
+            got = self.memo[id(t)] = torch.empty(t.shape, dtype=t.dtype)
+        if got is None:
+            off = self.offsets[id(t)]
+            if off < 0:  # torch cannot pickle a DTensor whose local tensor starts past its storage's start
+                got = torch.empty(t.shape, dtype=t.dtype).share_memory_()
+            else:
+                assert self.arena is not None, "planned: the arena holds every copy"
+                got = self.arena[off:off + t.nbytes].view(t.dtype).view(t.shape)
+            got.copy_(t.detach())
+            self.memo[id(t)] = got
+        return got
+
+    def rebuild(self, obj):
+        if isinstance(obj, torch.Tensor):
+            t = _local(obj)
+            if id(t) not in self.offsets:
+                return obj
+            if type(obj) is DTensor:  # the constructor DTensor's own code uses: same spec, new local
+                return DTensor(self._copy(t), obj._spec, requires_grad=False)  # pyright: ignore[reportAttributeAccessIssue]
+            return self._copy(t)
+        if type(obj) in (dict, OrderedDict):
+            return type(obj)((k, self.rebuild(v)) for k, v in obj.items())
+        if type(obj) in (list, tuple):
+            return type(obj)(self.rebuild(v) for v in obj)
         return obj

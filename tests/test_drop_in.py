@@ -1,0 +1,179 @@
+"""A drop-in for FileSystemWriter users (issue 38): plain DCP code, unchanged, on real gloo ranks.
+
+PROCESS mode with a plain ``DataStatesWriter(path)``: DCP pickles the writer into its checkpoint
+process, and that is how the writer learns the save crosses processes; the state committed is
+the state at the call, and a save that fails in the checkpoint process releases the trainer's
+optimizer step at once."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dcp_datastates import DataStatesReader, DataStatesWriter
+from tests.dist import run_ranks
+
+PROCESS = AsyncCheckpointerType.PROCESS
+
+
+def _fsdp_model(world: int):
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))  # 512 KiB a weight
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train(model, opt)
+    return model, opt
+
+
+def _train(model, opt) -> None:
+    model(torch.randn(8, 256)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(model, opt) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def _snapshot(obj):
+    """A deep copy of a state dict's values (DTensors: their local shards)."""
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, DTensor):
+        return obj.to_local().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    return obj
+
+
+def _equal(a, b, path="") -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for k in a:
+            _equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(b, torch.Tensor):
+        got = b.to_local() if isinstance(b, DTensor) else b
+        assert torch.equal(a, got), f"{path} differs from the state at the call"
+    else:
+        assert a == b, path
+
+
+def _blank(model, opt) -> dict:
+    """The state dict to load into: every tensor zeroed (a DTensor's local shard too)."""
+    sd = _state(model, opt)
+    for t in _leaves(sd):
+        (t.to_local() if isinstance(t, DTensor) else t).zero_()
+    return sd
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, torch.Tensor):
+        yield obj
+
+
+def _process_twice(rank, world, base):
+    model, opt = _fsdp_model(world)
+    pg = dist.new_group(backend="gloo")
+    paths = [os.path.join(base, f"step-{i}") for i in range(2)]
+    writer = DataStatesWriter(paths[0])  # plain: nothing tells it the save runs in another process
+    wants = []
+    for i, path in enumerate(paths):
+        sd = _state(model, opt)
+        wants.append(_snapshot(sd))
+        kw = {} if i == 0 else {"checkpoint_id": path}
+        fut = dcp.async_save(sd, storage_writer=writer, process_group=pg, async_checkpointer_type=PROCESS, **kw)
+        _train(model, opt)  # forward, backward and the optimizer's in-place update, right after the call
+        fut.result(timeout=300)
+    assert not torch.equal(_snapshot(_state(model, opt))["model"]["0.weight"], wants[1]["model"]["0.weight"])
+    for path, want in zip(paths, wants):
+        got = _blank(model, opt)
+        dcp.load(got, storage_reader=DataStatesReader(path), process_group=pg)
+        _equal(want, got)
+
+
+def test_plain_writer_in_process_mode_commits_the_state_at_the_call(tmp_path):
+    run_ranks(2, _process_twice, str(tmp_path), timeout=400)
+
+
+def _process_fails_then_steps(rank, world, base, out):
+    model, opt = _fsdp_model(world)
+    pg = dist.new_group(backend="gloo")
+    fut = dcp.async_save(_state(model, opt), storage_writer=DataStatesWriter(os.path.join(base, "ok")),
+                         process_group=pg, async_checkpointer_type=PROCESS)
+    _train(model, opt)
+    fut.result(timeout=300)  # the checkpoint process is up
+    blocker = os.path.join(base, "a-file")
+    if rank == 0:
+        open(blocker, "w").close()
+    dist.barrier(pg)
+    bad = os.path.join(blocker, "step-1")  # under a regular file: fails in the checkpoint process
+    fut = dcp.async_save(_state(model, opt), storage_writer=DataStatesWriter(bad), process_group=pg,
+                         async_checkpointer_type=PROCESS)
+    model(torch.randn(8, 256)).sum().backward()
+    t = time.monotonic()
+    opt.step()  # the step barrier: released as soon as the save fails over there
+    took = time.monotonic() - t
+    try:
+        fut.result(timeout=300)
+        raise AssertionError("a save under a regular file succeeded")
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        assert "AssertionError" not in type(e).__name__, e
+    with open(os.path.join(out, f"rank{rank}"), "w") as f:
+        f.write(f"{took:.3f}")
+
+
+def test_a_save_failing_in_the_checkpoint_process_releases_the_step(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(2, _process_fails_then_steps, str(tmp_path), str(out), timeout=400)
+    took = {p.name: float(p.read_text()) for p in out.iterdir()}
+    assert sorted(took) == ["rank0", "rank1"]
+    assert max(took.values()) < 1.0, took
+
+
+def _process_over_budget(rank, world, base):
+    model = nn.Linear(1024, 2048)  # 8 MiB of CPU weights outside shared memory
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = DataStatesWriter(os.path.join(base, "big"), host_cache_bytes=1 << 20, eager_copy_bytes=0)
+    fut = dcp.async_save({"m": model.state_dict()}, storage_writer=writer, async_checkpointer_type=PROCESS)
+    try:
+        fut.result(timeout=300)
+        raise AssertionError("a PROCESS save over its copy budget succeeded")
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        assert "host_cache_bytes" in str(e) and "async_mode='process'" in str(e), e
+    model(torch.randn(2, 1024)).sum().backward()
+    t = time.monotonic()
+    opt.step()
+    assert time.monotonic() - t < 1.0
+    # said in advance, the same state moves into shared memory at the call and commits
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    writer = DataStatesWriter(os.path.join(base, "said"), host_cache_bytes=1 << 20, eager_copy_bytes=0,
+                              async_mode="process")
+    fut = dcp.async_save({"m": model.state_dict()}, storage_writer=writer, async_checkpointer_type=PROCESS)
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    fut.result(timeout=300)
+    got = {"m": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(got, storage_reader=DataStatesReader(os.path.join(base, "said")))
+    assert all(torch.equal(got["m"][k], want[k]) for k in want)
+
+
+def test_a_process_save_beyond_its_copy_budget_fails_in_one_line_and_releases_the_step(tmp_path):
+    run_ranks(1, _process_over_budget, str(tmp_path), timeout=300)
