@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -275,10 +276,10 @@ class DataStatesReader(StorageReader):
         for fqn, obj in sd.items():
             if fqn not in m.tensors or not isinstance(obj, torch.Tensor):
                 continue
-            local = obj.to_local() if isinstance(obj, DTensor) else obj
-            if covered[fqn] < local.numel():
+            want = _local_numel(obj)
+            if covered[fqn] < want:
                 raise CoverageError(
-                    f"the checkpoint covers only {covered[fqn]} of the {local.numel()} elements this "
+                    f"the checkpoint covers only {covered[fqn]} of the {want} elements this "
                     "rank must load; the save did not record every chunk (was it saved with "
                     "use_collectives=False and a rank manifest lost?)", checkpoint=self.path, key=fqn)
 
@@ -331,6 +332,16 @@ class DataStatesReader(StorageReader):
                 log.warning("value %s is damaged in %s; using the copy in %s", fqn, self.path, tier.url)
                 return other
         return None
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    """The elements this rank holds of ``t``: a DTensor's local shard, a ``ShardedTensor``'s
+    local shards (which answer no tensor function themselves), or the whole tensor."""
+    if isinstance(t, DTensor):
+        return t.to_local().numel()
+    if isinstance(t, ShardedTensor):
+        return sum(s.tensor.numel() for s in t.local_shards())
+    return t.numel()
 
 
 def _deliver(ri: ReadItem, planner, value, *, tensor: bool = False) -> None:

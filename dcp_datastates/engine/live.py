@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 import cuda_ext
@@ -21,9 +22,13 @@ from .snapshot import CopyItem, tensor_version
 
 
 def iter_tensors(obj):
-    """Every tensor of a state dict (a DTensor's local shard), depth first."""
+    """Every tensor of a state dict (a DTensor's local shard, a ShardedTensor's local shards),
+    depth first."""
     if isinstance(obj, DTensor):
         yield obj.to_local()
+    elif isinstance(obj, ShardedTensor):
+        for shard in obj.local_shards():
+            yield shard.tensor
     elif isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
@@ -141,8 +146,8 @@ class _SmallCopier:
                 elif type(obj) in _PLAIN:
                     got = self.copied(obj)
                     got = obj if got is None else got
-                else:
-                    self.out.left.append(obj)
+                else:  # a ShardedTensor, another subclass: copied lazily, its tensors tracked
+                    self.out.left.extend(iter_tensors(obj))
                 self.memo[id(obj)] = got
             self.out.live = self.out.live or got is obj
             return got
