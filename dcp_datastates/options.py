@@ -95,3 +95,50 @@ class WriterOptions:
     def flushing(self) -> bool:
         """Whether saves flush to slower tiers."""
         return bool(self.persist_to and self.persist)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileSystemWriterArgs:
+    """``FileSystemWriter``'s keyword arguments that name choices of DCP's own file format, so
+    that code written for it runs unchanged.  Each is accepted where dropping it cannot change
+    what is saved or loaded, and refused, in one line saying what to use, where it could
+    (``docs/faq.md``, "Switching from FileSystemWriter")."""
+
+    single_file_per_rank: bool = True
+    """DCP: one file per rank, or one per tensor.  Ours: ``thread_count`` stripe files per rank."""
+    per_thread_copy_ahead: int = 10_000_000
+    """DCP: bytes each thread copies ahead to the host.  Ours: bounded by ``host_cache_bytes``."""
+    cache_staged_state_dict: bool = False
+    """DCP: keep the staged copy between async saves.  Ours: the host cache is kept anyway."""
+    serialization_format: object = None
+    """DCP: ``torch.save`` or safetensors item encoding.  Ours: raw tensor bytes, msgpack values."""
+    extensions: tuple = ()
+    """DCP's stream transforms (``_extensions``)."""
+
+    def __post_init__(self) -> None:
+        if self.per_thread_copy_ahead < 0:
+            raise ValueError(f"per_thread_copy_ahead must be 0 or more, got {self.per_thread_copy_ahead}")
+        fmt = str(getattr(self.serialization_format, "value", self.serialization_format) or "torch_save").lower()
+        if fmt != "torch_save":
+            raise ValueError(
+                f"serialization_format={fmt}: DataStatesWriter writes its own format; export safetensors "
+                "after the save with `dcp-datastates convert --to safetensors`, or save with DCP's FileSystemWriter")
+        for ext in self.extensions:
+            name = _extension_name(ext)
+            if name != "stream.zstd":
+                raise ValueError(
+                    f"_extensions: {name} is a stream transform DataStatesWriter cannot apply to its ranged, "
+                    "checksummed blocks, and dropping it would change what is stored; leave it out, or save "
+                    "with DCP's FileSystemWriter")
+
+    @property
+    def compression(self) -> str | None:
+        """The compression the extensions ask for (DCP's ``ZStandard()``: ``"zstd"``)."""
+        return "zstd" if self.extensions else None
+
+
+def _extension_name(ext: object) -> str:
+    try:
+        return str(ext.registry_name())  # pyright: ignore[reportAttributeAccessIssue]
+    except AttributeError:
+        return type(ext).__name__

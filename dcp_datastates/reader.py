@@ -81,13 +81,17 @@ class DataStatesReader(StorageReader):
         save_id: load only this save: a tier whose manifest is another save of the path (a
             node-local copy an earlier attempt left) is not read.  Whatever it is, ranks that
             read manifests of different saves fail the load before reading any byte.
+        _extension_registry: ``FileSystemReader``'s, accepted so that code written for it runs
+            unchanged; without effect, since the manifest records how each block is stored.
     """
 
     def __init__(self, path: str | None = None, *, thread_count: int = 8, allow_pickle: bool = False,
                  verify: bool = True, storage_options: dict | None = None,
                  fallback: list[str] | str | None = None, fallback_options: dict | None = None,
-                 o_direct: bool | str = "auto", save_id: str | None = None) -> None:
+                 o_direct: bool | str = "auto", save_id: str | None = None,
+                 _extension_registry: object = None) -> None:
         super().__init__()
+        del _extension_registry  # FileSystemReader's: our manifest names how each block is stored
         if o_direct not in (True, False, "auto"):
             raise ValueError(f"o_direct must be True, False or 'auto', got {o_direct!r}")
         self.path = None if path is None else str(path)

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -39,7 +39,7 @@ from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from .engine.snapshot import SaveJob
 from .errors import CheckpointError
 from .format.v4.rules import RuleTable
-from .options import DEFAULT_DEDUP_UNIT, WriterOptions, url_tuple
+from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
 from .saving import RankSave
 from .session import SAVE_IDS, WriterSessions
 from .tiers import StorageTier
@@ -79,6 +79,9 @@ class DataStatesWriter(StorageWriter):
             copies it before ``async_save`` returns, as far as the first cache level's size
             allows (``host_cache_bytes`` for CPU tensors, ``device_cache_bytes`` for GPU ones),
             so no in-place change, however made, can reach the checkpoint.
+        single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
+        serialization_format, _extensions: ``FileSystemWriter``'s, accepted so that code written
+            for it runs unchanged (``options.FileSystemWriterArgs``; ``docs/faq.md``).
     """
 
     _synchronize_after_execute: bool = False
@@ -91,8 +94,18 @@ class DataStatesWriter(StorageWriter):
                  persist_options: dict | None = None, o_direct: bool = True,
                  incremental_base: str | None = None, dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT,
                  step_barrier_s: float = 600.0, device_cache_bytes: int = 0,
-                 eager_copy_bytes: int = 64 << 20, snapshot: str = "lazy") -> None:
+                 eager_copy_bytes: int = 64 << 20, snapshot: str = "lazy",
+                 single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
+                 cache_staged_state_dict: bool = False, serialization_format: object = None,
+                 _extensions: Sequence[object] | None = None) -> None:
         super().__init__()
+        self.fs_args = FileSystemWriterArgs(
+            single_file_per_rank=single_file_per_rank, per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict, serialization_format=serialization_format,
+            extensions=tuple(_extensions or ()))
+        if self.fs_args.compression is not None:
+            log.warning("%s: _extensions=[ZStandard()] is accepted, but DataStatesWriter stores its blocks "
+                        "uncompressed: the state loaded is the same, the files are not smaller", path)
         opts = WriterOptions(
             overwrite=overwrite, thread_count=thread_count, host_cache_bytes=host_cache_bytes,
             device_cache_bytes=device_cache_bytes, allow_pickle=allow_pickle, sync_files=sync_files,

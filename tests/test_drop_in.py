@@ -270,3 +270,95 @@ def test_sharded_tensors_load_resharded_like_dcp(tmp_path):
     loaded rowwise to colwise, into another shard plan, into a plain tensor and a DTensor, and
     the reverse, each bit-exact and equal to what DCP's FileSystemWriter/Reader give."""
     run_ranks(2, _sharded_tensor_cases, str(tmp_path), timeout=400)
+
+
+# ----------------------------------------------------------------- FileSystemWriter's arguments
+
+def _roundtrip(tmp_path, name, writer_kw=None, reader_kw=None):
+    state = {"w": torch.arange(300_000, dtype=torch.float32).reshape(600, 500), "b": torch.ones(7),
+             "step": 5}
+    path = str(tmp_path / name)
+    dcp.save(state, storage_writer=DataStatesWriter(path, **(writer_kw or {})), no_dist=True)
+    got = {"w": torch.zeros(600, 500), "b": torch.zeros(7), "step": 0}
+    dcp.load(got, storage_reader=DataStatesReader(path, **(reader_kw or {})), no_dist=True)
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"]) and got["step"] == 5
+
+
+def test_every_file_system_writer_and_reader_argument_is_accepted():
+    import inspect
+    ours_w = inspect.signature(DataStatesWriter.__init__).parameters
+    ours_r = inspect.signature(DataStatesReader.__init__).parameters
+    assert set(inspect.signature(dcp.FileSystemWriter.__init__).parameters) - {"args", "kwargs"} <= set(ours_w)
+    assert set(inspect.signature(dcp.FileSystemReader.__init__).parameters) <= set(ours_r)
+
+
+def test_file_system_writer_arguments_without_effect_leave_the_state_alone(tmp_path):
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    _roundtrip(tmp_path, "a", {"single_file_per_rank": False, "per_thread_copy_ahead": 0,
+                               "cache_staged_state_dict": True, "sync_files": False, "thread_count": 1,
+                               "serialization_format": SerializationFormat.TORCH_SAVE},
+               {"_extension_registry": ExtensionRegistry()})
+
+
+def test_zstandard_extension_is_accepted_and_said_to_store_uncompressed(tmp_path, caplog):
+    from torch.distributed.checkpoint._extension import ZStandard
+    with caplog.at_level("WARNING", logger="dcp_datastates"):
+        _roundtrip(tmp_path, "z", {"_extensions": [ZStandard()]})
+    assert any("uncompressed" in r.getMessage() for r in caplog.records)
+
+
+def test_file_system_writer_arguments_that_would_change_the_files_are_refused_in_one_line(tmp_path):
+    import pytest
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    class Rot13(StreamTransformExtension):  # a user's transform: dropping it would store plain bytes
+        @staticmethod
+        def registry_name() -> str:
+            return "stream.rot13"
+
+        @staticmethod
+        def from_descriptor(version: str):
+            return Rot13()
+
+        def get_descriptor(self) -> str:
+            return "stream.rot13/1"
+
+        def transform_to(self, output):
+            return output
+
+        def transform_from(self, input):
+            return input
+
+    for kw, words in (({"serialization_format": SerializationFormat.SAFETENSORS}, "convert --to safetensors"),
+                      ({"_extensions": [Rot13()]}, "stream.rot13"),
+                      ({"per_thread_copy_ahead": -1}, "per_thread_copy_ahead")):
+        with pytest.raises(ValueError) as ei:
+            DataStatesWriter(str(tmp_path / "r"), **kw)
+        assert words in str(ei.value) and "\n" not in str(ei.value), str(ei.value)
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_overwrite_true_replaces_like_file_system_writer(tmp_path):
+    path = str(tmp_path / "o")
+    dcp.save({"x": torch.zeros(4)}, storage_writer=DataStatesWriter(path), no_dist=True)
+    dcp.save({"x": torch.ones(4)}, storage_writer=DataStatesWriter(path, overwrite=True), no_dist=True)
+    got = {"x": torch.zeros(4)}
+    dcp.load(got, storage_reader=DataStatesReader(path), no_dist=True)
+    assert torch.equal(got["x"], torch.ones(4))
+
+
+def test_convert_reads_a_dcp_checkpoint_written_with_zstandard(tmp_path):
+    import pytest
+    pytest.importorskip("zstandard")
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from dcp_datastates.convert import from_dcp
+    state = {"w": torch.randn(300, 200), "i8": torch.arange(100, dtype=torch.int8), "step": 11}
+    src, dst = str(tmp_path / "dcp"), str(tmp_path / "ours")
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(src, _extensions=[ZStandard()]), no_dist=True)
+    from_dcp(src, dst, allow_pickle=True)  # DCP's .metadata is a pickle
+    got = {"w": torch.zeros(300, 200), "i8": torch.zeros(100, dtype=torch.int8), "step": 0}
+    dcp.load(got, storage_reader=DataStatesReader(dst), no_dist=True)
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["i8"], state["i8"]) and got["step"] == 11
