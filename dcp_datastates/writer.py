@@ -41,8 +41,8 @@ from .errors import CheckpointError
 from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
 from .saving import RankSave
-from .session import SAVE_IDS, WriterSessions
 from .tiers import StorageTier
+from .writer_sessions import SAVE_IDS, WriterSessions
 
 log = logging.getLogger(__name__)
 
