@@ -179,6 +179,29 @@ def test_a_process_save_beyond_its_copy_budget_fails_in_one_line_and_releases_th
     run_ranks(1, _process_over_budget, str(tmp_path), timeout=300)
 
 
+def _process_changed_before_handoff(rank, world, base):
+    model = nn.Linear(1024, 1024)
+    path = os.path.join(base, "torn")
+    fut = dcp.async_save({"m": model.state_dict()}, storage_writer=DataStatesWriter(path),
+                         async_checkpointer_type=PROCESS)
+    # the first PROCESS save starts DCP's checkpoint process before it pickles the save: this
+    # in-place change, outside any optimizer, lands before the state is handed over
+    with torch.no_grad():
+        model.weight.mul_(0.5)
+    try:
+        fut.result(timeout=300)
+        raise AssertionError("a save whose state changed before the handoff committed")
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        assert "changed in place" in str(e), e
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+
+
+def test_a_change_before_the_handoff_fails_the_process_save_uncommitted(tmp_path):
+    """In PROCESS mode the CPU tensors are copied when DCP hands the save over; one changed in
+    place since the call (the version counter says so) fails the save instead of tearing it."""
+    run_ranks(1, _process_changed_before_handoff, str(tmp_path), timeout=300)
+
+
 # ----------------------------------------------------------------- ShardedTensor
 
 def _spec(kind: str, world: int):
