@@ -102,6 +102,8 @@ def _process_twice(rank, world, base):
         _train(model, opt)  # forward, backward and the optimizer's in-place update, right after the call
         fut.result(timeout=300)
     assert not torch.equal(_snapshot(_state(model, opt))["model"]["0.weight"], wants[1]["model"]["0.weight"])
+    # copied for the checkpoint process, not moved into shared memory under training's feet
+    assert not any(p._local_tensor.is_shared() for p in model.parameters())
     for path, want in zip(paths, wants):
         got = _blank(model, opt)
         dcp.load(got, storage_reader=DataStatesReader(path), process_group=pg)
@@ -284,6 +286,15 @@ def _sharded_tensor_cases(rank, world, base):
     dcp.async_save({"w": src}, storage_writer=DataStatesWriter(path), planner=DataStatesSavePlanner()).result()
     got = {"w": _dest("colwise", world)}
     dcp.load(got, storage_reader=DataStatesReader(path), planner=DataStatesLoadPlanner())
+    for off, a in _pieces(got["w"]):
+        assert torch.equal(a, _FULL[off[0]:off[0] + a.shape[0], off[1]:off[1] + a.shape[1]]), off
+    # and through DCP's PROCESS mode: its local shards copied for the checkpoint process
+    path = os.path.join(base, "process")
+    src = _source("rowwise", world)
+    dcp.async_save({"w": src}, storage_writer=DataStatesWriter(path), async_checkpointer_type=PROCESS).result()
+    assert not any(sh.tensor.is_shared() for sh in src.local_shards())
+    got = {"w": _dest("colwise", world)}
+    dcp.load(got, storage_reader=DataStatesReader(path))
     for off, a in _pieces(got["w"]):
         assert torch.equal(a, _FULL[off[0]:off[0] + a.shape[0], off[1]:off[1] + a.shape[1]]), off
 

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.tensor import DTensor
 
 import cuda_ext
@@ -220,7 +220,17 @@ class _ToProcess:
         return t.device.type == "cpu" and t.layout == torch.strided and (id(t) in self.own or not t.is_shared())
 
     def plan(self, obj) -> None:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, ShardedTensor):
+            shards = [sh.tensor for sh in obj.local_shards()]
+            if not all(self._to_copy(t) for t in shards):
+                self.live = True  # its GPU or shared shards are read over there
+                return
+            for t in shards:
+                if id(t) not in self.offsets:
+                    self.offsets[id(t)] = -1  # a shared storage of its own (see _copy)
+                    self.alone += t.nbytes
+                    self.copies.append(t)
+        elif isinstance(obj, torch.Tensor):
             t = _local(obj)
             if type(obj) not in (DTensor, *_PLAIN) or not self._to_copy(t):
                 self.live = self.live or t.device.type != "meta"
@@ -247,7 +257,8 @@ class _ToProcess:
             got = self.memo[id(t)] = torch.empty(t.shape, dtype=t.dtype)
         if got is None:
             off = self.offsets[id(t)]
-            if off < 0:  # torch cannot pickle a DTensor whose local tensor starts past its storage's start
+            if off < 0:  # a DTensor or ShardedTensor shard: torch cannot pickle a DTensor whose
+                # local tensor starts past its storage's start
                 got = torch.empty(t.shape, dtype=t.dtype).share_memory_()
             else:
                 assert self.arena is not None, "planned: the arena holds every copy"
@@ -257,6 +268,14 @@ class _ToProcess:
         return got
 
     def rebuild(self, obj):
+        if isinstance(obj, ShardedTensor):
+            shards = obj.local_shards()
+            if not all(id(sh.tensor) in self.offsets for sh in shards):
+                return obj
+            # local: no collective, the global metadata is the original's
+            return ShardedTensor._init_from_local_shards_and_global_metadata(
+                [Shard(self._copy(sh.tensor), sh.metadata) for sh in shards], obj.metadata(),
+                process_group=obj._process_group, sharding_spec=obj.sharding_spec())  # pyright: ignore[reportAttributeAccessIssue]
         if isinstance(obj, torch.Tensor):
             t = _local(obj)
             if id(t) not in self.offsets:
