@@ -5,6 +5,7 @@ completion state is, and how the trainer waits for it, is ``session.py``."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -72,6 +73,14 @@ class StagedState(dict):
 
     def __reduce__(self):
         return dict, (self.handoff.for_process(dict(self)),)
+
+    # copying is not handing over: a copy is a plain dict (copy and deepcopy would otherwise
+    # take __reduce__)
+    def __copy__(self) -> dict:
+        return dict(self)
+
+    def __deepcopy__(self, memo) -> dict:
+        return copy.deepcopy(dict(self), memo)
 
 
 class ProcessHandoff:

@@ -204,6 +204,18 @@ def test_a_change_before_the_handoff_fails_the_process_save_uncommitted(tmp_path
     run_ranks(1, _process_changed_before_handoff, str(tmp_path), timeout=300)
 
 
+def test_copying_the_staged_state_is_not_handing_it_over(tmp_path):
+    """Only pickling for DCP's checkpoint process copies the state out and ends the snapshot;
+    a copy or deep copy of the state ``stage`` returned is a plain dict and changes nothing."""
+    import copy
+    writer = DataStatesWriter(str(tmp_path / "c"), eager_copy_bytes=0)
+    staged = writer.stage({"w": torch.zeros(1 << 20)})
+    for c in (copy.copy(staged), copy.deepcopy(staged)):
+        assert type(c) is dict and torch.equal(c["w"], staged["w"])
+    assert not writer.wait_snapshot(timeout=0)  # still live: the lazy copy has not run
+    writer.sessions.fail(RuntimeError("test over"))
+
+
 # ----------------------------------------------------------------- ShardedTensor
 
 def _spec(kind: str, world: int):
