@@ -23,6 +23,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from multiprocessing.reduction import DupFd
 
@@ -201,6 +202,7 @@ class _Link:
         self.r, self.w = os.pipe()
         self._w_lock = threading.Lock()  # the trainer's write end: written once, then closed
         self._handed = False
+        _LINKS.add(self)
         threading.Thread(target=self._read, name="dcp-datastates-save-link", daemon=True).start()
 
     def handoff(self) -> object:
@@ -258,6 +260,27 @@ class _Link:
                     break  # nothing more will come that anyone waits for
         finally:
             os.close(self.r)
+
+
+# A process forked from the trainer (a DataLoader worker) inherits every open pipe end; one that
+# kept a link's write end open would hide the checkpoint process's end (its death mid-flush)
+# from the trainer for the worker's lifetime.  The child closes its copies at once.
+_LINKS: weakref.WeakSet[_Link] = weakref.WeakSet()
+
+
+def _close_links_in_child() -> None:
+    for link in list(_LINKS):
+        for fd in (link.r, link.w):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass  # closed already
+        link.r = link.w = -1
+    _LINKS.clear()
+
+
+os.register_at_fork(after_in_child=_close_links_in_child)
 
 
 def _read_exactly(fd: int, n: int) -> bytes | None:

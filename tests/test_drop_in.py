@@ -408,3 +408,30 @@ def test_convert_reads_a_dcp_checkpoint_written_with_zstandard(tmp_path):
     got = {"w": torch.zeros(300, 200), "i8": torch.zeros(100, dtype=torch.int8), "step": 0}
     dcp.load(got, storage_reader=DataStatesReader(dst), no_dist=True)
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["i8"], state["i8"]) and got["step"] == 11
+
+
+def test_a_forked_child_does_not_keep_a_save_link_open():
+    """A process forked from the trainer (a DataLoader worker) must not hold a save's pipe open:
+    the trainer learns that DCP's checkpoint process let go of a save (it died mid-flush) only
+    when every write end is closed."""
+    import multiprocessing
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import pytest
+
+    from dcp_datastates.session import SaveSession
+    s = SaveSession(lazy=True)
+    s.mark_snapshot()
+    sent = ForkingPickler.dumps(s)  # as DCP sends it to its checkpoint process
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,), daemon=True)
+    worker.start()  # forked while the save runs, and outliving it
+    try:
+        over_there = pickle.loads(sent)  # the copy in the checkpoint process
+        del over_there  # its end closes: that process died mid-flush
+        s.caller_ended()  # DCP's thread for the save ended
+        with pytest.raises(Exception, match="let go of the save"):
+            assert s.wait_persisted(timeout=5), "the link never saw its pipe end"
+    finally:
+        worker.kill()
+        worker.join()
