@@ -91,9 +91,9 @@ class ProcessHandoff:
     of THREAD mode).  The thread doing this is DCP's for the save: its end ends the save on
     this rank (``SaveThreads``), which releases the optimizer step at once if it failed."""
 
-    def __init__(self, session: SaveSession, own: list, room: int, end: Callable[[SaveSession], None],
+    def __init__(self, session: SaveSession, room: int, end: Callable[[SaveSession], None],
                  path: str | None) -> None:
-        self.session, self.own, self.room, self.end, self.path = session, own, room, end, path
+        self.session, self.room, self.end, self.path = session, room, end, path
 
     def for_process(self, state: dict) -> dict:
         s = self.session
@@ -103,7 +103,7 @@ class ProcessHandoff:
                 raise SnapshotError(f"async save failed before DCP handed it to its checkpoint process: "
                                     f"{s.error_text()}")
             _wait_ready(s.ready, state)
-            moved = for_process(state, self.own, self.room, "host_cache_bytes + eager_copy_bytes")
+            moved = for_process(state, self.room, "host_cache_bytes + eager_copy_bytes")
             started = s.versions or {}
             torn = [t for t in moved.copied if version_at_start(started, t) != tensor_version(t)]
             if torn:
@@ -115,7 +115,6 @@ class ProcessHandoff:
             s.mark_failed(e)  # lets the optimizer step go; DCP fails the save's future
             raise
         s.ready = s.versions = None
-        self.own = []
         if not moved.live:
             s.mark_snapshot()  # everything is copied: training may go on before that process starts
         assert isinstance(moved.state_dict, dict), "a state dict is rebuilt as a dict"
@@ -187,7 +186,7 @@ class WriterSessions:
         self.current = session
         self._stage_pid, self._staged = os.getpid(), True
         room = (opts.host_cache_bytes or 0) + opts.eager_copy_bytes
-        return StagedState(small.state_dict, ProcessHandoff(session, small.copies, room, self.end, path))
+        return StagedState(small.state_dict, ProcessHandoff(session, room, self.end, path))
 
     def begin_sync(self, path: str | None) -> None:
         """A save's first calls on the writer (``reset``, ``set_up_storage_writer``): a

@@ -167,24 +167,25 @@ _ALIGN = 64
 
 @dataclass
 class ForProcess:
-    """What ``for_process`` made: the state dict to pickle for DCP's checkpoint process, the live
+    """What ``for_process`` made: the state dict to pickle for DCP's checkpoint process, the
     tensors it copied (their version counters say whether they changed before the copy), the
     bytes it copied, and whether tensors are left for that process to read lazily."""
     state_dict: object
-    copied: list = field(default_factory=list)
-    nbytes: int = 0
-    live: bool = False
+    copied: list
+    nbytes: int
+    live: bool
 
 
-def for_process(state_dict, own: list[torch.Tensor], budget: int, what: str) -> ForProcess:
+def for_process(state_dict, budget: int, what: str) -> ForProcess:
     """The state dict as DCP's checkpoint process should get it.  That process reads a tensor
     in place only through shared memory: GPU memory (CUDA IPC) and CPU tensors already in shared
     memory stay as they are, to be copied lazily over there.  Every other CPU tensor is copied
     here, into one shared-memory arena: torch's pickler would otherwise move its storage into
-    shared memory in place, in this (background) thread, under training's feet.  ``own`` are
-    copies made at the call, nobody else's.  More than ``budget`` bytes to copy fail the save
-    before any is copied (``what`` names the setting to raise)."""
-    walk = _ToProcess({id(t) for t in own})
+    shared memory in place, in this (background) thread, under training's feet.  (The copies
+    made at the call are among them: never shared, and never torn, since no version of theirs
+    was recorded.)  More than ``budget`` bytes to copy fail the save before any is copied
+    (``what`` names the setting to raise)."""
+    walk = _ToProcess()
     walk.plan(state_dict)
     total = walk.arena_bytes + walk.alone
     if total > budget:
@@ -194,9 +195,7 @@ def for_process(state_dict, own: list[torch.Tensor], budget: int, what: str) -> 
             "DataStatesWriter(async_mode='process'), which moves them into shared memory at the call")
     if walk.arena_bytes:
         walk.arena = torch.empty(walk.arena_bytes, dtype=torch.uint8).share_memory_()
-    out = ForProcess(walk.rebuild(state_dict), nbytes=total, live=walk.live)
-    out.copied = [t for t in walk.copies if id(t) not in walk.own]
-    return out
+    return ForProcess(walk.rebuild(state_dict), walk.copies, total, walk.live)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -208,16 +207,30 @@ class _ToProcess:
     """``for_process``'s walks: ``plan`` places every CPU tensor to copy in the arena,
     ``rebuild`` copies them there and rebuilds the containers around the copies."""
 
-    def __init__(self, own: set[int]) -> None:
-        self.own, self.live = own, False
+    def __init__(self) -> None:
+        self.live = False
         self.arena_bytes = self.alone = 0  # bytes copied into the arena, and into storages of their own
         self.offsets: dict[int, int] = {}
         self.copies: list[torch.Tensor] = []
         self.arena: torch.Tensor | None = None
         self.memo: dict[int, torch.Tensor] = {}
 
-    def _to_copy(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.layout == torch.strided and (id(t) in self.own or not t.is_shared())
+    @staticmethod
+    def _to_copy(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.layout == torch.strided and not t.is_shared()
+
+    def _place(self, t: torch.Tensor, *, alone: bool) -> None:
+        """Plan ``t``'s copy: in the arena, or (``alone``) in a shared storage of its own (a
+        DTensor's or ShardedTensor's shard, see ``_copy``).  A tensor met twice is copied once."""
+        if id(t) in self.offsets:
+            return
+        if alone:
+            self.offsets[id(t)] = -1
+            self.alone += t.nbytes
+        else:
+            self.offsets[id(t)] = self.arena_bytes
+            self.arena_bytes += -(-t.nbytes // _ALIGN) * _ALIGN
+        self.copies.append(t)
 
     def plan(self, obj) -> None:
         if isinstance(obj, ShardedTensor):
@@ -226,22 +239,13 @@ class _ToProcess:
                 self.live = True  # its GPU or shared shards are read over there
                 return
             for t in shards:
-                if id(t) not in self.offsets:
-                    self.offsets[id(t)] = -1  # a shared storage of its own (see _copy)
-                    self.alone += t.nbytes
-                    self.copies.append(t)
+                self._place(t, alone=True)
         elif isinstance(obj, torch.Tensor):
             t = _local(obj)
             if type(obj) not in (DTensor, *_PLAIN) or not self._to_copy(t):
                 self.live = self.live or t.device.type != "meta"
-            elif id(t) not in self.offsets:
-                if type(obj) is DTensor:  # a shared storage of its own (see _copy)
-                    self.offsets[id(t)] = -1
-                    self.alone += t.nbytes
-                else:
-                    self.offsets[id(t)] = self.arena_bytes
-                    self.arena_bytes += -(-t.nbytes // _ALIGN) * _ALIGN
-                self.copies.append(t)
+            else:
+                self._place(t, alone=type(obj) is DTensor)
         elif type(obj) in (dict, OrderedDict):
             for v in obj.values():
                 self.plan(v)
