@@ -11,7 +11,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIB = sorted((ROOT / "dcp_datastates").rglob("*.py")) + sorted((ROOT / "cuda_ext").rglob("*.py"))
-OPTIONAL = ("matplotlib", "torchtitan", "cuda")  # optional third-party packages may stay lazy
+OPTIONAL = ("matplotlib", "torchtitan", "cuda", "zstandard")  # optional third-party packages may stay lazy
 
 
 def test_no_import_cycle():

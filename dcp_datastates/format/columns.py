@@ -11,7 +11,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .codec import MAX_STORED
 from .limits import INT64, MAX_FILE_BYTES, FormatViolation
+from .names import is_packed_file
 
 
 def int_bytes(values) -> bytes:
@@ -66,13 +68,14 @@ class FileList(Sequence):
     ``listed`` ones first, then ``more_sizes`` whose names ``name_of(j)`` makes when asked
     (format 4's rank files: 32,768 at 16,384 ranks, of which a rank uses a few)."""
 
-    __slots__ = ("_listed", "_more", "_name_of")
+    __slots__ = ("_listed", "_more", "_name_of", "_more_packed")
 
     def __init__(self, listed: list[tuple[str, int]], more_sizes: np.ndarray | None = None,
-                 name_of: Callable[[int], str] = _no_more_names) -> None:
+                 name_of: Callable[[int], str] = _no_more_names, more_packed: np.ndarray | None = None) -> None:
         self._listed = listed
         self._more = np.zeros(0, dtype=INT64) if more_sizes is None else more_sizes
         self._name_of = name_of
+        self._more_packed = np.zeros(len(self._more), dtype=bool) if more_packed is None else more_packed
 
     def __len__(self) -> int:
         return len(self._listed) + len(self._more)
@@ -95,13 +98,19 @@ class FileList(Sequence):
         """Every file's size, by position."""
         return np.concatenate([np.asarray([s for _, s in self._listed], dtype=INT64), self._more])
 
+    def packed(self) -> np.ndarray:
+        """Whether each file, by position, holds compressed blocks."""
+        listed = np.asarray([is_packed_file(n) for n, _ in self._listed], dtype=bool).reshape(-1)
+        return np.concatenate([listed, self._more_packed])
+
 
 def segment_columns(d: dict, counts: np.ndarray, files: Sequence[tuple[str, int]], block_size: int,
                     what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The segments of extents, ``counts[i]`` for extent ``i``, from columns ``seg_file`` (a
     position in ``files``), ``seg_offset`` and ``seg_nbytes`` of ``d``: each inside its file,
-    every segment but an extent's last a whole number of checksum blocks.  Returns the three
-    columns and where each extent's segments start."""
+    every plain segment but an extent's last a whole number of checksum blocks (a segment in a
+    file of compressed blocks is one stored block).  Returns the three columns and where each
+    extent's segments start."""
     ns = int(counts.sum())
     fsizes = files.sizes() if isinstance(files, FileList) else np.asarray([s for _, s in files], dtype=INT64)
     fsizes = fsizes if len(fsizes) else np.zeros(1, dtype=INT64)
@@ -119,9 +128,34 @@ def segment_columns(d: dict, counts: np.ndarray, files: Sequence[tuple[str, int]
     if ns:
         last = np.zeros(ns, dtype=bool)
         last[(start + counts - 1)[counts > 0]] = True
-        if np.any(~last & (sn % block_size != 0)):
+        if np.any(~last & (sn % block_size != 0) & ~packed_files(files)[sfile]):
             raise FormatViolation("a segment other than an extent's last ends inside a checksum block")
     return sfile, soff, sn, start
+
+
+def packed_files(files: Sequence[tuple[str, int]]) -> np.ndarray:
+    """Whether each file, by position, holds compressed blocks (``names.is_packed_file``)."""
+    if isinstance(files, FileList):
+        return files.packed()
+    return np.asarray([is_packed_file(name) for name, _ in files], dtype=bool).reshape(-1)
+
+
+def extent_problems(counts: np.ndarray, start: np.ndarray, sn: np.ndarray, packed: np.ndarray,
+                    nbytes: np.ndarray, block_size: int) -> np.ndarray:
+    """The extents (``counts[i]`` segments from ``start[i]``, of ``nbytes[i]`` bytes) whose
+    segments do not hold them, in bulk: what ``model.segs_problem`` checks one extent at a time.
+    ``packed``: per segment, whether its file holds compressed blocks."""
+    held = np.concatenate([[0], np.cumsum(sn)])
+    total = held[start + counts] - held[start]
+    cpk = np.concatenate([[0], np.cumsum(packed.astype(INT64))])
+    npk = cpk[start + counts] - cpk[start]
+    plain = npk == 0
+    wrong = plain & ((total != nbytes) | ((nbytes > 0) & (counts == 0)))
+    wrong |= ~plain & ((npk != counts) | (counts != -(-nbytes // block_size)))
+    big = np.nonzero(packed & ((sn < 1) | (sn > MAX_STORED)))[0]
+    if len(big):  # the extents those segments belong to
+        wrong[np.searchsorted(start, big, side="right") - 1] = True
+    return np.nonzero(wrong)[0]
 
 
 FEW_CHUNKS = 32  # tensors with at most this many chunks are checked and searched in plain Python

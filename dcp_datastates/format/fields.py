@@ -11,7 +11,7 @@ from typing import Any
 from .checksum import DIGEST_BYTES, Digests
 from .dtypes import dtype_from_name
 from .limits import MAX_DIM, MAX_ENTRIES, MAX_FILE_BYTES, MAX_NDIM, MAX_TREE_DEPTH, FormatViolation
-from .model import FORMAT_VERSION, Chunk, Extent, Seg, ValueEntry
+from .model import FORMAT_VERSION, Chunk, Extent, Seg, ValueEntry, segs_problem
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 
@@ -86,10 +86,9 @@ def extent_field(v, files: Mapping[str, int], block_size: int, what: str, versio
     if len(v[0]) > MAX_ENTRIES:
         raise FormatViolation(f"{what}: too many segments")
     segs = [seg_field(x, files, what) for x in v[0]]
-    if sum(s.nbytes for s in segs) != n or (n and not segs):
-        raise FormatViolation(f"{what}: segments hold {sum(s.nbytes for s in segs)} bytes, the extent {n}")
-    if any(s.nbytes % block_size for s in segs[:-1]):
-        raise FormatViolation(f"{what}: a segment other than the last ends inside a checksum block")
+    problem = segs_problem(segs, n, block_size)
+    if problem is not None:
+        raise FormatViolation(f"{what}: {problem}")
     return Extent(segs, n, sums_field(v[2], max(1, math.ceil(n / block_size)), version, what))
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .names import PACKED_STRIPE
+
 ALIGNMENT = 4096
 PACK_ALIGNMENT = 64  # extents under ALIGNMENT bytes (any dtype's alignment, a cache line)
 
@@ -42,7 +44,7 @@ STRIPE_MIN_BYTES = 64 << 20  # below this per file, more files only add fsyncs
 def stripe_count(total_bytes: int, thread_count: int) -> int:
     """How many data files (stripes) a rank writes: one per flush thread, but no file under
     ``STRIPE_MIN_BYTES`` (each costs an fsync)."""
-    return max(1, min(thread_count, total_bytes // STRIPE_MIN_BYTES))
+    return max(1, min(thread_count, total_bytes // STRIPE_MIN_BYTES, PACKED_STRIPE))
 
 
 @dataclass(frozen=True, slots=True)

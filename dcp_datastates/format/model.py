@@ -15,7 +15,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from ..errors import ManifestError
 from .checksum import BLOCK_SIZE, join_digests, split_digests
+from .codec import MAX_STORED
 from .limits import FormatViolation
+from .names import is_packed_file
 
 FORMAT_VERSION = 3  # written now; manifest.py reads the versions it lists
 
@@ -34,7 +36,11 @@ class Extent:
     Usually one segment.  Several when the chunk was written in pieces that landed apart
     in the file, or when an incremental save kept some pieces from an earlier checkpoint.
     Every segment but the last holds whole blocks, so block ``b`` of the chunk never
-    straddles two files."""
+    straddles two files.
+
+    A *packed* extent (its segments in data files of compressed blocks, ``names.is_packed_file``)
+    has one segment per block instead: segment ``b`` is block ``b`` as stored (``codec.py``),
+    ``nbytes`` its logical size, and its digests cover the stored bytes."""
     segs: list[Seg]
     nbytes: int
     sums: Sequence  # per block: 16-byte xxh3-128 digest (v2; v3: a checksum.Digests) or xxh3-64 int (v1)
@@ -55,9 +61,21 @@ class Extent:
     def files(self) -> set[str]:
         return {s.file for s in self.segs}
 
+    @property
+    def packed(self) -> bool:
+        """Whether the extent is stored as compressed blocks, one segment each."""
+        return bool(self.segs) and is_packed_file(self.segs[0].file)
+
+    @property
+    def stored(self) -> int:
+        """The bytes the extent takes in its files."""
+        return sum(s.nbytes for s in self.segs)
+
     def locate(self, start: int, n: int) -> list[tuple[str, int, int, int]]:
         """Where chunk bytes ``[start, start + n)`` are: ``(file, file_offset, pos, length)``
-        per segment touched, ``pos`` counted from ``start``."""
+        per segment touched, ``pos`` counted from ``start``.  Not for a packed extent, whose
+        bytes are found block by block (``segs[b]``)."""
+        assert not self.packed, "a packed extent's bytes are its blocks' segments"
         out = []
         base = 0
         end = start + n
@@ -80,6 +98,28 @@ class Extent:
         manifests read from storage go through the validating decoder instead."""
         segs, nbytes, sums = x
         return cls([Seg(f, o, n) for f, o, n in segs], nbytes, split_digests(sums))
+
+
+def segs_problem(segs: list[Seg], n: int, block_size: int) -> str | None:
+    """What is wrong with ``segs`` as the segments of an extent of ``n`` bytes, else None: plain
+    segments hold the ``n`` bytes, each but the last whole blocks; packed ones (all or none of
+    them) are one stored block each, of 1 to ``MAX_STORED`` bytes."""
+    packed = [is_packed_file(s.file) for s in segs]
+    if any(packed):
+        if not all(packed):
+            return "an extent mixes compressed blocks and plain bytes"
+        blocks = -(-n // block_size)
+        if len(segs) != blocks:
+            return f"{len(segs)} compressed blocks hold an extent of {blocks} blocks"
+        if any(not 0 < s.nbytes <= MAX_STORED for s in segs):
+            return f"a compressed block is stored in 0 or more than {MAX_STORED} bytes"
+        return None
+    held = sum(s.nbytes for s in segs)
+    if held != n or (n and not segs):
+        return f"segments hold {held} bytes, the extent {n}"
+    if any(s.nbytes % block_size for s in segs[:-1]):
+        return "a segment other than the last ends inside a checksum block"
+    return None
 
 
 @dataclass(slots=True)

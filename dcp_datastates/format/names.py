@@ -7,6 +7,7 @@ save owns without guessing from a listing.
 
 from __future__ import annotations
 
+import functools
 import re
 
 MANIFEST_NAME = ".metadata"  # torchtitan discovers step-N/.metadata; this file is the commit
@@ -29,6 +30,10 @@ _MARKER = re.compile(r"^\.(?:uploaded|failed)\.rank-(\d{5})\.([0-9a-f]{12})$")
 
 
 _DATA_NAME = "data-r%05d-%s-%02d.dsd"
+# A data file's stripe says how its bytes are stored: below PACKED_STRIPE, as they are in memory;
+# from it on, as compressed blocks, each segment one stored block (``codec.py``).  A stripe, not
+# a new column: format 4 names rank files by (rank, stripe), so the index needs nothing new.
+PACKED_STRIPE = 50
 _PART_NAME = "part-r%05d-%s.dsm"
 
 
@@ -40,6 +45,18 @@ def step_of(name: str) -> int | None:
 
 def data_file_name(rank: int, save_id: str, stripe: int) -> str:
     return _DATA_NAME % (rank, save_id, stripe)
+
+
+def packed_file_name(rank: int, save_id: str, stripe: int) -> str:
+    """The data file of compressed blocks that goes with raw stripe ``stripe``."""
+    return _DATA_NAME % (rank, save_id, PACKED_STRIPE + stripe)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def is_packed_file(name: str) -> bool:
+    """Whether data file ``name`` holds compressed blocks (each segment one stored block)."""
+    m = DATA_FILE.match(name)
+    return m is not None and int(m.group(3)) >= PACKED_STRIPE
 
 
 def rank_file_name(rank: int, stripe: int, save_id: str) -> str:

@@ -38,15 +38,17 @@ from .columns import (
     FEW_CHUNKS,
     byte_column,
     disjoint,
+    extent_problems,
     int_bytes,
     int_column,
+    packed_files,
     runs,
     segment_columns,
     starts,
 )
 from .dtypes import dtype_from_name
 from .limits import INT64, MAX_DIM, MAX_ENTRIES, MAX_FILE_BYTES, MAX_NDIM, FormatViolation
-from .model import BareBox, Chunk, Extent, Seg, TensorEntry, box_hits, check_tiling
+from .model import BareBox, Chunk, Extent, Seg, TensorEntry, box_hits, check_tiling, segs_problem
 
 
 def encode_table(tensors: dict[str, TensorEntry], file_index: dict[str, int], special_wire) -> dict:
@@ -170,12 +172,14 @@ def decode_table(table, files: Sequence[tuple[str, int]], block_size: int, speci
     if ns > MAX_ENTRIES:
         raise FormatViolation("too many segments")
     sfile, soff, sn, sstart = segment_columns(table, segc, files, block_size, "table field")
-    held = np.concatenate([[0], np.cumsum(sn)])
-    total = held[sstart + segc] - held[sstart]
-    wrong = np.nonzero(plain & ((total != nbytes) | ((nbytes > 0) & (segc == 0))))[0]
+    wrong = extent_problems(segc, sstart, sn, packed_files(files)[sfile] if ns else np.zeros(0, bool),
+                            nbytes, block_size)
+    wrong = wrong[plain[wrong]]
     if len(wrong):
         c = int(wrong[0])
-        raise FormatViolation(f"{names[int(chunk_t[c])]}: segments hold {int(total[c])} bytes, the chunk needs {int(nbytes[c])}")
+        segs = [Seg(files[int(f)][0], 0, int(k)) for f, k in zip(sfile[sstart[c]:sstart[c] + segc[c]].tolist(),
+                                                                 sn[sstart[c]:sstart[c] + segc[c]].tolist())]
+        raise FormatViolation(f"{names[int(chunk_t[c])]}: {segs_problem(segs, int(nbytes[c]), block_size)}")
     nsums = np.where(plain, np.maximum(1, -(-nbytes // block_size)), 0)
     sums = table.get("sums") if tail is None else tail
     if tail is not None and "sums" in table:

@@ -18,7 +18,7 @@ import numpy as np
 from ..checksum import DIGEST_BYTES, Digests, DigestTail
 from ..columns import FEW_CHUNKS, FileList, disjoint, int_column, runs, segment_columns, starts
 from ..limits import INT64, MAX_DIM, MAX_PART_BYTES, NO_INTS, FormatViolation
-from ..model import BareBox, Chunk, Extent, Seg, box_hits, check_tiling
+from ..model import BareBox, Chunk, Extent, Seg, box_hits, check_tiling, segs_problem
 from .rank_files import PartTable
 
 _BULK = 1 << 17  # listed chunks converted to Python lists at once (see Listed._lists)
@@ -310,12 +310,13 @@ class Held:
         a, k = first[c], nsegs[c]
         name = self.files.name
         if k == 1:  # most records: one segment
-            segs, held = [Seg(name(sfile[a]), soff[a], sn[a])], sn[a]
+            segs = [Seg(name(sfile[a]), soff[a], sn[a])]
         else:
             segs = [Seg(name(sfile[j]), soff[j], sn[j]) for j in range(a, a + k)]
-            held = sum(sn[a:a + k])
-        if held != nbytes:
-            raise FormatViolation(f"the held chunk at {list(offsets)} holds {held} bytes, its box {nbytes}")
+        # one segment that holds the box's bytes, at most a block, is right plain or packed
+        if (k != 1 or sn[a] != nbytes or not 0 < nbytes <= self.block_size) \
+                and (problem := segs_problem(segs, nbytes, self.block_size)):
+            raise FormatViolation(f"the held chunk at {list(offsets)}: {problem}")
         src = tail(owner)
         at, nd = tail_at[c], max(1, -(-nbytes // self.block_size)) * DIGEST_BYTES
         if at + nd > src.nbytes:

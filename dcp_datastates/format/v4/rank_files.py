@@ -30,7 +30,7 @@ import xxhash
 
 from ..columns import FileList, int_column
 from ..limits import INT64, MAX_FILE_BYTES, MAX_PART_BYTES, MAX_STRIPE, FormatViolation
-from ..names import SAVE_ID, rank_file_name, rank_file_names, rank_file_of
+from ..names import PACKED_STRIPE, SAVE_ID, rank_file_name, rank_file_names, rank_file_of
 
 PART = -1  # the stripe of a rank's metadata part in ``rank_files``
 # the end of a part's tail: the save id, the rank, and the xxh3-128 of the block digests before it
@@ -290,7 +290,8 @@ class FileMap(_NamedThenRanked):
 
     def positions(self) -> FileList:
         """The files by position, as the index's segments number them (named ones first)."""
-        return FileList(list(self.named.items()), self._ranked.size, self._ranked.name)
+        return FileList(list(self.named.items()), self._ranked.size, self._ranked.name,
+                        self._ranked.stripe >= PACKED_STRIPE)
 
 
 class PartTable:
