@@ -103,8 +103,8 @@ def cmd_inspect(args) -> int:
               file=sys.stderr)
     rows = []
     for fqn, t in sorted(m.tensors.items()):
-        nbytes = sum((c.extent.nbytes if c.extent else sum(p[2].nbytes for p in c.parts.values()))
-                     for c in t.chunks)
+        exts = [e for c in t.chunks for e in ([c.extent] if c.extent else [p[2] for p in c.parts.values()])]
+        nbytes, stored = sum(e.nbytes for e in exts), sum(e.stored for e in exts)
         per_rank: dict = {}
         for c in t.chunks:
             e = c.extent if c.extent else next(iter(c.parts.values()))[2]
@@ -112,7 +112,7 @@ def cmd_inspect(args) -> int:
             per_rank[r] = per_rank.get(r, 0) + 1
         rows.append({"key": fqn, "dtype": t.dtype, "shape": list(t.size), "chunks": len(t.chunks),
                      "chunks_per_rank": {str(k): v for k, v in sorted(per_rank.items(), key=str)},
-                     "bytes": nbytes})
+                     "bytes": nbytes, "stored_bytes": stored})
     for fqn, v in sorted(m.values.items()):
         row = {"key": fqn, "dtype": f"value/{v.encoding}", "shape": [], "chunks": 1, "bytes": len(v.data)}
         if v.node is not None:
@@ -139,15 +139,20 @@ def cmd_inspect(args) -> int:
           f"{len(own_files)} data files, {_fmt_bytes(sum(own_files.values()))}")
     print(f"owns {_fmt_bytes(owned)} of tensor data, shares {_fmt_bytes(sum(shared.values()))}"
           + (" from " + ", ".join(f"{h} ({_fmt_bytes(n)})" for h, n in sorted(shared.items())) if shared else ""))
+    logical = sum(r["bytes"] for r in rows if "stored_bytes" in r)
+    stored = sum(r["stored_bytes"] for r in rows if "stored_bytes" in r)
+    if stored != logical:  # compressed blocks
+        print(f"tensors: {_fmt_bytes(logical)} logical, {_fmt_bytes(stored)} stored "
+              f"({logical / max(stored, 1):.2f}x compressed)")
     print("committed on: " + ", ".join(tiers))
     kw = max([len(r["key"]) for r in rows] + [3])
-    print(f"{'key':<{kw}}  {'dtype':<14} {'shape':<20} {'chunks (per rank)':<22} {'bytes':>12}")
+    print(f"{'key':<{kw}}  {'dtype':<14} {'shape':<20} {'chunks (per rank)':<22} {'bytes':>12} {'stored':>12}")
     for r in rows:
         cpr = r.get("chunks_per_rank") or {}
         chunks = f"{r['chunks']} (" + " ".join(f"r{k}:{v}" for k, v in cpr.items()) + ")" if cpr else str(r["chunks"])
         shown = f"  = {r['value']!r}" if "value" in r else ""
         print(f"{r['key']:<{kw}}  {r['dtype']:<14} {str(r['shape']):<20} {chunks:<22} "
-              f"{_fmt_bytes(r['bytes']):>12}{shown}")
+              f"{_fmt_bytes(r['bytes']):>12} {_fmt_bytes(r.get('stored_bytes', r['bytes'])):>12}{shown}")
     return 0
 
 

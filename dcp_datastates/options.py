@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .format.checksum import BLOCK_SIZE
+from .format.codec import check_available
 
 DEFAULT_DEDUP_UNIT = 4 << 20
 
@@ -57,6 +58,9 @@ class WriterOptions:
     """How long optimizers' ``step()`` waits for an async save's snapshot (0: not at all)."""
     eager_copy_bytes: int = 64 << 20
     """An async save copies tensors of at most 64 KiB at the call, up to this many bytes."""
+    compression: str | None = None
+    """``"zstd"``: each 1 MiB block of a tensor of 64 KiB or more stored compressed on its own
+    (floats byte-shuffled first); None: stored as they are (docs/configuration.md)."""
     snapshot: str = "lazy"
     """``"lazy"``: copied while training runs (in-place changes through autograd-visible
     tensors fail the save); ``"at_call"``: copied before ``async_save`` returns, into as much as
@@ -80,6 +84,7 @@ class WriterOptions:
             raise ValueError(f"snapshot must be 'lazy' or 'at_call', got {self.snapshot!r}")
         if self.async_mode not in (None, "thread", "process"):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {self.async_mode!r}")
+        check_available(self.compression)
         if self.dedup_unit_bytes <= 0 or self.dedup_unit_bytes % BLOCK_SIZE:
             raise ValueError(f"dedup_unit_bytes must be a positive multiple of {BLOCK_SIZE}, "
                              f"got {self.dedup_unit_bytes}")

@@ -23,9 +23,10 @@ from .engine.live import version_at_start
 from .errors import ProviderError, UnsupportedValueError
 from .format import dtype_name
 from .format.checksum import Digests
+from .format.codec import MIN_BYTES, codec_for
 from .format.layout import place_regions, stripe_count
 from .format.model import Extent, Seg, ValueEntry
-from .format.names import data_file_name
+from .format.names import data_file_name, packed_file_name
 from .format.records import ItemRecord, RankRecord
 from .gcpause import paused_gc
 from .planner import PLAIN_TENSORS, dcps_ways
@@ -78,10 +79,13 @@ class Placed:
 
 
 def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, thread_count: int,
-            base: Base | None, started: dict | None, allow_pickle: bool, checkpoint: str):
+            base: Base | None, started: dict | None, allow_pickle: bool, checkpoint: str,
+            compression: str | None = None):
     """DCP items -> providers -> regions placed in the rank's stripes, as the engine's copy
-    items.  ``started``: version counters read when a lazy save started.  Returns the placed
-    items, the copy items and the names of the rank's data files."""
+    items.  ``started``: version counters read when a lazy save started.  ``compression``:
+    regions of at least ``codec.MIN_BYTES`` go, block by block compressed, to the packed file
+    beside their stripe.  Returns the placed items, the copy items and the names of the rank's
+    data files (the raw stripes, then the packed ones where any region is compressed)."""
     placed: list[Placed] = []
     regions = []  # (placed index, region)
     plain = _plain_tensors(planner)
@@ -108,14 +112,18 @@ def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, th
         placed.append(p)
         regions += [(len(placed) - 1, r) for r in prov.regions()]
     sizes = [r.nbytes for _, r in regions]
-    names = [data_file_name(rank, save_id, k)
-             for k in range(stripe_count(sum(sizes), thread_count))]
+    n_raw = stripe_count(sum(sizes), thread_count)
+    names = [data_file_name(rank, save_id, k) for k in range(n_raw)]
     where = place_regions(sizes, len(names))
+    packs = compression is not None and any(n >= MIN_BYTES for n in sizes)
+    if packs:
+        names += [packed_file_name(rank, save_id, k) for k in range(n_raw)]
     copy_items = []
     for (i, r), at, nbytes in zip(regions, where, sizes):
         item = placed[i].item
+        codec = codec_for(r.source.dtype) if packs and nbytes >= MIN_BYTES else 0
         ci = CopyItem(f"{item.index.fqn}/{r.name}" if r.name else item.index.fqn, r.source, at.offset, nbytes,
-                      at.stripe)
+                      at.stripe + (n_raw if codec else 0), codec=codec)
         if base is not None:
             ci.base = base.extents(item.index.fqn, tuple(item.index.offset or ())).get(r.name or "")
             ci.base_files = base.here

@@ -40,7 +40,7 @@ from .errors import CheckpointError, CheckpointExistsError
 from .format import MANIFEST_NAME, encode_manifest
 from .format.assemble import PART_INDEX, PartItem, index_of, manifest_of, part_of
 from .format.model import Manifest
-from .format.names import rank_manifest_name
+from .format.names import is_packed_file, rank_manifest_name
 from .format.v4.rules import RuleTable
 from .gcpause import paused_gc
 from .options import WriterOptions
@@ -156,7 +156,7 @@ class RankSave:
             placed, copy_items, names = lay_out(
                 plan, planner, rank=self.rank, save_id=self.save_id, thread_count=self.opts.thread_count,
                 base=self.base, started=session.versions if session.lazy else None,
-                allow_pickle=self.opts.allow_pickle, checkpoint=self.path)
+                allow_pickle=self.opts.allow_pickle, checkpoint=self.path, compression=self.opts.compression)
         fut: Future = Future()
         if not self.is_coordinator:  # this rank's part of the save is over once DCP has its results
             fut.add_done_callback(lambda f: self._end(session))
@@ -171,8 +171,9 @@ class RankSave:
             persistence.start_uploads(dict(self.part_file), {}, waits_for_commit=self._commits_persist())
             fut.set_result(res)
             return fut
-        sinks = [self.tier.open_sink(n, o_direct=self.opts.o_direct, drop_cache=not self.opts.flushing)
-                 for n in names]
+        # compressed blocks are written as they come, of any length: never with O_DIRECT
+        sinks = [self.tier.open_sink(n, o_direct=self.opts.o_direct and not is_packed_file(n),
+                                     drop_cache=not self.opts.flushing) for n in names]
         job = self.job = self._submit(copy_items, sinks, session)
         job.snapshotted.add_done_callback(lambda f: session.mark_snapshot() if f.exception() is None else None)
 

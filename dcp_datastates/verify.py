@@ -7,6 +7,8 @@ import xxhash
 
 from .errors import CheckpointError, ManifestError
 from .format.checksum import verify_blocks
+from .format.codec import decode_block
+from .format.limits import FormatViolation
 from .format.names import STEP_DIR, is_manifest_name, step_of
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
@@ -102,6 +104,18 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
 
 
 def _check_extent(tier, homes, block_size: int, fqn: str, e) -> str | None:
+    if e.packed:  # compressed blocks: the digests cover the stored bytes; each must also decode
+        out = memoryview(bytearray(block_size))
+        for b, g in enumerate(e.segs):
+            stored = bytearray(g.nbytes)
+            homes.get(g.file, tier).read_into(g.file, g.offset, stored)
+            if xxhash.xxh3_128_digest(stored) != e.sums[b]:
+                return f"tensor {fqn}: checksum mismatch in {g.file} compressed block {b} (file offset {g.offset})"
+            try:
+                decode_block(stored, out[:min(block_size, e.nbytes - b * block_size)])
+            except FormatViolation as err:
+                return f"tensor {fqn}: {g.file} compressed block {b} (file offset {g.offset}): {err}"
+        return None
     step = max(block_size, VERIFY_PIECE // block_size * block_size)
     buf = bytearray(min(step, max(e.nbytes, 1)))
     for start in range(0, e.nbytes, step):

@@ -79,9 +79,13 @@ class DataStatesWriter(StorageWriter):
             copies it before ``async_save`` returns, as far as the first cache level's size
             allows (``host_cache_bytes`` for CPU tensors, ``device_cache_bytes`` for GPU ones),
             so no in-place change, however made, can reach the checkpoint.
+        compression: ``"zstd"`` stores each 1 MiB block of tensors of 64 KiB or more compressed
+            on its own (floats byte-shuffled first); off by default: it pays on a slow or
+            paid-per-byte tier, not on a fast local disk (``docs/configuration.md``).
         single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict,
         serialization_format, _extensions: ``FileSystemWriter``'s, accepted so that code written
-            for it runs unchanged (``options.FileSystemWriterArgs``; ``docs/faq.md``).
+            for it runs unchanged (``options.FileSystemWriterArgs``; ``docs/faq.md``);
+            ``_extensions=[ZStandard()]`` means ``compression="zstd"``.
     """
 
     _synchronize_after_execute: bool = False
@@ -95,7 +99,7 @@ class DataStatesWriter(StorageWriter):
                  incremental_base: str | None = None, dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT,
                  step_barrier_s: float = 600.0, device_cache_bytes: int = 0,
                  eager_copy_bytes: int = 64 << 20, snapshot: str = "lazy",
-                 single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
+                 compression: str | None = None, single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
                  cache_staged_state_dict: bool = False, serialization_format: object = None,
                  _extensions: Sequence[object] | None = None) -> None:
         super().__init__()
@@ -103,9 +107,6 @@ class DataStatesWriter(StorageWriter):
             single_file_per_rank=single_file_per_rank, per_thread_copy_ahead=per_thread_copy_ahead,
             cache_staged_state_dict=cache_staged_state_dict, serialization_format=serialization_format,
             extensions=tuple(_extensions or ()))
-        if self.fs_args.compression is not None:
-            log.warning("%s: _extensions=[ZStandard()] is accepted, but DataStatesWriter stores its blocks "
-                        "uncompressed: the state loaded is the same, the files are not smaller", path)
         opts = WriterOptions(
             overwrite=overwrite, thread_count=thread_count, host_cache_bytes=host_cache_bytes,
             device_cache_bytes=device_cache_bytes, allow_pickle=allow_pickle, sync_files=sync_files,
@@ -113,7 +114,8 @@ class DataStatesWriter(StorageWriter):
             persist_to=url_tuple(persist_to),
             persist=persist, persist_options=persist_options, o_direct=o_direct,
             incremental_base=incremental_base, dedup_unit_bytes=dedup_unit_bytes,
-            step_barrier_s=step_barrier_s, eager_copy_bytes=eager_copy_bytes, snapshot=snapshot)
+            step_barrier_s=step_barrier_s, eager_copy_bytes=eager_copy_bytes, snapshot=snapshot,
+            compression=compression or self.fs_args.compression)
         cache_bytes = host_cache_bytes or default_host_cache_bytes()
         self.options = dataclasses.replace(opts, host_cache_bytes=cache_bytes)
         prepare_host_cache(cache_bytes)  # in the background: ready for the first save

@@ -347,13 +347,6 @@ def test_file_system_writer_arguments_without_effect_leave_the_state_alone(tmp_p
                {"_extension_registry": ExtensionRegistry()})
 
 
-def test_zstandard_extension_is_accepted_and_said_to_store_uncompressed(tmp_path, caplog):
-    from torch.distributed.checkpoint._extension import ZStandard
-    with caplog.at_level("WARNING", logger="dcp_datastates"):
-        _roundtrip(tmp_path, "z", {"_extensions": [ZStandard()]})
-    assert any("uncompressed" in r.getMessage() for r in caplog.records)
-
-
 def test_file_system_writer_arguments_that_would_change_the_files_are_refused_in_one_line(tmp_path):
     import pytest
     from torch.distributed.checkpoint._extension import StreamTransformExtension

@@ -44,11 +44,13 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 import cuda_ext
 
 from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
+from ..format.codec import encode_block
 from ..format.layout import ALIGNMENT, align_up
 from ..format.model import Extent
 from ..gcpause import paused_gc
@@ -81,6 +83,9 @@ class CopyItem:
     # the source's version counter when the save started (lazy saves; None: not tracked, as
     # for tensors made under inference_mode).  Checked once its bytes are copied.
     version: int | None = None
+    # 0: the bytes are stored as they are; else the header (format/codec.py) its blocks are
+    # compressed with, each block on its own into a sink of compressed blocks
+    codec: int = 0
 
     def live(self) -> torch.Tensor:
         """The source tensor, while the snapshot still needs it."""
@@ -95,7 +100,9 @@ class CopyItem:
             return [(f, off, n)]
         out: list[list] = []
         for _pos, f, off, n in sorted(self.placed, key=lambda p: p[0]):
-            if out and out[-1][0] == f and out[-1][1] + out[-1][2] == off and out[-1][2] % BLOCK_SIZE == 0:
+            if self.codec:  # compressed: one segment per stored block
+                out.append([f, off, n])
+            elif out and out[-1][0] == f and out[-1][1] + out[-1][2] == off and out[-1][2] % BLOCK_SIZE == 0:
                 out[-1][2] += n
             else:
                 out.append([f, off, n])
@@ -153,8 +160,10 @@ def _source_bytes(src, start: int, nbytes: int) -> memoryview:
 
 
 def _comparable(it: CopyItem) -> bool:
-    """The item has a base chunk of the same size, so their block digests line up."""
-    return it.base is not None and it.base.nbytes == it.nbytes and len(it.base.sums) == len(it.sums)
+    """The item has a base chunk of the same size, stored the same way (both compressed or
+    both not), so their block digests line up."""
+    return it.base is not None and it.base.nbytes == it.nbytes and len(it.base.sums) == len(it.sums) \
+        and it.base.packed == bool(it.codec)
 
 
 def _units(p: _Piece, unit: int):
@@ -175,7 +184,11 @@ def _units(p: _Piece, unit: int):
         reuse = None
         assert base is not None, "comparable items have a base"
         if it.sums[b0:b1] == base.sums[b0:b1]:
-            segs = base.locate(a, z - a)
+            if it.codec:  # a stored block per segment
+                segs = [(g.file, g.offset, b * BLOCK_SIZE - a, g.nbytes) for b, g in
+                        enumerate(base.segs[b0:b1], b0)]
+            else:
+                segs = base.locate(a, z - a)
             if segs and all(f in it.base_files for f, _o, _p, _n in segs):
                 reuse = [(a + pos, f, off, n) for f, off, pos, n in segs]
         yield a, z, reuse
@@ -477,8 +490,10 @@ class SnapshotEngine:
             direct = getattr(sink, "o_direct", False) and cache_off is not None
             with paused_gc():  # a few records per piece, none cyclic; the writes come after
                 spans = self._spans(job, b, mv, sink, direct)
-            for x, y, off in spans:
-                if direct:  # O_DIRECT: whole blocks from the aligned cache
+            for x, y, off, data in spans:
+                if data is not None:  # compressed blocks
+                    sink.pwrite(data, off)
+                elif direct:  # O_DIRECT: whole blocks from the aligned cache
                     n = y - x
                     padded = align_up(n)
                     assert cache_off is not None, "direct writes come from the host cache"
@@ -498,11 +513,17 @@ class SnapshotEngine:
             self._batch_done(job)
 
     @staticmethod
-    def _spans(job: SaveJob, b: _Batch, mv: memoryview, sink, direct: bool) -> list[tuple[int, int, int]]:
-        """Batch ``b``'s block digests, its reuse of the base, and the ranges of it to write,
-        ``(start, end, file offset)``, each reserved in the file and recorded in its items."""
+    def _spans(job: SaveJob, b: _Batch, mv: memoryview, sink,
+               direct: bool) -> list[tuple[int, int, int, bytes | None]]:
+        """Batch ``b``'s block digests, its reuse of the base, and what of it to write: ranges
+        of the batch ``(start, end, file offset, None)``, or compressed blocks ``(.., .., file
+        offset, stored bytes)``, each reserved in the file and recorded in its items."""
         spans: list[list] = []  # [start, end, units], each unit (item, item_start, start, nbytes)
+        out = []
         for p in b.pieces:
+            if p.item.codec:
+                out += _packed_spans(job, p, mv[p.dst_pos:p.dst_pos + p.nbytes], sink, b.file)
+                continue
             sums = block_checksums(mv[p.dst_pos:p.dst_pos + p.nbytes])
             first = p.src_start // BLOCK_SIZE
             p.item.sums[first:first + len(sums)] = sums
@@ -516,14 +537,13 @@ class SnapshotEngine:
                 else:
                     spans.append([x, y, []])
                 spans[-1][2].append((p.item, a, x, z - a))
-        out = []
         for x, y, units in spans:
             if direct:  # O_DIRECT writes start on a page of the cache: widen packed spans down
                 x = x // ALIGNMENT * ALIGNMENT
             off = sink.reserve(y - x)
             for item, a, ux, un in units:
                 item.placed.append((a, b.file, off + ux - x, un))
-            out.append((x, y, off))
+            out.append((x, y, off, None))
         return out
 
     def _batch_done(self, job: SaveJob) -> None:
@@ -539,7 +559,8 @@ class SnapshotEngine:
         the snapshot is done) and, when every unit matches the base, record the reuse and skip
         the copy and the write.  Stops at the first block that differs, so a changed batch
         costs one extra block digest before it takes the normal path."""
-        if not all(_comparable(p.item) and p.item.live().device.type == "cpu" for p in b.pieces):
+        if not all(_comparable(p.item) and not p.item.codec and p.item.live().device.type == "cpu"
+                   for p in b.pieces):
             return False
         reuse = []
         for p in b.pieces:
@@ -574,6 +595,30 @@ class SnapshotEngine:
                 job.durable.set_result(Written(job.file_sizes, dict(job.timings)))
         except BaseException as e:  # noqa: BLE001 - the close fails the job, which its future reports
             job.fail(e)
+
+
+def _packed_spans(job: SaveJob, p: _Piece, mv: memoryview, sink, file: int) -> list:
+    """Piece ``p`` (its bytes ``mv``), compressed block by block: each block's digest covers
+    its stored bytes; a dedup unit whose stored blocks equal the base's reuses them, the others
+    are written one run of stored blocks per unit, each block its own segment."""
+    it = p.item
+    first = p.src_start // BLOCK_SIZE
+    stored = [encode_block(mv[i:i + BLOCK_SIZE], it.codec) for i in range(0, p.nbytes, BLOCK_SIZE)]
+    it.sums[first:first + len(stored)] = [xxhash.xxh3_128_digest(x) for x in stored]
+    out = []
+    for a, z, reuse in _units(p, job.unit_bytes):
+        if reuse is not None:
+            it.placed.extend(reuse)
+            continue
+        blocks = stored[(a - p.src_start) // BLOCK_SIZE:-(-(z - p.src_start) // BLOCK_SIZE)]
+        data = b"".join(blocks)
+        off = sink.reserve(len(data))
+        pos = off
+        for k, x in enumerate(blocks):
+            it.placed.append((a + k * BLOCK_SIZE, file, pos, len(x)))
+            pos += len(x)
+        out.append((0, 0, off, data))
+    return out
 
 
 def _fill(copier, view: torch.Tensor, b: _Batch, flat: dict) -> None:

@@ -78,6 +78,10 @@ class DataStatesCheckpointManager(CheckpointManager):
         """A first cache level on the GPU, per process, in bytes (0: off; see
         ``docs/configuration.md``): the snapshot then ends after a device-to-device copy."""
 
+        compression: str = ""
+        """``"zstd"``: tensors stored as compressed 1 MiB blocks ("": as they are; see
+        ``docs/configuration.md`` for when it pays)."""
+
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
         self._ds_config = config
@@ -106,6 +110,7 @@ class DataStatesCheckpointManager(CheckpointManager):
             checkpoint_id, overwrite=True, thread_count=self._ds_config.thread_count,
             host_cache_bytes=self._ds_config.host_cache_bytes or None,
             device_cache_bytes=self._ds_config.device_cache_bytes,
+            compression=self._ds_config.compression or None,
             async_mode="process" if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM else None)
         self._ds_writer = writer
         if async_mode == AsyncMode.DISABLED:

@@ -18,9 +18,13 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import xxhash
+
 from ..engine.upload import pinned_slab
-from ..errors import ChecksumMismatch, DataFileError
+from ..errors import CheckpointError, ChecksumMismatch, DataFileError
 from ..format.checksum import verify_blocks
+from ..format.codec import CodecMissing, decode_block
+from ..format.limits import FormatViolation
 from ..tiers import StorageTier, read_path
 from ..tiers.direct_io import DIRECT_MIN, STAGE_BYTES, StagingBuffer, dio_alignment, read_range
 from ..tiers.local import open_regular
@@ -217,7 +221,7 @@ class Fetcher:
                 if ti + 1 < len(files.tiers) and files.first_fallback(ti, r.file):
                     log.warning("%s; reading this file from %s instead", e, files.tiers[ti + 1].url)
                 continue
-            self.stats.count(tier.url, r.nbytes)
+            self.stats.count(tier.url, r.nbytes if r.stored < 0 else r.stored)
             return
         assert first_error is not None, "a load has at least one tier"
         raise first_error
@@ -226,6 +230,9 @@ class Fetcher:
                   addr: int) -> None:
         """Read ``r`` from tier ``ti`` into ``mv`` and check it."""
         files, key, name = self.files, task.ri.storage_index.fqn, r.file
+        if r.stored >= 0:
+            self._unpacked(ti, tier, task, r, mv)
+            return
         try:
             fd = files.fd(ti, name)
             if fd is not None:
@@ -254,6 +261,31 @@ class Fetcher:
                 raise ChecksumMismatch(f"checksum mismatch in block {bad} (chunk bytes {bad * bs}+, file "
                                        f"offset {r.file_offset + (bad - r.first_block) * bs}+)",
                                        checkpoint=tier.url, file=name, key=key)
+
+    def _unpacked(self, ti: int, tier: StorageTier, task: Ranged, r: ByteRange, mv: memoryview) -> None:
+        """Compressed block ``r`` from tier ``ti``: its stored bytes read and checked against
+        their digest, then decoded into ``mv``."""
+        files, name, key = self.files, r.file, task.ri.storage_index.fqn
+        stored = bytearray(r.stored)
+        try:
+            got = files.tier_for(ti, name).read_into(name, r.file_offset, stored, fd=files.fd(ti, name))
+        except FileNotFoundError:
+            raise DataFileError("data file is missing; the checkpoint is incomplete or was damaged, load "
+                                "another tier or step", checkpoint=tier.url, file=name, key=key) from None
+        if got != r.stored:
+            raise DataFileError(f"data file is truncated: wanted {r.stored} bytes at offset {r.file_offset}, "
+                                f"got {got}", checkpoint=tier.url, file=name, key=key)
+        b = r.first_block
+        if self.verify and xxhash.xxh3_128_digest(stored) != r.extent.sums[b]:
+            raise ChecksumMismatch(f"checksum mismatch in compressed block {b} (chunk bytes {b * task.block_size}+, "
+                                   f"file offset {r.file_offset}+)", checkpoint=tier.url, file=name, key=key)
+        try:
+            decode_block(stored, mv)
+        except FormatViolation as e:
+            raise DataFileError(f"compressed block {b} at file offset {r.file_offset}: {e}",
+                                checkpoint=tier.url, file=name, key=key) from None
+        except CodecMissing as e:
+            raise CheckpointError(str(e), checkpoint=tier.url, file=name, key=key) from None
 
     def probe(self, tasks: Sequence[Ranged], threads: int) -> None:
         """Before a large load, measure O_DIRECT against buffered reads on the file system of its

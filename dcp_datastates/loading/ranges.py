@@ -33,13 +33,16 @@ _T = TypeVar("_T")
 @dataclass(frozen=True, slots=True)
 class ByteRange:
     """``nbytes`` at ``file_offset`` of data file ``file``, read into its task's buffer at
-    ``buf_offset``; they start at block ``first_block`` of ``extent`` (whose digests check them)."""
+    ``buf_offset``; they start at block ``first_block`` of ``extent`` (whose digests check them).
+    ``stored`` >= 0: the range is one compressed block, ``stored`` bytes at ``file_offset``
+    that decode to its ``nbytes``."""
     file: str
     file_offset: int
     nbytes: int
     buf_offset: int
     first_block: int
     extent: Extent
+    stored: int = -1
 
 
 class Ranged(Protocol):
@@ -61,6 +64,11 @@ Piece = tuple[Ranged, int]  # a task and the position of one of its ranges
 def block_ranges(ext: Extent, start: int, n: int, buf_off: int, block_size: int) -> list[ByteRange]:
     """Chunk bytes ``[start, start + n)`` of ``ext`` (``start`` on a block boundary), read into
     a buffer at ``buf_off``: per segment, in pieces of at most ``READ_PIECE``."""
+    if ext.packed:  # one range per compressed block
+        b0, b1 = start // block_size, -(-(start + n) // block_size)
+        return [ByteRange(g.file, g.offset, min(block_size, ext.nbytes - b * block_size),
+                          buf_off + b * block_size - start, b, ext, g.nbytes)
+                for b, g in enumerate(ext.segs[b0:b1], b0)]
     step = max(block_size, READ_PIECE // block_size * block_size)
     out = []
     for name, file_off, pos, length in ext.locate(start, n):
@@ -77,7 +85,7 @@ def coalesce(pieces: list[Piece]) -> tuple[list[list[Piece]], list[Piece]]:
     rest: list[Piece] = []
     for t, i in pieces:
         r = t.ranges[i]
-        if r.nbytes <= COALESCE_PIECE and not t.streamed:
+        if r.nbytes <= COALESCE_PIECE and not t.streamed and r.stored < 0:
             small[r.file].append((t, i))
         else:
             rest.append((t, i))

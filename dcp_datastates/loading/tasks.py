@@ -28,7 +28,7 @@ def small_whole(ri, dest: torch.Tensor, dtype: str, chunk: Chunk) -> bool:
     contiguous CPU tensor of its dtype (most of a state's many small tensors, which then take
     a :class:`SmallTask`)."""
     ext = chunk.extent
-    return ext is not None and len(ext.segs) == 1 and 0 < ext.nbytes <= COALESCE_PIECE \
+    return ext is not None and len(ext.segs) == 1 and 0 < ext.nbytes <= COALESCE_PIECE and not ext.packed \
         and not any(ri.storage_offsets) and tuple(ri.lengths) == tuple(chunk.sizes) \
         and dest.device.type == "cpu" and dest.dtype == dtype_from_name(dtype) and dest.is_contiguous() \
         and dest.numel() * dest.element_size() == ext.nbytes
