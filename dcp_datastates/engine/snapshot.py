@@ -168,31 +168,44 @@ def _comparable(it: CopyItem) -> bool:
 
 def _units(p: _Piece, unit: int):
     """Cut piece ``p`` into dedup units; yield ``(start, end, reuse)`` in item bytes, where
-    ``reuse`` lists the base segments holding identical bytes, or is None (write them)."""
+    ``reuse`` lists the base segments holding identical bytes, or is None (write them).  The
+    digests of a unit's blocks are compared when the unit is yielded."""
     it = p.item
     start, end = p.src_start, p.src_start + p.nbytes
     if p.nbytes == 0:
         return
-    base = it.base
     if not _comparable(it):
         yield start, end, None
         return
+    for a, z in _unit_bounds(start, end, unit):
+        yield a, z, _reuse(it, a, z)
+
+
+def _unit_bounds(start: int, end: int, unit: int):
+    """``[start, end)`` cut at multiples of ``unit``."""
     a = start
     while a < end:
         z = min(end, (a // unit + 1) * unit)
-        b0, b1 = a // BLOCK_SIZE, -(-z // BLOCK_SIZE)
-        reuse = None
-        assert base is not None, "comparable items have a base"
-        if it.sums[b0:b1] == base.sums[b0:b1]:
-            if it.codec:  # a stored block per segment
-                segs = [(g.file, g.offset, b * BLOCK_SIZE - a, g.nbytes) for b, g in
-                        enumerate(base.segs[b0:b1], b0)]
-            else:
-                segs = base.locate(a, z - a)
-            if segs and all(f in it.base_files for f, _o, _p, _n in segs):
-                reuse = [(a + pos, f, off, n) for f, off, pos, n in segs]
-        yield a, z, reuse
+        yield a, z
         a = z
+
+
+def _reuse(it: CopyItem, a: int, z: int) -> list | None:
+    """The base segments that hold item bytes ``[a, z)`` (``(item_pos, file, offset, nbytes)``)
+    when their block digests equal the item's and this tier holds their files, else None."""
+    base = it.base
+    if base is None or not _comparable(it):
+        return None
+    b0, b1 = a // BLOCK_SIZE, -(-z // BLOCK_SIZE)
+    if it.sums[b0:b1] != base.sums[b0:b1]:
+        return None
+    if it.codec:  # a stored block per segment
+        segs = [(g.file, g.offset, b * BLOCK_SIZE - a, g.nbytes) for b, g in enumerate(base.segs[b0:b1], b0)]
+    else:
+        segs = base.locate(a, z - a)
+    if segs and all(f in it.base_files for f, _o, _p, _n in segs):
+        return [(a + pos, f, off, n) for f, off, pos, n in segs]
+    return None
 
 
 def plan_batches(items: list[CopyItem], piece_bytes: int, *, direct_ok) -> list[_Batch]:
@@ -488,12 +501,14 @@ class SnapshotEngine:
             mv = view.numpy().data if view.numel() else memoryview(b"")
             sink = job.sinks[b.file]
             direct = getattr(sink, "o_direct", False) and cache_off is not None
+            if b.pieces[0].item.codec:  # a sink of compressed blocks holds nothing else
+                for p in b.pieces:
+                    _write_packed(job, p, mv[p.dst_pos:p.dst_pos + p.nbytes], sink, b.file)
+                return
             with paused_gc():  # a few records per piece, none cyclic; the writes come after
                 spans = self._spans(job, b, mv, sink, direct)
-            for x, y, off, data in spans:
-                if data is not None:  # compressed blocks
-                    sink.pwrite(data, off)
-                elif direct:  # O_DIRECT: whole blocks from the aligned cache
+            for x, y, off in spans:
+                if direct:  # O_DIRECT: whole blocks from the aligned cache
                     n = y - x
                     padded = align_up(n)
                     assert cache_off is not None, "direct writes come from the host cache"
@@ -513,17 +528,11 @@ class SnapshotEngine:
             self._batch_done(job)
 
     @staticmethod
-    def _spans(job: SaveJob, b: _Batch, mv: memoryview, sink,
-               direct: bool) -> list[tuple[int, int, int, bytes | None]]:
-        """Batch ``b``'s block digests, its reuse of the base, and what of it to write: ranges
-        of the batch ``(start, end, file offset, None)``, or compressed blocks ``(.., .., file
-        offset, stored bytes)``, each reserved in the file and recorded in its items."""
+    def _spans(job: SaveJob, b: _Batch, mv: memoryview, sink, direct: bool) -> list[tuple[int, int, int]]:
+        """Batch ``b``'s block digests, its reuse of the base, and the ranges of it to write,
+        ``(start, end, file offset)``, each reserved in the file and recorded in its items."""
         spans: list[list] = []  # [start, end, units], each unit (item, item_start, start, nbytes)
-        out = []
         for p in b.pieces:
-            if p.item.codec:
-                out += _packed_spans(job, p, mv[p.dst_pos:p.dst_pos + p.nbytes], sink, b.file)
-                continue
             sums = block_checksums(mv[p.dst_pos:p.dst_pos + p.nbytes])
             first = p.src_start // BLOCK_SIZE
             p.item.sums[first:first + len(sums)] = sums
@@ -537,13 +546,14 @@ class SnapshotEngine:
                 else:
                     spans.append([x, y, []])
                 spans[-1][2].append((p.item, a, x, z - a))
+        out = []
         for x, y, units in spans:
             if direct:  # O_DIRECT writes start on a page of the cache: widen packed spans down
                 x = x // ALIGNMENT * ALIGNMENT
             off = sink.reserve(y - x)
             for item, a, ux, un in units:
                 item.placed.append((a, b.file, off + ux - x, un))
-            out.append((x, y, off, None))
+            out.append((x, y, off))
         return out
 
     def _batch_done(self, job: SaveJob) -> None:
@@ -597,28 +607,31 @@ class SnapshotEngine:
             job.fail(e)
 
 
-def _packed_spans(job: SaveJob, p: _Piece, mv: memoryview, sink, file: int) -> list:
-    """Piece ``p`` (its bytes ``mv``), compressed block by block: each block's digest covers
-    its stored bytes; a dedup unit whose stored blocks equal the base's reuses them, the others
-    are written one run of stored blocks per unit, each block its own segment."""
+def _write_packed(job: SaveJob, p: _Piece, mv: memoryview, sink, file: int) -> None:
+    """Piece ``p`` (its bytes ``mv``), compressed block by block and written a dedup unit at a
+    time (so a flush thread holds one unit's stored bytes, not a piece's): each block's digest
+    covers its stored bytes; a unit whose stored blocks equal the base's reuses them, the
+    others are appended to the sink, each block its own segment."""
     it = p.item
-    first = p.src_start // BLOCK_SIZE
-    stored = [encode_block(mv[i:i + BLOCK_SIZE], it.codec) for i in range(0, p.nbytes, BLOCK_SIZE)]
-    it.sums[first:first + len(stored)] = [xxhash.xxh3_128_digest(x) for x in stored]
-    out = []
-    for a, z, reuse in _units(p, job.unit_bytes):
+    for a, z in _unit_bounds(p.src_start, p.src_start + p.nbytes, job.unit_bytes):
+        if job.abort.is_set():
+            return
+        lo = a - p.src_start
+        stored = [encode_block(mv[i:min(i + BLOCK_SIZE, z - p.src_start)], it.codec)
+                  for i in range(lo, z - p.src_start, BLOCK_SIZE)]
+        first = a // BLOCK_SIZE
+        it.sums[first:first + len(stored)] = [xxhash.xxh3_128_digest(x) for x in stored]
+        reuse = _reuse(it, a, z)
         if reuse is not None:
             it.placed.extend(reuse)
             continue
-        blocks = stored[(a - p.src_start) // BLOCK_SIZE:-(-(z - p.src_start) // BLOCK_SIZE)]
-        data = b"".join(blocks)
-        off = sink.reserve(len(data))
-        pos = off
-        for k, x in enumerate(blocks):
+        data = b"".join(stored)  # one write at the reserved offset (object stores append in that order)
+        off = pos = sink.reserve(len(data))
+        for k, x in enumerate(stored):
             it.placed.append((a + k * BLOCK_SIZE, file, pos, len(x)))
             pos += len(x)
-        out.append((0, 0, off, data))
-    return out
+        del stored
+        sink.pwrite(data, off)
 
 
 def _fill(copier, view: torch.Tensor, b: _Batch, flat: dict) -> None:
