@@ -1,6 +1,6 @@
 """Async checkpointing in a CPU training loop, against DCP's async_save, in one run.
 
-    python benchmarks/bench_async.py [--steps 16] [--every 3] [--dir /tmp/dcpds-async] [--process]
+    python benchmarks/bench_async.py [--steps 16] [--every 3] [--dir /tmp/dcpds-async] [--process | --compression]
 
 An MLP trained with Adam (model + optimizer state about 1.2 GB, iterations of a few tenths
 of a second) checkpoints every ``--every`` steps; before each save it waits for the previous
@@ -18,7 +18,8 @@ Each method runs in its own fresh process, so RSS and caches do not leak between
 ``--process`` compares DCP's PROCESS mode instead: its ``FileSystemWriter`` (default stager), a
 plain ``DataStatesWriter`` given room to copy the CPU state when DCP hands it over, and one
 told ``async_mode="process"``.  RSS is the trainer's (shared memory it touched included), not
-DCP's checkpoint process's.
+DCP's checkpoint process's.  ``--compression`` compares the lazy snapshot with and without
+``compression="zstd"``, with a host cache the size of the state and a quarter of it.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def run_method(method: str, steps: int, every: int, base: str) -> dict:
     state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3
     # the lazy snapshot's cache is a quarter of the state; a snapshot at the call needs room
     # for all of it (snapshot="at_call": no window for a change outside the version check)
-    cache = state_bytes if method == "datastates_at_call" else state_bytes // 4
+    full = method == "datastates_at_call" or method.startswith("datastates_full")
+    cache = state_bytes if full else state_bytes // 4
 
     peak = [rss()]
     stop = threading.Event()
@@ -134,7 +136,8 @@ def run_method(method: str, steps: int, every: int, base: str) -> dict:
                 waiter = writer.wait_snapshot
             else:
                 writer = DataStatesWriter(path, host_cache_bytes=cache,
-                                          snapshot="at_call" if method == "datastates_at_call" else "lazy")
+                                          snapshot="at_call" if method == "datastates_at_call" else "lazy",
+                                          compression="zstd" if method.endswith("_zstd") else None)
                 fut = async_save(state, storage_writer=writer)
                 waiter = writer.wait_snapshot
             blocked += time.perf_counter() - t
@@ -171,6 +174,9 @@ def main() -> int:
     ap.add_argument("--process", action="store_true",
                     help="DCP's PROCESS mode: FileSystemWriter against a plain DataStatesWriter and one "
                          "told async_mode='process'")
+    ap.add_argument("--compression", action="store_true",
+                    help="the lazy snapshot with and without compression='zstd', host cache the size "
+                         "of the state (datastates_full) and a quarter of it")
     args = ap.parse_args()
     if args.method:
         res = run_method(args.method, args.steps, args.every, args.dir)
@@ -179,6 +185,8 @@ def main() -> int:
     methods = ["none", "dcp_thread_default", "dcp_thread_async_stager", "datastates", "datastates_at_call"]
     if args.process:
         methods = ["none", "dcp_process_default", "datastates_process_plain", "datastates_process_said"]
+    if args.compression:
+        methods = ["none", "datastates_full", "datastates_full_zstd", "datastates", "datastates_zstd"]
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     # Memory pass: glibc's dynamic mmap threshold makes the trainer's own Adam temporaries stay
     # resident or not from run to run (0 to 0.4 GB here); a fixed threshold removes that noise,
@@ -235,11 +243,17 @@ def main() -> int:
     for m, r in rows.items():
         print(f"{m:<28} {r['stall']:>12.2f} {r['blocked']:>15.2f} {r['commit']:>9.2f} "
               f"{r['rss_growth'] / 1e9:>14.2f} {r['rss_growth_default_malloc'] / 1e9:>17.2f}")
-    if args.process:
+    if args.compression:
+        for plain in ("datastates_full", "datastates"):
+            z = rows[f"{plain}_zstd"]
+            print(f"{plain}_zstd: stall {z['stall'] - rows[plain]['stall']:+.2f} s, commit "
+                  f"{z['commit'] / rows[plain]['commit']:.2f}x the uncompressed save's")
+    elif args.process:
         dcp_row = rows["dcp_process_default"]
         for m in ("datastates_process_plain", "datastates_process_said"):
             print(f"{m}: stall {rows[m]['stall'] / dcp_row['stall']:.2f}x DCP's, commit "
                   f"{rows[m]['commit'] / dcp_row['commit']:.2f}x DCP's")
+    if args.compression or args.process:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"runs": runs, "rows": rows}, f, indent=1)

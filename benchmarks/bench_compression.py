@@ -1,4 +1,4 @@
-"""What per-block compression would buy, measured before it is built (issue 38).
+"""Per-block compression (issue 38): what the codec buys, and our writer with it against DCP's.
 
     python benchmarks/bench_compression.py [--steps 300] [--random-mb 64] [--json OUT]
 
@@ -7,9 +7,13 @@ optimizer moments, and the weights cast to bf16 and fp16, as a mixed-precision r
 them), and random data of each dtype.  For each, every 1 MiB checksum block is compressed on
 its own with zstd (levels 1 and 3), plain and byte-shuffled first (byte ``k`` of every element
 together, as blosc does), on one thread: the ratio (logical / stored) and the compress and
-decompress throughput.  Then the same states are saved and loaded through DCP's
-``FileSystemWriter`` with and without its ``ZStandard()`` extension, in the same run: bytes on
-disk and seconds.  Needs ``zstandard``.
+decompress throughput.  Then the same states are saved and loaded, in the same run, through
+DCP's ``FileSystemWriter``/``FileSystemReader`` with and without its ``ZStandard()`` extension,
+and through ``DataStatesWriter``/``DataStatesReader`` without compression, with
+``compression="zstd"`` (floats byte-shuffled, the rule it ships with) and with zstd unshuffled
+(the shipped rule swapped out in this script, to measure what the shuffle costs and buys):
+bytes on disk, and save and load seconds (median of 3, default options, page cache warm).
+Needs ``zstandard``.
 """
 
 from __future__ import annotations
@@ -105,6 +109,32 @@ def dcp_roundtrip(state: dict, root: str, zstd: bool) -> dict:
     return {"bytes": size, "save_s": round(ts, 3), "load_s": round(tl, 3)}
 
 
+def ours_roundtrip(state: dict, root: str, mode: str) -> dict:
+    """Save and load ``state`` through our writer and reader: ``mode`` "none", "zstd" or
+    "zstd-unshuffled"."""
+    from dcp_datastates import DataStatesReader, DataStatesWriter, placement
+    from dcp_datastates.format import codec as codecs
+    path = os.path.join(root, f"ours-{mode}")
+    shutil.rmtree(path, ignore_errors=True)
+    shipped = placement.codec_for
+    if mode == "zstd-unshuffled":
+        placement.codec_for = lambda dtype: codecs.ZSTD
+    try:
+        t = time.perf_counter()
+        dcp.save(state, storage_writer=DataStatesWriter(path, compression=None if mode == "none" else "zstd"),
+                 no_dist=True)
+        ts = time.perf_counter() - t
+    finally:
+        placement.codec_for = shipped
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    t = time.perf_counter()
+    dcp.load(back, storage_reader=DataStatesReader(path), no_dist=True)
+    tl = time.perf_counter() - t
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    return {"bytes": size, "save_s": round(ts, 3), "load_s": round(tl, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
@@ -139,16 +169,29 @@ def main() -> None:
                       f"decompress {r['decompress_MBps']:5d} MB/s", flush=True)
     root = tempfile.mkdtemp(dir=a.dir)
     dcp_rows = []
+    states = (("trained fp32 + Adam", trained),
+              ("trained weights bf16", {k: v.to(torch.bfloat16) for k, v in trained.items() if k.startswith("w.")}),
+              ("random fp32", {"x": sets["random fp32"][0]}))
+    ways = [("DCP", False), ("DCP ZStandard()", True), ("ours", "none"), ("ours zstd", "zstd"),
+            ("ours zstd unshuffled", "zstd-unshuffled")]
     try:
-        for name, state in (("trained fp32 + Adam", trained),
-                            ("random fp32", {"x": sets["random fp32"][0]})):
-            reps = {z: [dcp_roundtrip(state, root, z) for _ in range(3)] for z in (False, True)}
-            for z, rs in reps.items():
+        for name, state in states:
+            logical = sum(v.nbytes for v in state.values())
+            reps: dict[str, list] = {w: [] for w, _ in ways}
+            for _ in range(3):  # interleaved: each way sees the same machine state
+                for way, arg in ways:
+                    reps[way].append(dcp_roundtrip(state, root, arg) if way.startswith("DCP")
+                                     else ours_roundtrip(state, root, arg))
+            for way, rs in reps.items():
                 r = {"bytes": rs[0]["bytes"], "save_s": statistics.median(x["save_s"] for x in rs),
                      "load_s": statistics.median(x["load_s"] for x in rs)}
-                dcp_rows.append({"data": name, "zstd": z, **r})
-                print(f"DCP FileSystemWriter {name:20s} ZStandard={z!s:5s} {r['bytes'] / 1e6:8.1f} MB  "
-                      f"save {r['save_s']:.3f} s  load {r['load_s']:.3f} s", flush=True)
+                r["save_MBps"] = round(logical / r["save_s"] / 1e6)
+                r["load_MBps"] = round(logical / r["load_s"] / 1e6)
+                r["ratio"] = round(logical / r["bytes"], 3)
+                dcp_rows.append({"data": name, "way": way, "logical": logical, **r})
+                print(f"{name:22s} {way:22s} {r['bytes'] / 1e6:8.1f} MB (x{r['ratio']:.2f})  "
+                      f"save {r['save_s']:.3f} s ({r['save_MBps']} MB/s)  "
+                      f"load {r['load_s']:.3f} s ({r['load_MBps']} MB/s)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if a.json:
