@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
+from typing import cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -30,12 +32,14 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .engine.device_cache import prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
+from .errors import CheckpointError
 from .format import decode_manifest
 from .format.model import Manifest
 from .format.names import MANIFEST_NAME
 from .guard import async_save
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
+from .replicas import Replicator, repair
 from .run_steps import RunSteps
 from .tiers import StorageTier
 from .tiers.retention import purge_steps
@@ -68,7 +72,8 @@ class Checkpointer:
     def __init__(self, tiers: list[str], *, keep: list[int] | int | None = None,
                  persist_every: int = 1, async_mode: str | None = "thread", process_group=None,
                  node_local: bool = False, storage_options: list[dict | None] | None = None,
-                 incremental: bool = False, **writer_options) -> None:
+                 incremental: bool = False, replicas: int = 0, node: str | None = None,
+                 **writer_options) -> None:
         if not tiers:
             raise ValueError("Checkpointer needs at least one tier")
         if persist_every < 1:
@@ -107,6 +112,16 @@ class Checkpointer:
         # bytes of the newest committed save, all ranks: written anew, and reused from earlier steps
         self.last_stats: dict[str, int] = {}
         self._helpers: list[threading.Thread] = []
+        self.replicator: Replicator | None = None
+        self._replicating: dict[int, Future] = {}
+        self._node_lock = threading.Lock()
+        self._on_nodes: set[int] = set()  # steps whose manifest this node committed
+        if replicas:
+            if not node_local:
+                raise ValueError("replicas copy node-local checkpoints to other nodes: pass node_local=True")
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("replicas travel over torch.distributed: call dist.init_process_group first")
+            self.replicator = Replicator(replicas, process_group, node)  # a collective: every rank
 
     # ------------------------------------------------------------------ paths
     def step_path(self, tier: int, step: int) -> str:
@@ -144,6 +159,9 @@ class Checkpointer:
         fut = async_save(state, storage_writer=writer, process_group=self.pg, planner=DataStatesSavePlanner(),
                          async_checkpointer_type=kind)
         self._inflight = {"step": step, "writer": writer, "future": fut, "persist": persist, "base": base}
+        if self.node_local:  # the step is on this node (and on its way to the peers) once it commits
+            done = cast(Future, getattr(fut, "upload_completion", fut))
+            done.add_done_callback(lambda f: self._on_node(step, f.result()) if f.exception() is None else None)
         return fut
 
     def _base_for(self, step: int) -> int | None:
@@ -194,15 +212,7 @@ class Checkpointer:
             return
         step, writer = cur["step"], cur["writer"]
         self.last_timings = writer.timings()
-        body = None
-        if md is not None and isinstance(getattr(md, "storage_data", None), dict):
-            body = md.storage_data.get(MANIFEST_KEY)
-        if self.node_local and body is not None:
-            # the coordinator committed the manifest on its node; commit it on this node too
-            t = self._tier(0, step)
-            if not t.exists(MANIFEST_NAME):
-                t.makedirs()
-                t.commit_bytes(MANIFEST_NAME, body)
+        body = self._on_node(step, md)
         self._last_committed = step if self._last_committed is None else max(self._last_committed, step)
         if body is not None:
             m = decode_manifest(body, source=self.step_path(0, step))
@@ -218,6 +228,42 @@ class Checkpointer:
             t.start()
             self._helpers = [h for h in self._helpers if h.is_alive()] + [t]
         self._start_purge()
+
+    def _on_node(self, step: int, md) -> bytes | None:
+        """The committed manifest's body; with ``node_local``, committed on this node too, and
+        with ``replicas``, this rank's files of the step sent on to its peers' nodes.  Runs when
+        an async save's future completes (in DCP's thread) and again from ``wait``: the second
+        time finds it done."""
+        body = None
+        if md is not None and isinstance(getattr(md, "storage_data", None), dict):
+            body = md.storage_data.get(MANIFEST_KEY)
+        if not self.node_local or body is None:
+            return body
+        with self._node_lock:
+            if step in self._on_nodes:
+                return body
+            self._on_nodes.add(step)
+            # the coordinator committed the manifest on its node; commit it on this node too
+            t = self._tier(0, step)
+            if not t.exists(MANIFEST_NAME):
+                t.makedirs()
+                t.commit_bytes(MANIFEST_NAME, body)
+            if self.replicator is not None:  # this rank's files of the step, to its peers' nodes
+                self._replicating[step] = self.replicator.submit(t, step, decode_manifest(body).save_id)
+        return body
+
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """Wait until every save so far is replicated to its peers (``replicas``); False when a
+        step ended degraded (the log says which ranks and why)."""
+        self.wait()
+        ok = True
+        for step, fut in sorted(self._replicating.items()):
+            try:
+                ok = fut.result(timeout).complete and ok
+            except (RuntimeError, OSError, CheckpointError) as e:
+                log.warning("step %d: replication failed: %s", step, e)
+                ok = False
+        return ok
 
     def _after_persist(self, step: int, writer: DataStatesWriter) -> None:
         try:
@@ -269,11 +315,17 @@ class Checkpointer:
                         self.tiers[0], foreign)
         last_error = None
         for s in order:
+            save = self.steps.agreed_save(s)
+            if self.replicator is not None and not repair(self.replicator, self._tier(0, s), s, save) \
+                    and not any(self.steps.is_committed(i, s) for i in range(1, len(self.tiers))):
+                log.warning("step %d: some of its files have no good copy on any node and no slower tier "
+                            "holds it; trying an older step", s)
+                continue
             reader = DataStatesReader(
                 self.step_path(0, s), storage_options=self.storage_options[0],
                 fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
                 fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None,
-                save_id=self.steps.agreed_save(s))
+                save_id=save if save is not None else self.steps.agreed_save(s))
             try:
                 dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
             except BaseException as e:  # CheckpointException is a BaseException

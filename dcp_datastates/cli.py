@@ -34,6 +34,7 @@ from .errors import (
 from .format import MANIFEST_NAME
 from .format.names import PERSISTED_RECORD, data_file_rank
 from .format.values import decode_value
+from .replicas import records_in
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
 from .verify import inspect_run, verify_checkpoint, verify_run
@@ -94,6 +95,8 @@ def cmd_inspect(args) -> int:
                   f"{_fmt_bytes(r['used_by_later']):>14}")
         return 0
     m = load_manifest(tier)
+    replicas = [{"rank": r.rank, "replicas": r.replicas, "confirmed_by": r.confirmed, "complete": r.complete,
+                 "holds_files_of": sorted(r.held)} for r in records_in(tier, m.save_id)]
     tiers = [args.path]
     try:
         if tier.exists(PERSISTED_RECORD):
@@ -131,7 +134,7 @@ def cmd_inspect(args) -> int:
     info = {"path": args.path, "format_version": m.version, "save_id": m.save_id,
             "world_size": m.world_size, "files": own_files, "total_bytes": sum(own_files.values()),
             "owned_bytes": owned, "shared_bytes": sum(shared.values()), "shared_from": shared,
-            "committed_tiers": tiers, "entries": rows}
+            "committed_tiers": tiers, "replicas": replicas, "entries": rows}
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -145,6 +148,10 @@ def cmd_inspect(args) -> int:
         print(f"tensors: {_fmt_bytes(logical)} logical, {_fmt_bytes(stored)} stored "
               f"({logical / max(stored, 1):.2f}x compressed)")
     print("committed on: " + ", ".join(tiers))
+    for r in replicas:
+        print(f"replicas: rank {r['rank']}'s files on rank(s) {r['confirmed_by']} "
+              f"({'complete' if r['complete'] else 'DEGRADED'}, {r['replicas']} wanted); "
+              f"this directory holds copies of rank(s) {r['holds_files_of']}")
     kw = max([len(r["key"]) for r in rows] + [3])
     print(f"{'key':<{kw}}  {'dtype':<14} {'shape':<20} {'chunks (per rank)':<22} {'bytes':>12} {'stored':>12}")
     for r in rows:

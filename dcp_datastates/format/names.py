@@ -19,6 +19,7 @@ PERSISTED_RECORD = ".persisted"  # which slower tiers committed their copy (for 
 UPLOADED_PREFIX = ".uploaded.rank-"  # a rank finished uploading to a slow tier
 FAILED_PREFIX = ".failed.rank-"  # a rank gave up uploading to a slow tier
 TEMP_INFIX = ".tmp-"  # commit_bytes writes NAME.tmp-XXXXXXXX, then renames it
+REPLICA_PREFIX = ".replicas.rank-"  # a rank's record of a step's peer replicas (replicas.py)
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 SAVE_ID = re.compile(r"^[0-9a-f]{12}$")
@@ -26,6 +27,7 @@ DATA_FILE = re.compile(r"^data-r(\d{5})-([0-9a-f]{12})-(\d{2})\.dsd$")
 _DATA_PART = re.compile(r"^data-r(\d{5})-([0-9a-f]{12})-(\d{2})\.dsd\.part$")
 PART_FILE = re.compile(r"^part-r(\d{5,7})-([0-9a-f]{12})\.dsm(?:\.part)?$")  # a rank's metadata (format 4)
 _RANK_MANIFEST = re.compile(r"^\.manifest\.rank-(\d{5})(?:\.([0-9a-f]{12}))?$")
+_REPLICA_RECORD = re.compile(r"^\.replicas\.rank-(\d{5,7})\.([0-9a-f]{12})$")
 _MARKER = re.compile(r"^\.(?:uploaded|failed)\.rank-(\d{5})\.([0-9a-f]{12})$")
 
 
@@ -135,6 +137,16 @@ def failed_marker(rank: int, save_id: str) -> str:
     return f"{FAILED_PREFIX}{rank:05d}.{save_id}"
 
 
+def replica_record_name(rank: int, save_id: str) -> str:
+    return f"{REPLICA_PREFIX}{rank:05d}.{save_id}"
+
+
+def replica_record_of(name: str) -> tuple[int, str] | None:
+    """(rank, save id) of a replica record's name, else None."""
+    m = _REPLICA_RECORD.match(name)
+    return None if m is None else (int(m.group(1)), m.group(2))
+
+
 def marker_save_id(name: str) -> str | None:
     m = _MARKER.match(name)
     return m.group(2) if m else None
@@ -150,6 +162,6 @@ def is_ours(name: str) -> bool:
     notes, a subdirectory) is foreign: cleanup and retention leave it alone."""
     base = name.partition(TEMP_INFIX)[0]
     return (is_manifest_name(base) or data_file_save_id(base) is not None
-            or marker_save_id(base) is not None
+            or marker_save_id(base) is not None or replica_record_of(base) is not None
             or base in (PURGED_MARK, PERSISTED_RECORD, CLAIM_NAME)
             or (base.startswith(RANK_CLAIM_PREFIX) and base[len(RANK_CLAIM_PREFIX):].isdigit()))

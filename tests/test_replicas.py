@@ -1,0 +1,207 @@
+"""Peer replicas of node-local checkpoints (issue 36): ``Checkpointer(..., replicas=K)``.
+
+Nodes are simulated on one machine: 2 ranks per node, each node its own node-local directory,
+node identity given to the checkpointer.  Every rank's files of a step land on another node;
+after a node's directory is lost, the restore rebuilds it from the replicas and resumes from the
+newest step, not the older one on the persistent tier (or from nothing else at all)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dcp_datastates import Checkpointer
+from dcp_datastates.format.names import replica_record_of
+from tests.dist import run_ranks
+
+PER_NODE = 2
+
+
+def _model(world: int):
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _train(model, opt, step: int) -> None:
+    torch.manual_seed(100 + step)
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state(model, opt) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "extra": {"step": 0}}
+
+
+def _flat(obj, out=None, prefix=""):
+    out = {} if out is None else out
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flat(v, out, f"{prefix}{k}.")
+    elif isinstance(obj, DTensor):
+        out[prefix] = obj.full_tensor().clone()
+    elif isinstance(obj, torch.Tensor):
+        out[prefix] = obj.clone()
+    else:
+        out[prefix] = obj
+    return out
+
+
+def _tiers(base: str, rank: int, pfs: bool) -> list[str]:
+    node = os.path.join(base, f"node{rank // PER_NODE}")
+    return [node, os.path.join(base, "pfs")] if pfs else [node]
+
+
+def _train_and_save(rank, world, base, pfs):
+    model, opt = _model(world)
+    pg = dist.new_group(backend="gloo")  # async saves: a group of their own, apart from training's
+    ckpt = Checkpointer(_tiers(base, rank, pfs), node_local=True, persist_every=3, replicas=1,
+                        node=f"n{rank // PER_NODE}", process_group=pg)
+    ckpt.register_step_pre_hook(opt)
+    for step in range(1, 6):
+        _train(model, opt, step)
+        sd = _state(model, opt)
+        sd["extra"]["step"] = step
+        fut = ckpt.save(step, sd)
+    fut.result()  # the last step commits: its replication starts then, not at the next save
+    mine = os.path.join(_tiers(base, rank, pfs)[0], "step-5")
+    deadline = time.monotonic() + 60
+    while not any((got := replica_record_of(n)) and got[0] == rank for n in os.listdir(mine)):
+        assert time.monotonic() < deadline, os.listdir(mine)
+        time.sleep(0.05)
+    assert ckpt.wait_replicated(120)
+    ckpt.wait_persisted(120)
+    want = _flat(_state(model, opt))
+    if rank == 0:
+        torch.save(want, os.path.join(base, "want.pt"))
+    dist.barrier()
+    # every rank's files of step 5 are on its own node and on the other one
+    here = os.listdir(os.path.join(_tiers(base, rank, pfs)[0], "step-5"))
+    records = {replica_record_of(n)[0] for n in here if replica_record_of(n)}
+    assert records == {rank - rank % PER_NODE + i for i in range(PER_NODE)}, here
+    writers = {int(n[6:11]) for n in here if n.startswith("data-r")}
+    assert writers == set(range(world)), here  # own node's ranks, and the other node's replicas
+    if rank == 0:  # inspect says where the copies are
+        from tests.test_cli import cli
+        info = json.loads(cli("inspect", mine, "--json").stdout)
+        assert {r["rank"]: (r["confirmed_by"], r["complete"], r["holds_files_of"]) for r in info["replicas"]} \
+            == {0: ([2], True, [2]), 1: ([3], True, [3])}, info["replicas"]
+        assert "replicas: rank 0's files on rank(s) [2] (complete" in cli("inspect", mine).stdout
+    # no close(): the job dies here, as if every rank were killed after its 5th save
+
+
+def _restore(rank, world, base, pfs, expect):
+    model, opt = _model(world)
+    ckpt = Checkpointer(_tiers(base, rank, pfs), node_local=True, persist_every=3, replicas=1,
+                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"))
+    sd = _state(model, opt)
+    got = ckpt.load(sd)
+    assert got == expect, got
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    want = torch.load(os.path.join(base, "want.pt"), weights_only=True)
+    have = _flat(_state(model, opt))
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(have[k], v), k
+    assert sd["extra"]["step"] == expect
+    ckpt.close()
+
+
+@pytest.mark.parametrize("pfs", [True, False], ids=["with-pfs", "node-local-only"])
+def test_a_lost_node_is_restored_from_its_replicas_at_the_newest_step(tmp_path, pfs):
+    base = str(tmp_path)
+    run_ranks(4, _train_and_save, base, pfs)
+    shutil.rmtree(os.path.join(base, "node1"))  # the node is gone, its NVMe with it
+    run_ranks(4, _restore, base, pfs, 5)  # step 5, not the persisted step 3
+    # the replacement node got its files back, checked against their recorded digests
+    assert sorted(os.listdir(os.path.join(base, "node1", "step-5")))
+
+
+def _flip_middle(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_corrupt_copy_is_replaced_by_a_good_replica(tmp_path):
+    """Node 0's own copy of rank 0's data file rots; node 1's replica of it matches the digest
+    recorded at replication, so the restore copies it over the bad one and loads step 5."""
+    base = str(tmp_path)
+    run_ranks(4, _train_and_save, base, False)
+    step = os.path.join(base, "node0", "step-5")
+    bad = next(n for n in sorted(os.listdir(step)) if n.startswith("data-r00000-"))
+    _flip_middle(os.path.join(step, bad))
+    run_ranks(4, _restore, base, False, 5)
+    with open(os.path.join(step, bad), "rb") as a, open(os.path.join(base, "node1", "step-5", bad), "rb") as b:
+        assert a.read() == b.read()
+
+
+def test_one_node_fewer_restores_from_the_survivors_replicas(tmp_path):
+    """The lost node is not replaced: the job restarts on the surviving node alone (2 ranks),
+    which holds its own files and the replicas of the lost node's, and reshards from 4 to 2."""
+    base = str(tmp_path)
+    run_ranks(4, _train_and_save, base, False)
+    shutil.rmtree(os.path.join(base, "node1"))
+    run_ranks(2, _restore, base, False, 5)
+
+
+def _faulty_sender(rank, world, base):
+    """Rank 2's disk fails under its first replication (a wrapped storage read): its peer must
+    drop the partial copy, rank 2's step is degraded and said so, nobody waits for a timeout,
+    training goes on, and the next step replicates in full."""
+    import errno
+    import threading
+    import time
+
+    from dcp_datastates.tiers import StorageTier
+    if rank == 2:
+        real, left = StorageTier.read_into, [1]
+
+        def read_into(self, name, offset, buf, *, fd=None):
+            if threading.current_thread().name == "dcpds-replicas" and left[0] and name.startswith("data-"):
+                left[0] -= 1
+                raise OSError(errno.EIO, "injected: the disk under the replica sender failed")
+            return real(self, name, offset, buf, fd=fd)
+        StorageTier.read_into = read_into
+    model, opt = _model(world)
+    ckpt = Checkpointer(_tiers(base, rank, False), node_local=True, replicas=1, node=f"n{rank // PER_NODE}",
+                        process_group=dist.new_group(backend="gloo"))
+    ckpt.register_step_pre_hook(opt)
+    for step in (1, 2):
+        _train(model, opt, step)
+        ckpt.save(step, _state(model, opt))
+    t = time.monotonic()
+    ok = ckpt.wait_replicated(120)
+    assert time.monotonic() - t < 60
+    first, second = ckpt._replicating[1].result(), ckpt._replicating[2].result()
+    assert ok == (rank != 2) and first.complete == (rank != 2) and second.complete, (rank, first, second)
+    _train(model, opt, 3)  # training was never held up
+    ckpt.close()
+    dist.barrier()
+    if rank == 0:  # rank 2's peer kept nothing of the broken copy
+        here = os.listdir(os.path.join(base, "node0", "step-1"))
+        assert not [n for n in here if n.startswith("data-r00002-") or ".tmp-" in n], here
+        assert [n for n in os.listdir(os.path.join(base, "node0", "step-2")) if n.startswith("data-r00002-")]
+
+
+def test_a_sender_that_fails_mid_replication_degrades_only_its_step(tmp_path):
+    run_ranks(4, _faulty_sender, str(tmp_path))
