@@ -1,0 +1,168 @@
+"""What peer replicas cost a training loop (issue 36), against no replication, in one run.
+
+    python benchmarks/bench_replicas.py [--steps 12] [--every 3] [--reps 2] [--json OUT]
+
+Four gloo ranks on this machine simulate two nodes of two ranks, each node its own node-local
+directory.  An MLP sharded with FSDP2 and trained with Adam checkpoints through ``Checkpointer``
+(node-local tier only, async THREAD saves, a gloo group of their own) every ``--every`` steps,
+with ``replicas=0`` and ``replicas=1``, and the same loop runs without checkpoints.  Reported per
+method (median over ``--reps``, methods interleaved): the extra training time per checkpoint over
+the loop without checkpoints (the stall), the time the loop spends blocked in checkpoint calls,
+and the largest peak RSS growth of any rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import threading
+import time
+
+WIDTH, DEPTH = 1024, 8  # 8.4 M parameters; with Adam 101 MB of state, a quarter per rank
+PER_NODE = 2
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int, base: str, out) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dcp_datastates import Checkpointer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(DEPTH)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(32, WIDTH)
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    ckpt = None
+    if method != "none":
+        ckpt = Checkpointer([os.path.join(base, f"node{rank // PER_NODE}")], node_local=True,
+                            replicas=int(method[-1]), node=f"n{rank // PER_NODE}",
+                            process_group=dist.new_group(backend="gloo"), host_cache_bytes=64 << 20)
+        ckpt.register_step_pre_hook(opt)
+    peak, stop = [_rss()], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.005)
+
+    threading.Thread(target=sample, daemon=True).start()
+    rss0 = _rss()
+    dist.barrier()
+    blocked = 0.0
+    t0 = time.perf_counter()
+    n = 0
+    for s in range(1, steps + 1):
+        step()
+        if ckpt is not None and s % every == 0:
+            msd, osd = get_state_dict(model, opt)
+            t = time.perf_counter()
+            ckpt.save(s, {"model": msd, "optim": osd})
+            blocked += time.perf_counter() - t
+            n += 1
+    if ckpt is not None:
+        t = time.perf_counter()
+        ckpt.wait()
+        blocked += time.perf_counter() - t
+    dist.barrier()
+    total = time.perf_counter() - t0
+    replicated = ckpt.wait_replicated(300) if ckpt is not None and ckpt.replicator is not None else None
+    stop.set()
+    res = {"total_s": total, "blocked_s": blocked, "n_ckpt": n, "rss_growth": peak[0] - rss0,
+           "replicated": replicated}
+    got: list = [None] * world
+    dist.all_gather_object(got, res)
+    if rank == 0:
+        out.put(got)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # FSDP2 on gloo can abort in native teardown (tests/dist.py)
+
+
+def run(method: str, steps: int, every: int, base: str) -> list[dict]:
+    import torch.multiprocessing as mp
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(base)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, 4, port, method, steps, every, base, q)) for r in range(4)]
+    for p in procs:
+        p.start()
+    got = q.get(timeout=900)
+    for p in procs:
+        p.join(60)
+    return got
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--every", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dcpds-replicas"))
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    methods = ["none", "replicas0", "replicas1"]
+    runs: dict[str, list] = {m: [] for m in methods}
+    for rep in range(a.reps):
+        for m in methods:
+            got = run(m, a.steps, a.every, a.dir)
+            runs[m].append(got)
+            print(f"rep {rep} {m}: total {max(r['total_s'] for r in got):.2f}s "
+                  f"blocked {max(r['blocked_s'] for r in got):.2f}s "
+                  f"rss+ {max(r['rss_growth'] for r in got) / 1e6:.0f} MB replicated {got[0]['replicated']}",
+                  flush=True)
+    shutil.rmtree(a.dir, ignore_errors=True)
+    base = statistics.median(max(r["total_s"] for r in g) for g in runs["none"])
+    rows = {}
+    for m in methods[1:]:
+        n = runs[m][0][0]["n_ckpt"]
+        rows[m] = {"stall": statistics.median((max(r["total_s"] for r in g) - base) / n for g in runs[m]),
+                   "blocked": statistics.median(max(r["blocked_s"] for r in g) / n for g in runs[m]),
+                   "rss_growth": max(r["rss_growth"] for g in runs[m] for r in g)}
+    print(f"\nloop without checkpoints {base:.2f}s; {a.steps} steps, a checkpoint every {a.every}")
+    for m, r in rows.items():
+        print(f"{m:<10} stall/ckpt {r['stall']:.3f}s  blocked/ckpt {r['blocked']:.3f}s  "
+              f"peak RSS growth {r['rss_growth'] / 1e6:.0f} MB")
+    s0, s1 = rows["replicas0"]["stall"], rows["replicas1"]["stall"]
+    print(f"replicas=1 adds {s1 - s0:+.3f}s per checkpoint ({(s1 - s0) / max(s0, 1e-9) * 100:+.0f}% of the stall)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"runs": runs, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
