@@ -394,8 +394,11 @@ class Checkpointer:
             log.exception("retention pass failed")
 
     def close(self) -> None:
-        """Wait for the save in flight, its flushes to slower tiers, and the retention pass."""
+        """Wait for the save in flight, its flushes to slower tiers, its replicas, and the
+        retention pass."""
         self.wait()
+        if self.replicator is not None:  # no replication left inside gloo when the process exits
+            self.wait_replicated()
         for t in list(self._helpers):
             t.join()
         self._join_purge()

@@ -452,7 +452,12 @@ def repair(rep: "Replicator", tier: StorageTier, step: int, save_id: str | None)
     # only to nodes that lost theirs: a node's committed manifest of another save is never replaced
     _transfer(rep, tier, {n: h for n, h in per_node.items()}, ranks, {MANIFEST_NAME: want_manifest}, step,
               skip=lambda node: MANIFEST_NAME in per_node.get(node, {}))
-    m = load_manifest(tier) if leader else None
+    m = None
+    if leader:
+        try:
+            m = load_manifest(tier)
+        except (CheckpointError, OSError) as e:  # none came: this node's ranks will read elsewhere or fail
+            log.warning("step %d: no readable manifest on this node after the repair: %s", step, e)
     need = sorted(n for n in (m.files if m is not None else {}) if n not in m.homes) if m is not None else []
     lists: list = [None] * len(rep._global)
     dist.all_gather_object(lists, need if leader else None, group=rep.group)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -64,16 +65,18 @@ def _flat(obj, out=None, prefix=""):
     return out
 
 
-def _tiers(base: str, rank: int, pfs: bool) -> list[str]:
-    node = os.path.join(base, f"node{rank // PER_NODE}")
-    return [node, os.path.join(base, "pfs")] if pfs else [node]
+def _tiers(base: str, node: int, pfs: bool) -> list[str]:
+    here = os.path.join(base, f"node{node}")
+    return [here, os.path.join(base, "pfs")] if pfs else [here]
 
 
 def _train_and_save(rank, world, base, pfs):
+    """Train 5 steps with an async save after each; once step 5 is replicated, SIGKILL."""
+    node, n_nodes = rank // PER_NODE, world // PER_NODE
     model, opt = _model(world)
     pg = dist.new_group(backend="gloo")  # async saves: a group of their own, apart from training's
-    ckpt = Checkpointer(_tiers(base, rank, pfs), node_local=True, persist_every=3, replicas=1,
-                        node=f"n{rank // PER_NODE}", process_group=pg)
+    ckpt = Checkpointer(_tiers(base, node, pfs), node_local=True, persist_every=3, replicas=1,
+                        node=f"n{node}", process_group=pg)
     ckpt.register_step_pre_hook(opt)
     for step in range(1, 6):
         _train(model, opt, step)
@@ -81,7 +84,7 @@ def _train_and_save(rank, world, base, pfs):
         sd["extra"]["step"] = step
         fut = ckpt.save(step, sd)
     fut.result()  # the last step commits: its replication starts then, not at the next save
-    mine = os.path.join(_tiers(base, rank, pfs)[0], "step-5")
+    mine = os.path.join(_tiers(base, node, pfs)[0], "step-5")
     deadline = time.monotonic() + 60
     while not any((got := replica_record_of(n)) and got[0] == rank for n in os.listdir(mine)):
         assert time.monotonic() < deadline, os.listdir(mine)
@@ -92,25 +95,35 @@ def _train_and_save(rank, world, base, pfs):
     if rank == 0:
         torch.save(want, os.path.join(base, "want.pt"))
     dist.barrier()
-    # every rank's files of step 5 are on its own node and on the other one
-    here = os.listdir(os.path.join(_tiers(base, rank, pfs)[0], "step-5"))
+    # every rank's files of step 5 are on its own node and on the next one
+    here = os.listdir(mine)
     records = {replica_record_of(n)[0] for n in here if replica_record_of(n)}
-    assert records == {rank - rank % PER_NODE + i for i in range(PER_NODE)}, here
+    assert records == {node * PER_NODE + i for i in range(PER_NODE)}, here
     writers = {int(n[6:11]) for n in here if n.startswith("data-r")}
-    assert writers == set(range(world)), here  # own node's ranks, and the other node's replicas
-    if rank == 0:  # inspect says where the copies are
+    assert writers == {r for r in range(world) if r // PER_NODE in (node, (node - 1) % n_nodes)}, here
+    if rank == 0 and n_nodes == 2:  # inspect says where the copies are (with more nodes, a node's
+        # directory lacks other ranks' parts, which inspect of a format 4 step reads)
         from tests.test_cli import cli
+        last = (n_nodes - 1) * PER_NODE
         info = json.loads(cli("inspect", mine, "--json").stdout)
         assert {r["rank"]: (r["confirmed_by"], r["complete"], r["holds_files_of"]) for r in info["replicas"]} \
-            == {0: ([2], True, [2]), 1: ([3], True, [3])}, info["replicas"]
+            == {0: ([2], True, [last]), 1: ([3], True, [last + 1])}, info["replicas"]
         assert "replicas: rank 0's files on rank(s) [2] (complete" in cli("inspect", mine).stdout
-    # no close(): the job dies here, as if every rank were killed after its 5th save
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)  # the job dies: no close, no teardown
 
 
-def _restore(rank, world, base, pfs, expect):
+def _killed(world: int, base: str, pfs: bool) -> None:
+    with pytest.raises(AssertionError, match=r"exited with codes \[" + ", ".join(["-9"] * world) + r"\]"):
+        run_ranks(world, _train_and_save, base, pfs)
+
+
+def _restore(rank, world, base, pfs, expect, nodes=None):
+    """Restart on ``world`` ranks, rank ``r`` on node ``nodes[r // 2]`` (default: ``r // 2``)."""
+    node = (nodes or list(range(world // PER_NODE)))[rank // PER_NODE]
     model, opt = _model(world)
-    ckpt = Checkpointer(_tiers(base, rank, pfs), node_local=True, persist_every=3, replicas=1,
-                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"))
+    ckpt = Checkpointer(_tiers(base, node, pfs), node_local=True, persist_every=3, replicas=1,
+                        node=f"n{node}", process_group=dist.new_group(backend="gloo"))
     sd = _state(model, opt)
     got = ckpt.load(sd)
     assert got == expect, got
@@ -124,12 +137,13 @@ def _restore(rank, world, base, pfs, expect):
     ckpt.close()
 
 
-@pytest.mark.parametrize("pfs", [True, False], ids=["with-pfs", "node-local-only"])
-def test_a_lost_node_is_restored_from_its_replicas_at_the_newest_step(tmp_path, pfs):
+@pytest.mark.parametrize("nodes,pfs", [(2, True), (2, False), (4, False)],
+                         ids=["2-nodes-with-pfs", "2-nodes-node-local-only", "4-nodes-node-local-only"])
+def test_a_lost_node_is_restored_from_its_replicas_at_the_newest_step(tmp_path, nodes, pfs):
     base = str(tmp_path)
-    run_ranks(4, _train_and_save, base, pfs)
+    _killed(nodes * PER_NODE, base, pfs)
     shutil.rmtree(os.path.join(base, "node1"))  # the node is gone, its NVMe with it
-    run_ranks(4, _restore, base, pfs, 5)  # step 5, not the persisted step 3
+    run_ranks(nodes * PER_NODE, _restore, base, pfs, 5)  # step 5, not the persisted step 4
     # the replacement node got its files back, checked against their recorded digests
     assert sorted(os.listdir(os.path.join(base, "node1", "step-5")))
 
@@ -146,7 +160,7 @@ def test_a_corrupt_copy_is_replaced_by_a_good_replica(tmp_path):
     """Node 0's own copy of rank 0's data file rots; node 1's replica of it matches the digest
     recorded at replication, so the restore copies it over the bad one and loads step 5."""
     base = str(tmp_path)
-    run_ranks(4, _train_and_save, base, False)
+    _killed(4, base, False)
     step = os.path.join(base, "node0", "step-5")
     bad = next(n for n in sorted(os.listdir(step)) if n.startswith("data-r00000-"))
     _flip_middle(os.path.join(step, bad))
@@ -155,13 +169,15 @@ def test_a_corrupt_copy_is_replaced_by_a_good_replica(tmp_path):
         assert a.read() == b.read()
 
 
-def test_one_node_fewer_restores_from_the_survivors_replicas(tmp_path):
-    """The lost node is not replaced: the job restarts on the surviving node alone (2 ranks),
-    which holds its own files and the replicas of the lost node's, and reshards from 4 to 2."""
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_one_node_fewer_restores_from_the_survivors_replicas(tmp_path, nodes):
+    """The lost node is not replaced: the job restarts on the surviving nodes, which hold their
+    own files and the replicas of the lost node's, and reshards onto the smaller world."""
     base = str(tmp_path)
-    run_ranks(4, _train_and_save, base, False)
+    _killed(nodes * PER_NODE, base, False)
     shutil.rmtree(os.path.join(base, "node1"))
-    run_ranks(2, _restore, base, False, 5)
+    survivors = [n for n in range(nodes) if n != 1]
+    run_ranks(len(survivors) * PER_NODE, _restore, base, False, 5, survivors)
 
 
 def _faulty_sender(rank, world, base):
@@ -183,7 +199,8 @@ def _faulty_sender(rank, world, base):
             return real(self, name, offset, buf, fd=fd)
         StorageTier.read_into = read_into
     model, opt = _model(world)
-    ckpt = Checkpointer(_tiers(base, rank, False), node_local=True, replicas=1, node=f"n{rank // PER_NODE}",
+    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1,
+                        node=f"n{rank // PER_NODE}",
                         process_group=dist.new_group(backend="gloo"))
     ckpt.register_step_pre_hook(opt)
     for step in (1, 2):
