@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_datastates import Checkpointer
 from dcp_datastates.format.names import replica_record_of
@@ -222,3 +222,48 @@ def _faulty_sender(rank, world, base):
 
 def test_a_sender_that_fails_mid_replication_degrades_only_its_step(tmp_path):
     run_ranks(4, _faulty_sender, str(tmp_path))
+
+
+def _peer_dies(rank, world, base):
+    """Rank 2 is SIGKILLed in the middle of sending its replica (a wrapped storage read kills
+    the process): its peer, rank 0, learns it from the broken connection, not from a timeout;
+    rank 0's step is then not fully replicated, and its training thread never waited."""
+    import threading
+
+    from dcp_datastates.tiers import StorageTier
+    if rank == 2:
+        real = StorageTier.read_into
+
+        def read_into(self, name, offset, buf, *, fd=None):
+            if threading.current_thread().name == "dcpds-replicas" and name.startswith("data-") and offset > 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, name, offset, buf, fd=fd)
+        StorageTier.read_into = read_into
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    # 24 MiB a rank: a data file of two messages, killed after the first
+    big = {"w": distribute_tensor(torch.randn(world << 21, 3), mesh, [Shard(0)])}
+    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1,
+                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
+                        async_mode=None)
+    ckpt.save(1, big)
+    ckpt.wait()  # committed here; replication runs in the background
+    t = time.monotonic()
+    x = torch.randn(256, 256)
+    for _ in range(20):  # training goes on meanwhile
+        x = torch.tanh(x @ x.T / 256)
+    ok = ckpt.wait_replicated(120)
+    if rank == 0:
+        assert not ok and time.monotonic() - t < 60, (ok, time.monotonic() - t)
+        rec = ckpt._replicating[1].result()
+        assert not rec.complete and rec.confirmed == [], rec
+        here = os.listdir(os.path.join(base, "node0", "step-1"))
+        assert not [n for n in here if n.startswith("data-r00002-")], here  # nor its temporary file
+    elif rank in (1, 3):
+        assert ok
+    os._exit(0)  # the group lost rank 2: skip the teardown collectives
+
+
+def test_a_peer_killed_mid_replication_degrades_the_step_without_waiting(tmp_path):
+    with pytest.raises(AssertionError, match=r"exited with codes \[-9\]"):
+        run_ranks(4, _peer_dies, str(tmp_path))
