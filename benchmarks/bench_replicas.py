@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
         blocked += time.perf_counter() - t
     dist.barrier()
     total = time.perf_counter() - t0
-    replicated = ckpt.wait_replicated(300) if ckpt is not None and ckpt.replicator is not None else None
+    replicated = ckpt.wait_replicated(300) if ckpt is not None and method != "replicas0" else None
     stop.set()
     res = {"total_s": total, "blocked_s": blocked, "n_ckpt": n, "rss_growth": peak[0] - rss0,
            "replicated": replicated}

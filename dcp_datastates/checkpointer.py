@@ -32,14 +32,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .engine.device_cache import prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
-from .errors import CheckpointError
 from .format import decode_manifest
 from .format.model import Manifest
-from .format.names import MANIFEST_NAME
 from .guard import async_save
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
-from .replicas import Replicator, repair
+from .replicas import NodeCopies
 from .run_steps import RunSteps
 from .tiers import StorageTier
 from .tiers.retention import purge_steps
@@ -112,16 +110,11 @@ class Checkpointer:
         # bytes of the newest committed save, all ranks: written anew, and reused from earlier steps
         self.last_stats: dict[str, int] = {}
         self._helpers: list[threading.Thread] = []
-        self.replicator: Replicator | None = None
-        self._replicating: dict[int, Future] = {}
-        self._node_lock = threading.Lock()
-        self._on_nodes: set[int] = set()  # steps whose manifest this node committed
-        if replicas:
-            if not node_local:
-                raise ValueError("replicas copy node-local checkpoints to other nodes: pass node_local=True")
-            if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError("replicas travel over torch.distributed: call dist.init_process_group first")
-            self.replicator = Replicator(replicas, process_group, node)  # a collective: every rank
+        if replicas and not node_local:
+            raise ValueError("replicas copy node-local checkpoints to other nodes: pass node_local=True")
+        # this node's copy of each step (and, with replicas, its peers'); None: the tiers are shared
+        self.node_copies = (NodeCopies(lambda s: self._tier(0, s), replicas, process_group, node)
+                            if node_local else None)
 
     # ------------------------------------------------------------------ paths
     def step_path(self, tier: int, step: int) -> str:
@@ -230,40 +223,21 @@ class Checkpointer:
         self._start_purge()
 
     def _on_node(self, step: int, md) -> bytes | None:
-        """The committed manifest's body; with ``node_local``, committed on this node too, and
-        with ``replicas``, this rank's files of the step sent on to its peers' nodes.  Runs when
-        an async save's future completes (in DCP's thread) and again from ``wait``: the second
-        time finds it done."""
+        """The committed manifest's body, handed to this node's copy of the step (``NodeCopies``)
+        when the first tier is node-local.  Runs when an async save's future completes (in
+        DCP's thread) and again from ``wait``."""
         body = None
         if md is not None and isinstance(getattr(md, "storage_data", None), dict):
             body = md.storage_data.get(MANIFEST_KEY)
-        if not self.node_local or body is None:
-            return body
-        with self._node_lock:
-            if step in self._on_nodes:
-                return body
-            self._on_nodes.add(step)
-            # the coordinator committed the manifest on its node; commit it on this node too
-            t = self._tier(0, step)
-            if not t.exists(MANIFEST_NAME):
-                t.makedirs()
-                t.commit_bytes(MANIFEST_NAME, body)
-            if self.replicator is not None:  # this rank's files of the step, to its peers' nodes
-                self._replicating[step] = self.replicator.submit(t, step, decode_manifest(body).save_id)
+        if self.node_copies is not None and body is not None:
+            self.node_copies.committed(step, body)
         return body
 
     def wait_replicated(self, timeout: float | None = None) -> bool:
         """Wait until every save so far is replicated to its peers (``replicas``); False when a
         step ended degraded (the log says which ranks and why)."""
         self.wait()
-        ok = True
-        for step, fut in sorted(self._replicating.items()):
-            try:
-                ok = fut.result(timeout).complete and ok
-            except (RuntimeError, OSError, CheckpointError) as e:
-                log.warning("step %d: replication failed: %s", step, e)
-                ok = False
-        return ok
+        return True if self.node_copies is None else self.node_copies.wait(timeout)
 
     def _after_persist(self, step: int, writer: DataStatesWriter) -> None:
         try:
@@ -316,7 +290,7 @@ class Checkpointer:
         last_error = None
         for s in order:
             save = self.steps.agreed_save(s)
-            if self.replicator is not None and not repair(self.replicator, self._tier(0, s), s, save) \
+            if self.node_copies is not None and not self.node_copies.repair(s, save) \
                     and not any(self.steps.is_committed(i, s) for i in range(1, len(self.tiers))):
                 log.warning("step %d: some of its files have no good copy on any node and no slower tier "
                             "holds it; trying an older step", s)
@@ -397,8 +371,8 @@ class Checkpointer:
         """Wait for the save in flight, its flushes to slower tiers, its replicas, and the
         retention pass."""
         self.wait()
-        if self.replicator is not None:  # no replication left inside gloo when the process exits
-            self.wait_replicated()
+        if self.node_copies is not None:  # no replication left inside gloo when the process exits
+            self.node_copies.wait()
         for t in list(self._helpers):
             t.join()
         self._join_purge()

@@ -30,6 +30,7 @@ import os
 import queue
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ import torch.distributed as dist
 import xxhash
 
 from .errors import CheckpointError
+from .format import decode_manifest
 from .format.names import (
     MANIFEST_NAME,
     TEMP_INFIX,
@@ -552,3 +554,58 @@ def records_in(tier: StorageTier, save_id: str) -> list[ReplicaRecord]:
             if rec is not None:
                 out.append(rec)
     return out
+
+
+class NodeCopies:
+    """This node's copy of each step of a run whose first tier is node-local: the manifest the
+    coordinator committed on its own node, committed here too; with ``replicas``, this rank's
+    files of the step sent on to its peers' nodes (``Replicator``); before a restore, this
+    node's directory of the step repaired from the others (``repair``).  ``tier_of(step)``: the
+    step's node-local directory."""
+
+    def __init__(self, tier_of: Callable[[int], StorageTier], replicas: int = 0, pg=None,
+                 node: str | None = None) -> None:
+        self.tier_of = tier_of
+        self.replicator: Replicator | None = None
+        if replicas:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("replicas travel over torch.distributed: call dist.init_process_group first")
+            self.replicator = Replicator(replicas, pg, node)  # a collective: every rank
+        self._lock = threading.Lock()
+        self._done: set[int] = set()  # steps this node committed
+        self._replicating: dict[int, Future] = {}
+
+    def committed(self, step: int, body: bytes) -> None:
+        """Step ``step`` committed with manifest ``body``: commit it on this node, and start its
+        replication.  Called when an async save's future completes and again from the next
+        wait; the second call finds it done."""
+        with self._lock:
+            if step in self._done:
+                return
+            self._done.add(step)
+            t = self.tier_of(step)
+            if not t.exists(MANIFEST_NAME):
+                t.makedirs()
+                t.commit_bytes(MANIFEST_NAME, body)
+            if self.replicator is not None:
+                self._replicating[step] = self.replicator.submit(t, step, decode_manifest(body).save_id)
+
+    def record(self, step: int, timeout: float | None = None) -> ReplicaRecord:
+        """This rank's replica record of ``step``, once its replication ended."""
+        return self._replicating[step].result(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every step so far is replicated; False when one ended degraded."""
+        ok = True
+        for step, fut in sorted(self._replicating.items()):
+            try:
+                ok = fut.result(timeout).complete and ok
+            except (RuntimeError, OSError, CheckpointError) as e:
+                log.warning("step %d: replication failed: %s", step, e)
+                ok = False
+        return ok
+
+    def repair(self, step: int, save_id: str | None) -> bool:
+        """Before restoring ``step``: whether this node (and every other) holds a good copy of
+        each of its files, after the repair (``repair``); True without replicas."""
+        return True if self.replicator is None else repair(self.replicator, self.tier_of(step), step, save_id)

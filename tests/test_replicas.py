@@ -209,7 +209,7 @@ def _faulty_sender(rank, world, base):
     t = time.monotonic()
     ok = ckpt.wait_replicated(120)
     assert time.monotonic() - t < 60
-    first, second = ckpt._replicating[1].result(), ckpt._replicating[2].result()
+    first, second = ckpt.node_copies.record(1), ckpt.node_copies.record(2)
     assert ok == (rank != 2) and first.complete == (rank != 2) and second.complete, (rank, first, second)
     _train(model, opt, 3)  # training was never held up
     ckpt.close()
@@ -255,7 +255,7 @@ def _peer_dies(rank, world, base):
     ok = ckpt.wait_replicated(120)
     if rank == 0:
         assert not ok and time.monotonic() - t < 60, (ok, time.monotonic() - t)
-        rec = ckpt._replicating[1].result()
+        rec = ckpt.node_copies.record(1)
         assert not rec.complete and rec.confirmed == [], rec
         here = os.listdir(os.path.join(base, "node0", "step-1"))
         assert not [n for n in here if n.startswith("data-r00002-")], here  # nor its temporary file
