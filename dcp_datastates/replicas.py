@@ -10,7 +10,7 @@ Who holds whose copy (``NodeMap``): the ranks of each node in order, nodes sorte
 ``k``-th replica of local rank ``j`` of node ``i`` goes to local rank ``j`` of node
 ``(i + k) mod n``, so every node sends and receives the same number of files and no replica
 lands on its own node.  The bytes travel over a gloo group of their own (never interleaved
-with training's collectives), in 16 MiB pieces, both directions at once, each file followed by
+with training's collectives), in 4 MiB messages, both directions at once, each file followed by
 the xxh3-128 of its bytes, checked on arrival.  A file is written under a temporary name and
 renamed once it checks out.
 
@@ -55,7 +55,7 @@ from .tiers.manifests import load_manifest, manifest_head
 log = logging.getLogger(__name__)
 
 NODE_ENV = "DCP_DATASTATES_NODE"  # overrides the node a rank is on (tests, odd launchers)
-PIECE = 16 << 20  # bytes per message
+PIECE = 4 << 20  # bytes per message: two buffers of it per exchange
 RECORD_MAX = 1 << 20
 
 
