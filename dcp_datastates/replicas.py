@@ -300,7 +300,8 @@ class Replicator:
 
     def __init__(self, replicas: int, pg=None, node: str | None = None, timeout_s: float = 300.0) -> None:
         self.nodes = NodeMap.gather(pg, node)
-        self.replicas = self.nodes.usable(replicas)
+        self.wanted = replicas  # what a step needs to count as fully replicated
+        self.replicas = self.nodes.usable(replicas)  # what this job's nodes allow
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(dist.get_world_size()))
         self._global = ranks
         self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -356,7 +357,9 @@ class Replicator:
                 errors.append(f"replica {k}: rank {dst} did not receive every file intact")
         for name, size in files:
             sent[name] = [size, digests.get(name, "")]
-        rec = ReplicaRecord(self._global[self.rank], save_id, self.replicas, sent, confirmed, held)
+        if not errors and len(confirmed) < self.wanted:
+            errors.append(f"{self.wanted} replica(s) wanted, but no other node is there to hold them")
+        rec = ReplicaRecord(self._global[self.rank], save_id, self.wanted, sent, confirmed, held)
         tier.commit_bytes(replica_record_name(rec.rank, save_id), rec.to_bytes())
         if errors:
             log.warning("step %d is degraded on rank %d: %s", step, rec.rank, "; ".join(errors))

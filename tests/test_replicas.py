@@ -267,3 +267,21 @@ def _peer_dies(rank, world, base):
 def test_a_peer_killed_mid_replication_degrades_the_step_without_waiting(tmp_path):
     with pytest.raises(AssertionError, match=r"exited with codes \[-9\]"):
         run_ranks(4, _peer_dies, str(tmp_path))
+
+
+def _one_node(rank, world, base):
+    """Two ranks on one node asked for a replica: there is no other node, so the step is
+    saved and committed but never counted as fully replicated."""
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(torch.randn(64, 8), mesh, [Shard(0)])}
+    ckpt = Checkpointer(_tiers(base, 0, False), node_local=True, replicas=1, node="n0",
+                        process_group=dist.new_group(backend="gloo"), async_mode=None)
+    ckpt.save(1, sd)
+    assert ckpt.wait_replicated(60) is False
+    rec = ckpt.node_copies.record(1)
+    assert not rec.complete and rec.replicas == 1 and rec.confirmed == []
+    ckpt.close()
+
+
+def test_without_another_node_a_step_is_never_called_fully_replicated(tmp_path):
+    run_ranks(2, _one_node, str(tmp_path))
