@@ -342,6 +342,8 @@ class Checkpointer:
             with self._lock:
                 protect.update(self._persisting)  # sources of flushes in flight
                 also = [(f"step-{s}", m) for s, m in self._manifests.items()]
+            if self.node_copies is not None:
+                protect.update(self.node_copies.busy())  # replicas still on their way
             cur = self._inflight
             if cur:
                 protect.add(cur["step"])

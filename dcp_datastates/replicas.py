@@ -253,6 +253,21 @@ class _Exchange:
 
     def _incoming(self, incoming, piece, rhashers, refused: set, sinks: dict, buf: torch.Tensor,
                   received: dict, problems: list) -> None:
+        """Piece ``piece`` of an incoming file, just received into ``buf``.  A local failure to
+        store it (the step's directory purged meanwhile, a full disk) drops the file and keeps
+        receiving, so the peer is never left waiting."""
+        try:
+            self._store(incoming, piece, rhashers, refused, sinks, buf, received, problems)
+        except (OSError, CheckpointError) as e:
+            i = piece[0]
+            problems.append(f"the replica of {incoming[i][0]} could not be stored here: {e}")
+            refused.add(i)
+            sink = sinks.pop(i, None)
+            if sink is not None:
+                sink.abort()  # type: ignore[attr-defined]
+
+    def _store(self, incoming, piece, rhashers, refused: set, sinks: dict, buf: torch.Tensor,
+               received: dict, problems: list) -> None:
         i, a, n = piece
         name, size = incoming[i]
         tmp = name + TEMP_INFIX + "replica"
@@ -596,6 +611,10 @@ class NodeCopies:
     def record(self, step: int, timeout: float | None = None) -> ReplicaRecord:
         """This rank's replica record of ``step``, once its replication ended."""
         return self._replicating[step].result(timeout)
+
+    def busy(self) -> set[int]:
+        """Steps whose replication has not ended: retention keeps them."""
+        return {step for step, fut in self._replicating.items() if not fut.done()}
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every step so far is replicated; False when one ended degraded."""

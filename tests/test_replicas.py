@@ -285,3 +285,60 @@ def _one_node(rank, world, base):
 
 def test_without_another_node_a_step_is_never_called_fully_replicated(tmp_path):
     run_ranks(2, _one_node, str(tmp_path))
+
+
+def _kept(rank, world, base):
+    """Retention on a node-local tier with replicas: steps beyond ``keep`` go with their replica
+    files and records; the steps kept still hold every rank's files and restore after a loss."""
+    mesh = init_device_mesh("cpu", (world,))
+    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1, keep=2,
+                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
+                        async_mode=None)
+    for step in range(1, 5):
+        ckpt.save(step, {"w": distribute_tensor(torch.full((64, 8), float(step)), mesh, [Shard(0)])})
+    assert ckpt.wait_replicated(60)
+    ckpt.close()
+    dist.barrier()
+    here = os.path.join(base, f"node{rank // PER_NODE}")
+    assert sorted(n for n in os.listdir(here) if n.startswith("step-")) == ["step-3", "step-4"], os.listdir(here)
+    files = os.listdir(os.path.join(here, "step-4"))
+    assert {int(n[6:11]) for n in files if n.startswith("data-r")} == set(range(world)), files
+    assert len([n for n in files if replica_record_of(n)]) == PER_NODE, files
+
+
+def test_retention_removes_old_steps_with_their_replicas(tmp_path):
+    run_ranks(4, _kept, str(tmp_path))
+
+
+def _faulty_receiver(rank, world, base):
+    """Rank 2 cannot store what it receives (a wrapped sink that fails, as a full disk would):
+    it drops rank 0's copy and keeps receiving, so rank 0's step is degraded at once, not after
+    a timeout, and rank 2's own files still reach rank 0."""
+    import errno
+    import time as _time
+
+    from dcp_datastates.tiers import StorageTier
+    if rank == 2:
+        real = StorageTier.open_sink
+
+        def open_sink(self, name, o_direct=False, drop_cache=True):
+            if ".tmp-replica" in name:
+                raise OSError(errno.ENOSPC, "injected: no space left for the replica")
+            return real(self, name, o_direct, drop_cache)
+        StorageTier.open_sink = open_sink
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(torch.randn(world << 20, 2), mesh, [Shard(0)])}  # 8 MiB a rank
+    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1,
+                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
+                        async_mode=None)
+    ckpt.save(1, sd)
+    t = _time.monotonic()
+    ok = ckpt.wait_replicated(120)
+    assert _time.monotonic() - t < 60
+    rec = ckpt.node_copies.record(1)
+    assert ok == (rank != 0) and rec.complete == (rank != 0), (rank, rec)
+    ckpt.close()
+
+
+def test_a_receiver_that_cannot_store_a_replica_degrades_only_that_copy(tmp_path):
+    run_ranks(4, _faulty_receiver, str(tmp_path))
