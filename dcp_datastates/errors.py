@@ -110,3 +110,7 @@ class ProviderError(CheckpointError):
 
 class ForeignFormatError(ManifestError):
     """The path holds a checkpoint of another format (DCP's own ``FileSystemWriter``)."""
+
+
+class PeerLoadError(CheckpointError):
+    """A cooperative load could not exchange blocks with another rank (it died or hung)."""

@@ -15,6 +15,7 @@ import io
 import logging
 import math
 import pickle
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +32,7 @@ from torch.futures import Future
 from .engine import upload
 from .engine.upload import DeviceUpload
 from .errors import (
+    CheckpointError,
     ChecksumMismatch,
     CoverageError,
     ManifestError,
@@ -41,9 +43,10 @@ from .format import MANIFEST_NAME, Manifest, dtype_from_name
 from .format.model import ValueEntry
 from .format.values import decode_value
 from .gcpause import paused_gc
+from .loading.cooperative import Cooperation, SharePlan, blocks_of, copy_landed, group_for
 from .loading.files import Fetcher, FileSet, ReadStats
 from .loading.metadata import manifest_to_metadata
-from .loading.ranges import batches, coalesce
+from .loading.ranges import COALESCE_GAP, batches, coalesce
 from .loading.tasks import ReadTask, SmallTask, small_whole
 from .options import url_tuple
 from .planner import deliver_object
@@ -52,7 +55,7 @@ from .tiers.manifests import load_manifest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DataStatesReader", "ManifestServed"]
+__all__ = ["DataStatesReader", "LoadTerms", "ManifestServed"]
 
 
 class DataStatesReader(StorageReader):
@@ -81,6 +84,14 @@ class DataStatesReader(StorageReader):
         save_id: load only this save: a tier whose manifest is another save of the path (a
             node-local copy an earlier attempt left) is not read.  Whatever it is, ranks that
             read manifests of different saves fail the load before reading any byte.
+        cooperative: each stored block the job needs is read from storage by one rank and sent
+            to the others that need it (``loading/cooperative.py``): HSDP replicas and
+            replicated parameters are then read once per job, not once per rank.  ``"auto"``
+            (the default): on when ``dcp.load`` runs on more than one rank of
+            ``process_group``; ``False``: every rank reads for itself.
+        process_group: the group given to ``dcp.load`` (default: the default group); the
+            cooperative load sends over it (over a gloo group of its ranks where its backend
+            has no gloo).
         _extension_registry: ``FileSystemReader``'s, accepted so that code written for it runs
             unchanged; without effect, since the manifest records how each block is stored.
     """
@@ -89,11 +100,14 @@ class DataStatesReader(StorageReader):
                  verify: bool = True, storage_options: dict | None = None,
                  fallback: list[str] | str | None = None, fallback_options: dict | None = None,
                  o_direct: bool | str = "auto", save_id: str | None = None,
+                 cooperative: bool | str = "auto", process_group=None,
                  _extension_registry: object = None) -> None:
         super().__init__()
         del _extension_registry  # FileSystemReader's: our manifest names how each block is stored
         if o_direct not in (True, False, "auto"):
             raise ValueError(f"o_direct must be True, False or 'auto', got {o_direct!r}")
+        if cooperative not in (True, False, "auto"):
+            raise ValueError(f"cooperative must be True, False or 'auto', got {cooperative!r}")
         self.path = None if path is None else str(path)
         self.thread_count = max(1, thread_count)
         self.allow_pickle = allow_pickle
@@ -103,6 +117,8 @@ class DataStatesReader(StorageReader):
         self.fallback_options = fallback_options
         self.o_direct = o_direct
         self.save_id = save_id
+        self.cooperative = cooperative
+        self.process_group = process_group
         self.manifest: Manifest | None = None
         self.manifest_tier: str | None = None  # the tier the manifest came from
         self.stats = ReadStats()  # the last load's
@@ -151,9 +167,24 @@ class DataStatesReader(StorageReader):
         return dataclasses.replace(plan, storage_data=ManifestServed(self.manifest.save_id, self.manifest_tier))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """DCP: the plans unchanged, once every rank is shown to load the same save."""
+        """DCP: once every rank is shown to load the same save, the plans, each telling its rank
+        whether the load is cooperative (``LoadTerms``)."""
         _one_save(plans, self.path)
-        return plans
+        terms = LoadTerms(self._cooperative_for(len(plans)))
+        return [dataclasses.replace(p, storage_data=terms) for p in plans]
+
+    def _cooperative_for(self, ranks: int) -> bool:
+        """Whether a load by ``ranks`` ranks is cooperative: asked for (or ``"auto"``), more than
+        one rank, and DCP's group the one this reader was given (the default group if none)."""
+        if self.cooperative is False or ranks < 1 or not (dist.is_available() and dist.is_initialized()):
+            return False
+        size = dist.get_world_size(self.process_group)
+        if ranks != size:
+            if self.cooperative is True or ranks > 1:
+                log.info("%s: a load by %d ranks is not cooperative: this reader's process group has %d (pass "
+                         "DataStatesReader(process_group=...) the group given to dcp.load)", self.path, ranks, size)
+            return False
+        return ranks > 1
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP: read every item of ``plan`` (coverage checked first, every block verified,
@@ -205,29 +236,38 @@ class DataStatesReader(StorageReader):
         m = self.manifest or self._load_manifest()
         self.manifest = m
         stats = self.stats = ReadStats()
-        tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
-        self._check_coverage(tensor_items, planner, m)
-        tasks = self._tasks(plan, planner, m, tensor_items)
+        coop = self._cooperation(plan)
+        try:
+            tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
+            self._check_coverage(tensor_items, planner, m)
+            tasks = self._tasks(plan, planner, m, tensor_items)
+        except Exception:
+            if coop is not None:  # the other ranks are about to ask: say this rank failed, then raise
+                coop.plan(None, m.block_size)
+            raise
         stats.bytes_needed = sum(t.needed for t in tasks)
         gpu = [t for t in tasks if t.dest is not None and t.dest.device.type == "cuda"]
         up = DeviceUpload({t.dest.device for t in gpu if t.dest is not None}) if gpu and upload.usable() else None
         for t in gpu:
             t.attach_upload(up)
+        share = coop.plan(tasks, m.block_size) if coop is not None else None
         files = FileSet(tiers, m.homes)
         fetch = Fetcher(files, stats, verify=self.verify, o_direct=self.o_direct)
         try:
             total = sum(t.buf_size for t in tasks)
             if self.o_direct == "auto" and total >= read_path.PROBE_MIN_LOAD:
                 fetch.probe(tasks, self.thread_count)
-            runs, pieces = coalesce([(t, i) for t in tasks for i in range(len(t.ranges))])
+            reads = share.reads if share is not None else [(t, i) for t in tasks for i in range(len(t.ranges))]
             # threads pay off for large reads; for small ones they only contend for the GIL
             threads = max(1, min(self.thread_count, total // (4 << 20)))
+            t0 = time.perf_counter()
             with ThreadPoolExecutor(threads, thread_name_prefix="dcpds-read") as pool:
-                for _ in pool.map(fetch.run, runs):
-                    pass
-                for _ in pool.map(lambda b: [fetch.piece(*p) for p in b],
-                                  batches(pieces, lambda p: p[0].ranges[p[1]].nbytes)):
-                    pass
+                failed = _fetch_all(pool, fetch, reads, keep_going=share is not None)
+                stats.read_s = time.perf_counter() - t0
+                if share is not None and coop is not None:
+                    self._share(coop, share, fetch, failed, m.block_size)
+                if failed:
+                    raise failed[0][1]
                 for _ in pool.map(lambda b: [t.finalize() for t in b], batches(tasks, lambda t: t.buf_size)):
                     pass
             if up is not None:
@@ -235,10 +275,39 @@ class DataStatesReader(StorageReader):
         finally:
             files.close()
         self._deliver_all(tasks, planner)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if len(tiers) > 1 and stats.served:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             log.info("rank %d restored %s", rank, ", ".join(
                 f"{n / 2**20:.1f} MiB from {u}" for u, n in stats.served.items()))
+        if share is not None:
+            log.info("rank %d: %.1f MiB read from storage, %.1f MiB received from and %.1f MiB sent to other "
+                     "ranks; plan %.3f s, reads %.3f s, exchange %.3f s", rank, stats.bytes_read / 2**20,
+                     stats.bytes_received / 2**20, stats.bytes_sent / 2**20, stats.plan_s, stats.read_s,
+                     stats.exchange_s)
+
+    def _share(self, coop: Cooperation, share: SharePlan, fetch: Fetcher, failed: list, block_size: int) -> None:
+        """The cooperative load's exchange, then what it could not bring read here."""
+        bad = blocks_of([p for run, _e in failed for p in run], block_size)
+        done = coop.exchange(share, bad, verify=self.verify)
+        redo = done.redo
+        for t, i in redo:
+            fetch.piece(t, i)
+        copy_landed(share)
+        if done.error is not None:
+            raise done.error
+        stats = self.stats
+        stats.plan_s, stats.exchange_s = coop.plan_s, coop.exchange_s
+        stats.bytes_received = sum(k.nbytes for lst in share.recvs.values() for k, _p in lst) - \
+            sum(t.ranges[i].nbytes for t, i in redo)
+        stats.bytes_sent = share.bytes_out - sum(k.nbytes for lst in share.sends.values() for k, _t, _o in lst
+                                                  if k in bad)
+
+    def _cooperation(self, plan: LoadPlan) -> Cooperation | None:
+        """The cooperative load the coordinator agreed on for every rank (``LoadTerms``)."""
+        terms = plan.storage_data
+        if not (isinstance(terms, LoadTerms) and terms.cooperative):
+            return None
+        return Cooperation(group_for(self.process_group), self.path)
 
     def _tasks(self, plan: LoadPlan, planner, m: Manifest, tensor_items) -> list[ReadTask | SmallTask]:
         """One read task per item (values are delivered here, from the manifest)."""
@@ -357,6 +426,37 @@ def _deliver(ri: ReadItem, planner, value, *, tensor: bool = False) -> None:
     torch.save(value, buf)
     buf.seek(0)
     planner.load_bytes(ri, buf)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadTerms:
+    """What the coordinator tells every rank about a load: whether it is cooperative."""
+    cooperative: bool
+
+
+def _fetch_all(pool: ThreadPoolExecutor, fetch: Fetcher, reads: list, *, keep_going: bool) -> list:
+    """Read ``reads`` (pieces of tasks) on ``pool``: runs of small ones coalesced, the rest one
+    by one.  ``keep_going``: a failed run or batch is returned ``(pieces, error)`` and the rest
+    read on (a cooperative load's exchange must still happen); else the first error raises."""
+    # a cooperative load reads no gap: the bytes in it are another rank's to read
+    runs, pieces = coalesce(reads, gap=0 if keep_going else COALESCE_GAP)
+
+    def guarded(fn, batch):
+        try:
+            fn(batch)
+        except (CheckpointError, OSError) as e:
+            if not keep_going:
+                raise
+            return batch, e
+        return None
+
+    def each(b):
+        for p in b:
+            fetch.piece(*p)
+
+    jobs = [(fetch.run, run) for run in runs]
+    jobs += [(each, b) for b in batches(pieces, lambda p: p[0].ranges[p[1]].nbytes)]
+    return [x for x in pool.map(lambda j: guarded(*j), jobs) if x is not None]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,11 @@ class ReadStats:
     bytes_needed: int = 0  # of stored chunks its items need (the rest is rounding to whole blocks)
     bytes_direct: int = 0  # of bytes_read, read through O_DIRECT (tiers/direct_io.py)
     served: dict[str, int] = field(default_factory=dict)  # bytes read per tier URL
+    bytes_received: int = 0  # cooperative load: blocks other ranks read and sent here, verified
+    bytes_sent: int = 0  # cooperative load: blocks read here and sent to other ranks
+    plan_s: float = 0.0  # cooperative load: agreeing who reads what
+    read_s: float = 0.0  # reading from storage
+    exchange_s: float = 0.0  # cooperative load: sending and receiving blocks
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, tier_url: str, nbytes: int) -> None:

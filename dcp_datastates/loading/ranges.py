@@ -78,9 +78,10 @@ def block_ranges(ext: Extent, start: int, n: int, buf_off: int, block_size: int)
     return out
 
 
-def coalesce(pieces: list[Piece]) -> tuple[list[list[Piece]], list[Piece]]:
-    """Split ``pieces`` into runs of small ones that lie close together in one file (each run
-    sorted by file offset, at least two pieces), and the pieces left to read one by one."""
+def coalesce(pieces: list[Piece], gap: int = COALESCE_GAP) -> tuple[list[list[Piece]], list[Piece]]:
+    """Split ``pieces`` into runs of small ones that lie close together in one file (at most
+    ``gap`` bytes apart; each run sorted by file offset, at least two pieces), and the pieces
+    left to read one by one."""
     small: dict[str, list[Piece]] = defaultdict(list)
     rest: list[Piece] = []
     for t, i in pieces:
@@ -104,7 +105,7 @@ def coalesce(pieces: list[Piece]) -> tuple[list[list[Piece]], list[Piece]]:
         for p in group:
             r = p[0].ranges[p[1]]
             off, n = r.file_offset, r.nbytes
-            if run and (off - end > COALESCE_GAP or off + n - start > COALESCE_RUN or off < end):
+            if run and (off - end > gap or off + n - start > COALESCE_RUN or off < end):
                 close(run)
                 run = []
             if not run:
