@@ -299,7 +299,7 @@ class Checkpointer:
                 self.step_path(0, s), storage_options=self.storage_options[0],
                 fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
                 fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None,
-                save_id=save if save is not None else self.steps.agreed_save(s))
+                save_id=save if save is not None else self.steps.agreed_save(s), process_group=self.pg)
             try:
                 dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
             except BaseException as e:  # CheckpointException is a BaseException
