@@ -17,7 +17,8 @@ import math
 import pickle
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 import torch.distributed as dist
@@ -262,7 +263,11 @@ class DataStatesReader(StorageReader):
             threads = max(1, min(self.thread_count, total // (4 << 20)))
             t0 = time.perf_counter()
             with ThreadPoolExecutor(threads, thread_name_prefix="dcpds-read") as pool:
-                failed = _fetch_all(pool, fetch, reads, keep_going=share is not None)
+                if share is not None and coop is not None:
+                    coop.open(share)  # receives posted; each block is sent once the range holding it is read
+                    failed = _fetch_all(pool, fetch, reads, done=lambda pieces: coop.ready(share, pieces))
+                else:
+                    failed = _fetch_all(pool, fetch, reads)
                 stats.read_s = time.perf_counter() - t0
                 if share is not None and coop is not None:
                     self._share(coop, share, fetch, failed, m.block_size)
@@ -288,7 +293,7 @@ class DataStatesReader(StorageReader):
     def _share(self, coop: Cooperation, share: SharePlan, fetch: Fetcher, failed: list, block_size: int) -> None:
         """The cooperative load's exchange, then what it could not bring read here."""
         bad = blocks_of([p for run, _e in failed for p in run], block_size)
-        done = coop.exchange(share, bad, verify=self.verify)
+        done = coop.close(share, bad, verify=self.verify)
         redo = done.redo
         for t, i in redo:
             fetch.piece(t, i)
@@ -299,8 +304,8 @@ class DataStatesReader(StorageReader):
         stats.plan_s, stats.exchange_s = coop.plan_s, coop.exchange_s
         stats.bytes_received = sum(k.nbytes for lst in share.recvs.values() for k, _p in lst) - \
             sum(t.ranges[i].nbytes for t, i in redo)
-        stats.bytes_sent = share.bytes_out - sum(k.nbytes for lst in share.sends.values() for k, _t, _o in lst
-                                                  if k in bad)
+        stats.bytes_sent = share.bytes_out - sum(o.key.nbytes for lst in share.sends.values() for o in lst
+                                                  if o.key in bad)
 
     def _cooperation(self, plan: LoadPlan) -> Cooperation | None:
         """The cooperative load the coordinator agreed on for every rank (``LoadTerms``)."""
@@ -434,29 +439,35 @@ class LoadTerms:
     cooperative: bool
 
 
-def _fetch_all(pool: ThreadPoolExecutor, fetch: Fetcher, reads: list, *, keep_going: bool) -> list:
+def _fetch_all(pool: ThreadPoolExecutor, fetch: Fetcher, reads: list,
+               done: Callable[[list], None] | None = None) -> list:
     """Read ``reads`` (pieces of tasks) on ``pool``: runs of small ones coalesced, the rest one
-    by one.  ``keep_going``: a failed run or batch is returned ``(pieces, error)`` and the rest
-    read on (a cooperative load's exchange must still happen); else the first error raises."""
-    # a cooperative load reads no gap: the bytes in it are another rank's to read
-    runs, pieces = coalesce(reads, gap=0 if keep_going else COALESCE_GAP)
+    by one; the first error raises.  With ``done`` (a cooperative load), called on this thread
+    with the pieces of each run or batch as it ends, failed or not: no gap is read between
+    pieces (its bytes are another rank's to read), and a failed run or batch is returned as
+    ``(pieces, error)`` while the rest are read on (the exchange must still happen)."""
+    runs, pieces = coalesce(reads, gap=COALESCE_GAP if done is None else 0)
 
-    def guarded(fn, batch):
-        try:
-            fn(batch)
-        except (CheckpointError, OSError) as e:
-            if not keep_going:
-                raise
-            return batch, e
-        return None
-
-    def each(b):
-        for p in b:
+    def each(run: list) -> None:
+        for p in run:
             fetch.piece(*p)
 
     jobs = [(fetch.run, run) for run in runs]
     jobs += [(each, b) for b in batches(pieces, lambda p: p[0].ranges[p[1]].nbytes)]
-    return [x for x in pool.map(lambda j: guarded(*j), jobs) if x is not None]
+    if done is None:
+        for _ in pool.map(lambda j: j[0](j[1]), jobs):
+            pass
+        return []
+    failed = []
+    futures = {pool.submit(fn, batch): batch for fn, batch in jobs}
+    for f in as_completed(futures):
+        e = f.exception()
+        if e is not None:
+            if not isinstance(e, (CheckpointError, OSError)):
+                raise e
+            failed.append((futures[f], e))
+        done(futures[f])
+    return failed
 
 
 @dataclasses.dataclass(frozen=True)

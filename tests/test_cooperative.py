@@ -324,7 +324,7 @@ def test_an_owner_that_cannot_read_falls_back_or_fails_alone(tmp_path):
 
 
 def _peer_killed(rank, world, base):
-    """Rank 1 dies after agreeing the plan, before sending anything: rank 0's load fails within
+    """Rank 1 dies as its first read ends, before sending anything: rank 0's load fails within
     the group's timeout with an error naming the exchange, and no tensor of rank 0's state is
     left half-written: each holds the checkpoint's values (read from storage once the peer was
     gone) or its own, untouched."""
@@ -335,7 +335,7 @@ def _peer_killed(rank, world, base):
     if rank == 1:
         def die(self, *a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
-        cooperative.Cooperation.exchange = die
+        cooperative.Cooperation.ready = die  # as its first read ends, before it sends
     mesh = init_device_mesh("cpu", (world,))
     _full, want = _state(mesh)
     _z, sd = _state(mesh, seed=1)

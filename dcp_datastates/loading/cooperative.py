@@ -18,9 +18,11 @@ How, in four steps, each rank doing work in proportion to what it loads itself:
    all-to-all).  A block one rank asked for is read by that rank, as without cooperation.
 3. *Read.*  Each rank reads, through the load's fetcher (fastest tier that verifies), its own
    ranges less the blocks others own.  A read that fails marks its blocks as not sent.
-4. *Send.*  Each owner sends, per receiver, one status byte per block (read or not), then the
-   blocks it read, straight from the buffer they were read into; each receiver receives them
-   straight into its own buffers, in the same key order.  No staging memory: the bytes travel
+4. *Send.*  Each receiver posts, before reading, a receive for every block it is sent, into
+   its own buffers (each block with a tag of its own: its place in the pair's key order).  Each
+   owner sends a block as soon as the range holding it is read, straight from the buffer it
+   was read into, so that reads and sends overlap; after its reads, one status byte per block
+   (read or not) to each receiver.  No staging memory: the bytes travel
    between the buffers the load needs anyway.  A received block is checked against its digest
    like one read from storage; one that was not sent, or does not verify, is read from storage
    by the receiver (logged).  A peer that dies fails the load within the group's timeout with a
@@ -33,8 +35,7 @@ saying so, and then every rank reads for itself; so a collective is never left w
 rank that raised.
 
 Not yet: owners are balanced by bytes per arbiter, not over nodes (HSDP replicas usually sit
-on different nodes, which spreads them anyway); reads and sends are two phases, not overlapped;
-blocks travel over gloo from host memory, not over NCCL from the GPU.
+on different nodes, which spreads them anyway); blocks travel over gloo from host memory, not over NCCL from the GPU.
 """
 
 from __future__ import annotations
@@ -75,17 +76,31 @@ class BlockKey:
 @dataclass
 class SharePlan:
     """What this rank does in a cooperative load (``Cooperation.plan``): the ranges it reads
-    from storage, the blocks it sends (per receiver, in key order: where they lie here), the
-    blocks it receives (per owner, in key order: the one-block range they land in) and the
-    local copies of a received block that a second task of this rank also needs."""
+    from storage; the blocks it sends, per range read (``sends``: where each lies here, and to
+    which rank with which tag); the blocks it receives, per owner, in key order (``recvs``: the
+    one-block range each lands in; the tag is ``DATA_TAG`` + its place in that list, as on the
+    owner's side); and the local copies of a received block that a second task of this rank
+    also needs."""
     reads: list[Piece]
-    sends: dict[int, list[tuple[BlockKey, Ranged, int]]] = field(default_factory=dict)
+    sends: dict[tuple[int, int], list[Outgoing]] = field(default_factory=dict)
     recvs: dict[int, list[tuple[BlockKey, Piece]]] = field(default_factory=dict)
     copies: list[tuple[Piece, Piece]] = field(default_factory=list)
+    receivers: int = 0  # how many ranks this rank sends to
 
     @property
     def bytes_out(self) -> int:
-        return sum(k.nbytes for lst in self.sends.values() for k, _t, _o in lst)
+        return sum(o.key.nbytes for lst in self.sends.values() for o in lst)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One block to send, once the range holding it is read: from ``task``'s buffer at ``offset``
+    to group rank ``to`` with ``tag``."""
+    key: BlockKey
+    task: Ranged
+    offset: int
+    to: int
+    tag: int
 
 
 def _packb(obj) -> bytes:
@@ -120,6 +135,10 @@ class Cooperation:
         self.world = dist.get_world_size(group)
         self.plan_s = 0.0
         self.exchange_s = 0.0
+        self._t0 = 0.0
+        self._works: list = []
+        self._status: dict[int, torch.Tensor] = {}
+        self._failed_post: RuntimeError | None = None
 
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r)
@@ -212,9 +231,16 @@ class Cooperation:
         """Each task's ranges cut where the owner of their blocks changes: runs of blocks this
         rank reads stay one range; a block another rank sends becomes a range of its own."""
         plan = SharePlan(reads=[])
-        where: dict[BlockKey, tuple[Ranged, int]] = {}  # a block this rank reads: its buffer position
+        where: dict[BlockKey, tuple[Ranged, int, int]] = {}  # a block read here: task, offset, range
         landed: dict[BlockKey, Piece] = {}  # a block received: the range it lands in
         recvs: dict[int, list[tuple[BlockKey, Piece]]] = defaultdict(list)
+
+        def read(t: Ranged, r: ByteRange, new: list[ByteRange], a: int, b: int) -> None:
+            for k, x in zip(_blocks(_sub(r, a, b - a, bs), bs), range(a, b, bs)):
+                where.setdefault(k, (t, r.buf_offset + x, len(new)))
+            plan.reads.append((t, len(new)))
+            new.append(_sub(r, a, b - a, bs))
+
         for t in tasks:
             new: list[ByteRange] = []
             for r in t.ranges:
@@ -226,13 +252,11 @@ class Cooperation:
                 for k, a in zip(_blocks(r, bs), range(0, r.nbytes, bs)):
                     owner = owner_of.get(k, self.rank)
                     if owner == self.rank:
-                        where.setdefault(k, (t, r.buf_offset + a))
                         if run < 0:
                             run = a
                         continue
                     if run >= 0:
-                        plan.reads.append((t, len(new)))
-                        new.append(_sub(r, run, a - run, bs))
+                        read(t, r, new, run, a)
                         run = -1
                     piece = (t, len(new))
                     new.append(_sub(r, a, k.nbytes, bs))
@@ -242,29 +266,72 @@ class Cooperation:
                         landed[k] = piece
                         recvs[owner].append((k, piece))
                 if run >= 0:
-                    plan.reads.append((t, len(new)))
-                    new.append(_sub(r, run, r.nbytes - run, bs))
+                    read(t, r, new, run, r.nbytes)
             t.ranges = new
+        out: dict[tuple[int, int], list[Outgoing]] = defaultdict(list)
         for q, keys in sends.items():
-            plan.sends[q] = [(k, *where[k]) for k in sorted(keys)]
+            for j, k in enumerate(sorted(keys)):
+                t, off, i = where[k]
+                out[(id(t), i)].append(Outgoing(k, t, off, q, DATA_TAG + j))
+        plan.sends = dict(out)
+        plan.receivers = len(sends)
         plan.recvs = {p: sorted(lst, key=lambda x: x[0]) for p, lst in recvs.items()}
         return plan
 
     # -------------------------------------------------------------- exchange
-    def exchange(self, plan: SharePlan, failed: set[BlockKey], *, verify: bool) -> Exchanged:
-        """Step 4 (collective with this rank's owners and receivers): send what this rank owns
-        (but ``failed`` to read), receive what it is sent, and say which received ranges this
-        rank must read itself: those not sent, or not matching their digests (logged), and all
-        of them when a peer died (``Exchanged.error``)."""
-        t0 = time.perf_counter()
-        received = [piece for lst in plan.recvs.values() for _k, piece in lst]
+    def open(self, plan: SharePlan) -> None:
+        """Step 4 begins, before any read: every block this rank is to receive, and the status
+        of each, is posted to land in its buffer."""
+        self._t0 = time.perf_counter()
+        self._works = []
+        self._status = {p: torch.empty(len(lst), dtype=torch.uint8) for p, lst in plan.recvs.items()}
+        self._failed_post = None
         try:
-            status = self._statuses(plan, failed)
-            self._blocks(plan, failed, status)
-        except PeerLoadError as e:  # whatever arrived may be partial: it is all read again here
-            self.exchange_s = time.perf_counter() - t0
-            return Exchanged(received, e)
-        unsent = [piece for p, lst in plan.recvs.items() for (_k, piece), ok in zip(lst, status[p]) if not ok]
+            for p, lst in plan.recvs.items():
+                for j, (k, (t, i)) in enumerate(lst):
+                    self._works.append(dist.irecv(_view(t, t.ranges[i].buf_offset, k.nbytes), self._global(p),
+                                                  group=self.group, tag=DATA_TAG + j))
+                self._works.append(dist.irecv(self._status[p], self._global(p), group=self.group, tag=STATUS_TAG))
+        except RuntimeError as e:  # a peer already gone
+            self._failed_post = e
+
+    def ready(self, plan: SharePlan, pieces: list[Piece]) -> None:
+        """``pieces`` were read (or failed to be): send the blocks in them that others wait for.
+        A block whose read failed is sent all the same, so that its receiver is not left
+        waiting, and its status says so."""
+        if self._failed_post is not None:
+            return
+        try:
+            for t, i in pieces:
+                for o in plan.sends.get((id(t), i), ()):
+                    self._works.append(dist.isend(_view(o.task, o.offset, o.key.nbytes), self._global(o.to),
+                                                  group=self.group, tag=o.tag))
+        except RuntimeError as e:
+            self._failed_post = e
+
+    def close(self, plan: SharePlan, failed: set[BlockKey], *, verify: bool) -> Exchanged:
+        """Step 4 ends: each owner sends its receivers one status byte per block (1: read and
+        sent), then every transfer is waited for.  Returns the received ranges this rank must
+        read itself: those not read by their owner, or not matching their digests (logged), and
+        all of them when a peer died (``Exchanged.error``)."""
+        received = [piece for lst in plan.recvs.values() for _k, piece in lst]
+        outgoing: dict[int, list[BlockKey]] = defaultdict(list)
+        for lst in plan.sends.values():
+            for o in lst:
+                outgoing[o.to].append(o.key)
+        try:
+            if self._failed_post is not None:
+                raise self._failed_post
+            for q, keys in outgoing.items():
+                ok = torch.tensor([k not in failed for k in sorted(keys)], dtype=torch.uint8)
+                self._works.append(dist.isend(ok, self._global(q), group=self.group, tag=STATUS_TAG))
+            self._wait(self._works, "blocks")
+        except (RuntimeError, PeerLoadError) as e:  # whatever arrived may be partial: all read again here
+            err = e if isinstance(e, PeerLoadError) else self._error(e, "blocks")
+            self.exchange_s = time.perf_counter() - self._t0
+            return Exchanged(received, err)
+        unsent = [piece for p, lst in plan.recvs.items()
+                  for (_k, piece), ok in zip(lst, self._status[p].tolist()) if not ok]
         redo = list(unsent)
         if unsent:
             log.warning("%s: %d block(s) their owners could not read; reading them here", self.checkpoint, len(unsent))
@@ -280,42 +347,22 @@ class Cooperation:
                     log.warning("%s: block at offset %d of %s sent by rank %d does not match its digest; "
                                 "reading it from storage", self.checkpoint, k.offset, k.file, p)
                     redo.append((t, i))
-        self.exchange_s = time.perf_counter() - t0
+        self.exchange_s = time.perf_counter() - self._t0
         return Exchanged(redo, None)
-
-    def _statuses(self, plan: SharePlan, failed: set[BlockKey]) -> dict[int, list[int]]:
-        """One byte per block, owner to receiver: 1 when the owner read it and sends it."""
-        status_in = {p: torch.empty(len(lst), dtype=torch.uint8) for p, lst in plan.recvs.items()}
-        self._wait([dist.irecv(s, self._global(p), group=self.group, tag=STATUS_TAG) for p, s in status_in.items()]
-                   + [dist.isend(torch.tensor([k not in failed for k, _t, _o in lst], dtype=torch.uint8),
-                                 self._global(q), group=self.group, tag=STATUS_TAG)
-                      for q, lst in plan.sends.items()], "block statuses")
-        return {p: s.tolist() for p, s in status_in.items()}
-
-    def _blocks(self, plan: SharePlan, failed: set[BlockKey], status: dict[int, list[int]]) -> None:
-        """The blocks themselves, every receive posted before any send."""
-        works = []
-        for p, lst in plan.recvs.items():
-            for (k, (t, i)), ok in zip(lst, status[p]):
-                if ok:
-                    works.append(dist.irecv(_view(t, t.ranges[i].buf_offset, k.nbytes), self._global(p),
-                                            group=self.group, tag=DATA_TAG))
-        for q, lst in plan.sends.items():
-            for k, t, off in lst:
-                if k not in failed:
-                    works.append(dist.isend(_view(t, off, k.nbytes), self._global(q), group=self.group, tag=DATA_TAG))
-        self._wait(works, "blocks")
 
     def _wait(self, works, what: str) -> None:
         try:
             for w in works:
                 w.wait()
         except RuntimeError as e:  # a peer died or the group timed out
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            err = PeerLoadError(f"cooperative load: exchanging {what} with the other ranks failed ({first}); a "
-                                "peer died or stopped answering", checkpoint=self.checkpoint)
-            log.error("%s; reading what this rank was to receive from storage", err)
-            raise err from None
+            raise self._error(e, what) from None
+
+    def _error(self, e: BaseException, what: str) -> PeerLoadError:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        err = PeerLoadError(f"cooperative load: exchanging {what} with the other ranks failed ({first}); a "
+                            "peer died or stopped answering", checkpoint=self.checkpoint)
+        log.error("%s; reading what this rank was to receive from storage", err)
+        return err
 
 
 @dataclass
