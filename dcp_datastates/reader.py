@@ -340,7 +340,8 @@ class DataStatesReader(StorageReader):
             log.warning("%s: tensor %s was saved as %s and is loaded into a %s tensor: its values are "
                         "cast", self.path, fqn, entry.dtype, str(dest.dtype).replace("torch.", ""))
         if chunk.extent is not None and small_whole(ri, dest, entry.dtype, chunk):
-            return SmallTask(ri, dest, chunk.extent, m.block_size)
+            return SmallTask(ri, dest, chunk.extent, m.block_size,
+                             whole_tensor=tuple(chunk.sizes) == tuple(entry.size) and not any(chunk.offsets))
         return ReadTask(ri, dest, entry.dtype, chunk, m.block_size, checkpoint=self.path,
                         tensor_size=tuple(entry.size))
 

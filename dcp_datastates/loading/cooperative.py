@@ -14,7 +14,8 @@ How, in four steps, each rank doing work in proportion to what it loads itself:
 2. *Assign.*  An arbiter that got a block from two or more ranks makes one of them its *owner*
    (the least loaded by the bytes this arbiter gave it, ties spread by the key's hash; one
    owner per ``FANOUT`` askers, so that a block every rank needs is not sent by one rank to
-   all) and tells every asker who owns it, and the owner whom to send it to (a second
+   all; small whole tensors arbitrated per group of ``FANOUT`` ranks, so that no arbiter
+   hears from every rank of a large job) and tells every asker who owns it, and the owner whom to send it to (a second
    all-to-all).  A block one rank asked for is read by that rank, as without cooperation.
 3. *Read.*  Each rank reads, through the load's fetcher (fastest tier that verifies), its own
    ranges less the blocks others own.  A read that fails marks its blocks as not sent.
@@ -63,6 +64,11 @@ STATUS_TAG, DATA_TAG = 7101, 7102
 # An owner sends a block to at most FANOUT - 1 ranks: a block every rank needs (an optimizer's
 # step counter) is read once per FANOUT ranks, not sent by one rank to all of them.
 FANOUT = 64
+# A whole tensor under SMALL bytes (an optimizer's step counter, a replicated bias: often
+# needed by every rank) is arbitrated per group of FANOUT consecutive ranks, so that no arbiter
+# is asked for one key by every rank of a large job; its bytes are read once per group.  Shards
+# (HSDP's replicas are ranks far apart) and larger tensors are arbitrated job-wide.
+SMALL = 64 << 10
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -173,25 +179,29 @@ class Cooperation:
             out[r] = _packb(dict(d))
         return out
 
-    def _arbiter(self, key: BlockKey) -> int:
-        return xxhash.xxh3_64_intdigest(f"{key.file}\0{key.offset}".encode()) % self.world
+    def _arbiter(self, key: BlockKey, grouped: bool) -> int:
+        """The rank that chooses ``key``'s owner: by the key's hash; ``grouped`` (a small whole
+        tensor, see ``SMALL``), by the key's and this rank's group of ``FANOUT`` ranks."""
+        group = f"\0{self.rank // FANOUT}" if grouped else ""
+        return xxhash.xxh3_64_intdigest(f"{key.file}\0{key.offset}{group}".encode()) % self.world
 
     # ------------------------------------------------------------------ plan
     def plan(self, tasks: Sequence[Ranged] | None, block_size: int) -> SharePlan | None:
         """Steps 1 and 2 (collective).  ``tasks`` None: this rank failed before its load could
         start; it still takes part, and every rank gets None (each reads for itself)."""
         t0 = time.perf_counter()
-        wanted: dict[BlockKey, None] = {}  # the blocks this rank's reads cover, in order
+        wanted: dict[BlockKey, bool] = {}  # the blocks this rank's reads cover: arbitrated per group?
         for t in tasks or []:
+            grouped = t.whole_tensor and sum(r.nbytes for r in t.ranges) < SMALL
             for r in t.ranges:
                 if _shared(t, r):
-                    wanted.update(dict.fromkeys(_blocks(r, block_size)))
+                    wanted.update(dict.fromkeys(_blocks(r, block_size), grouped))
         if self._any_failed(tasks is None) or tasks is None:
             self.plan_s = time.perf_counter() - t0
             return None
         asks: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        for k in wanted:
-            asks[self._arbiter(k)][k.file].append([k.offset, k.nbytes])
+        for k, grouped in wanted.items():
+            asks[self._arbiter(k, grouped)][k.file].append([k.offset, k.nbytes])
         got = self._all_to_all(self._payloads(asks))
         msgs = [msgpack.unpackb(g, raw=False) if g else {} for g in got]
         askers: dict[BlockKey, list[int]] = defaultdict(list)

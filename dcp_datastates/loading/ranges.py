@@ -52,6 +52,7 @@ class Ranged(Protocol):
     ranges: list[ByteRange]
     streamed: bool
     block_size: int
+    whole_tensor: bool  # its chunk is its whole tensor (replicated, or saved by one rank)
 
     def buffer(self) -> tuple[np.ndarray, int]:
         """The bytes to read into (a numpy view) and the address of the first."""

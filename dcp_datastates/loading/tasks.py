@@ -37,13 +37,14 @@ def small_whole(ri, dest: torch.Tensor, dtype: str, chunk: Chunk) -> bool:
 class SmallTask:
     """A :class:`ReadTask` for the case :func:`small_whole` accepts: one range, read in place."""
 
-    __slots__ = ("ri", "dest", "block_size", "ranges", "buf_size", "needed", "_buf")
+    __slots__ = ("ri", "dest", "block_size", "ranges", "buf_size", "needed", "_buf", "whole_tensor")
     streamed = False
     rebuilt = None
 
-    def __init__(self, ri, dest: torch.Tensor, ext: Extent, block_size: int) -> None:
+    def __init__(self, ri, dest: torch.Tensor, ext: Extent, block_size: int, *, whole_tensor: bool = False) -> None:
         seg = ext.segs[0]
         self.ri, self.dest, self.block_size = ri, dest, block_size
+        self.whole_tensor = whole_tensor
         self.buf_size = self.needed = ext.nbytes
         self.ranges = [ByteRange(seg.file, seg.offset, ext.nbytes, 0, 0, ext)]
         self._buf: tuple[np.ndarray, int] | None = None
@@ -74,6 +75,8 @@ class ReadTask:
         self.dtype = dtype_from_name(dtype_name)
         self.chunk = chunk
         self.checkpoint, self.tensor_size = checkpoint, tensor_size
+        self.whole_tensor = tensor_size is not None and tuple(chunk.sizes) == tuple(tensor_size) \
+            and not any(chunk.offsets)
         self.rebuilt = None  # the object a registered provider rebuilt, when it replaces dest
         self.ranges: list[ByteRange] = []
         self.needed = 0  # bytes of stored chunks this item needs (what it reads, less block rounding)
