@@ -44,7 +44,7 @@ from .format import MANIFEST_NAME, Manifest, dtype_from_name
 from .format.model import ValueEntry
 from .format.values import decode_value
 from .gcpause import paused_gc
-from .loading.cooperative import Cooperation, SharePlan, blocks_of, copy_landed, group_for
+from .loading.cooperative import Cooperation, cooperative_for, group_for
 from .loading.files import Fetcher, FileSet, ReadStats
 from .loading.metadata import manifest_to_metadata
 from .loading.ranges import COALESCE_GAP, batches, coalesce
@@ -171,21 +171,8 @@ class DataStatesReader(StorageReader):
         """DCP: once every rank is shown to load the same save, the plans, each telling its rank
         whether the load is cooperative (``LoadTerms``)."""
         _one_save(plans, self.path)
-        terms = LoadTerms(self._cooperative_for(len(plans)))
+        terms = LoadTerms(cooperative_for(self.cooperative, len(plans), self.process_group, self.path))
         return [dataclasses.replace(p, storage_data=terms) for p in plans]
-
-    def _cooperative_for(self, ranks: int) -> bool:
-        """Whether a load by ``ranks`` ranks is cooperative: asked for (or ``"auto"``), more than
-        one rank, and DCP's group the one this reader was given (the default group if none)."""
-        if self.cooperative is False or ranks < 1 or not (dist.is_available() and dist.is_initialized()):
-            return False
-        size = dist.get_world_size(self.process_group)
-        if ranks != size:
-            if self.cooperative is True or ranks > 1:
-                log.info("%s: a load by %d ranks is not cooperative: this reader's process group has %d (pass "
-                         "DataStatesReader(process_group=...) the group given to dcp.load)", self.path, ranks, size)
-            return False
-        return ranks > 1
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP: read every item of ``plan`` (coverage checked first, every block verified,
@@ -269,8 +256,8 @@ class DataStatesReader(StorageReader):
                 else:
                     failed = _fetch_all(pool, fetch, reads)
                 stats.read_s = time.perf_counter() - t0
-                if share is not None and coop is not None:
-                    self._share(coop, share, fetch, failed, m.block_size)
+                if share is not None and coop is not None:  # the exchange ends; what it could not bring is read
+                    coop.finish(share, fetch, [p for run, _e in failed for p in run], stats, verify=self.verify)
                 if failed:
                     raise failed[0][1]
                 for _ in pool.map(lambda b: [t.finalize() for t in b], batches(tasks, lambda t: t.buf_size)):
@@ -289,23 +276,6 @@ class DataStatesReader(StorageReader):
                      "ranks; plan %.3f s, reads %.3f s, exchange %.3f s", rank, stats.bytes_read / 2**20,
                      stats.bytes_received / 2**20, stats.bytes_sent / 2**20, stats.plan_s, stats.read_s,
                      stats.exchange_s)
-
-    def _share(self, coop: Cooperation, share: SharePlan, fetch: Fetcher, failed: list, block_size: int) -> None:
-        """The cooperative load's exchange, then what it could not bring read here."""
-        bad = blocks_of([p for run, _e in failed for p in run], block_size)
-        done = coop.close(share, bad, verify=self.verify)
-        redo = done.redo
-        for t, i in redo:
-            fetch.piece(t, i)
-        copy_landed(share)
-        if done.error is not None:
-            raise done.error
-        stats = self.stats
-        stats.plan_s, stats.exchange_s = coop.plan_s, coop.exchange_s
-        stats.bytes_received = sum(k.nbytes for lst in share.recvs.values() for k, _p in lst) - \
-            sum(t.ranges[i].nbytes for t, i in redo)
-        stats.bytes_sent = share.bytes_out - sum(o.key.nbytes for lst in share.sends.values() for o in lst
-                                                  if o.key in bad)
 
     def _cooperation(self, plan: LoadPlan) -> Cooperation | None:
         """The cooperative load the coordinator agreed on for every rank (``LoadTerms``)."""

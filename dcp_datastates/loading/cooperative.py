@@ -56,6 +56,7 @@ import xxhash
 
 from ..errors import PeerLoadError
 from ..format.checksum import verify_blocks
+from .files import Fetcher, ReadStats
 from .ranges import ByteRange, Piece, Ranged
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class SharePlan:
     sends: dict[tuple[int, int], list[Outgoing]] = field(default_factory=dict)
     recvs: dict[int, list[tuple[BlockKey, Piece]]] = field(default_factory=dict)
     copies: list[tuple[Piece, Piece]] = field(default_factory=list)
-    receivers: int = 0  # how many ranks this rank sends to
+    block_size: int = 1 << 20  # the checkpoint's checksum block
 
     @property
     def bytes_out(self) -> int:
@@ -240,7 +241,7 @@ class Cooperation:
                sends: dict[int, list[BlockKey]]) -> SharePlan:
         """Each task's ranges cut where the owner of their blocks changes: runs of blocks this
         rank reads stay one range; a block another rank sends becomes a range of its own."""
-        plan = SharePlan(reads=[])
+        plan = SharePlan(reads=[], block_size=bs)
         where: dict[BlockKey, tuple[Ranged, int, int]] = {}  # a block read here: task, offset, range
         landed: dict[BlockKey, Piece] = {}  # a block received: the range it lands in
         recvs: dict[int, list[tuple[BlockKey, Piece]]] = defaultdict(list)
@@ -284,7 +285,6 @@ class Cooperation:
                 t, off, i = where[k]
                 out[(id(t), i)].append(Outgoing(k, t, off, q, DATA_TAG + j))
         plan.sends = dict(out)
-        plan.receivers = len(sends)
         plan.recvs = {p: sorted(lst, key=lambda x: x[0]) for p, lst in recvs.items()}
         return plan
 
@@ -318,6 +318,24 @@ class Cooperation:
                                                   group=self.group, tag=o.tag))
         except RuntimeError as e:
             self._failed_post = e
+
+    def finish(self, plan: SharePlan, fetch: Fetcher, failed: list[Piece], stats: ReadStats, *,
+               verify: bool) -> None:
+        """Step 4 ends (:meth:`close`); the received ranges it could not bring are read from
+        storage, received blocks copied where a second task of this rank needs them, and the
+        load's figures set; then the exchange's error, if a peer died, is raised."""
+        bad = blocks_of(failed, plan.block_size)
+        done = self.close(plan, bad, verify=verify)
+        for t, i in done.redo:
+            fetch.piece(t, i)
+        copy_landed(plan)
+        if done.error is not None:
+            raise done.error
+        stats.plan_s, stats.exchange_s = self.plan_s, self.exchange_s
+        stats.bytes_received = sum(k.nbytes for lst in plan.recvs.values() for k, _p in lst) - \
+            sum(t.ranges[i].nbytes for t, i in done.redo)
+        stats.bytes_sent = plan.bytes_out - sum(o.key.nbytes for lst in plan.sends.values() for o in lst
+                                                if o.key in bad)
 
     def close(self, plan: SharePlan, failed: set[BlockKey], *, verify: bool) -> Exchanged:
         """Step 4 ends: each owner sends its receivers one status byte per block (1: read and
@@ -382,6 +400,21 @@ class Exchanged:
     is left with a partial or unchecked block)."""
     redo: list[Piece]
     error: PeerLoadError | None
+
+
+def cooperative_for(setting: bool | str, ranks: int, pg, path: str | None) -> bool:
+    """The coordinator's decision: whether a load by ``ranks`` ranks is cooperative.  It is when
+    ``setting`` is not False, more than one rank loads, and DCP's group is ``pg`` (the default
+    group if None): another group's ranks would not all take part."""
+    if setting is False or ranks < 1 or not (dist.is_available() and dist.is_initialized()):
+        return False
+    size = dist.get_world_size(pg)
+    if ranks != size:
+        if setting is True or ranks > 1:
+            log.info("%s: a load by %d ranks is not cooperative: this reader's process group has %d (pass "
+                     "DataStatesReader(process_group=...) the group given to dcp.load)", path, ranks, size)
+        return False
+    return ranks > 1
 
 
 def copy_landed(plan: SharePlan) -> None:
