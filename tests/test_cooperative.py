@@ -97,6 +97,14 @@ def _stored_tensor_bytes(path: str) -> int:
     return sum(c.extent.nbytes for e in m.tensors.values() for c in e.chunks if c.extent is not None)
 
 
+def _stored_tensor_bytes_of(path: str, fqn: str) -> int:
+    from dcp_datastates.tiers import StorageTier
+    from dcp_datastates.tiers.manifests import load_manifest
+    m = load_manifest(StorageTier(path))
+    return sum(c.extent.nbytes for k, e in m.tensors.items() if k.endswith(fqn) for c in e.chunks
+               if c.extent is not None)
+
+
 def _total(n: int) -> int:
     t = torch.tensor([n], dtype=torch.int64)
     dist.all_reduce(t)
@@ -199,27 +207,39 @@ def _save(rank, world, path):
     dcp.save({"s": sd, "epoch": 3}, storage_writer=DataStatesWriter(path))
 
 
+def _save_both(rank, world, path):
+    mesh = init_device_mesh("cpu", (world,))
+    _full, sd = _state(mesh)
+    dcp.save({"s": sd, "epoch": 3}, storage_writer=DataStatesWriter(path))
+    dcp.save({"s": sd, "epoch": 3}, storage_writer=FileSystemWriter(path + "-dcp"))
+
+
 def _load_resharded(rank, world, path):
     mesh = init_device_mesh("cpu", (world,))
     full, _ = _state(mesh)
     _count_ours()
     counts = {}
-    for coop in (True, False):
+    for name, reader in (("coop", lambda: DataStatesReader(path)),
+                         ("solo", lambda: DataStatesReader(path, cooperative=False)),
+                         ("dcp", lambda: _dcp_reader(path + "-dcp"))):
         _z, sd = _state(mesh, seed=1)
         out = {"s": sd, "epoch": 0}
         _Counted.n = 0
-        dcp.load(out, storage_reader=DataStatesReader(path, cooperative=coop))
-        counts[coop] = _total(_Counted.n)
+        dcp.load(out, storage_reader=reader())
+        counts[name] = _total(_Counted.n)
         _exact(out, full)
     need = _stored_tensor_bytes(path)
-    assert counts[True] == need, (counts, need)
-    assert counts[False] > need, (counts, need)  # replicated tensors and boundary blocks, again per rank
+    assert counts["coop"] == need, (counts, need)
+    # the replicated tensors once per rank (and, ours alone, boundary blocks again per rank)
+    replicated = sum(_stored_tensor_bytes_of(path, k) for k in ("norm", "bias", "emb", "step"))
+    assert counts["solo"] >= need + (world - 1) * replicated, (counts, need, replicated)
+    assert counts["dcp"] >= need + (world - 1) * replicated, (counts, need, replicated)
 
 
 @pytest.mark.parametrize("saved,loaded", [(4, 2), (2, 3)])
 def test_resharded_loads_read_every_needed_block_once(tmp_path, saved, loaded):
     path = str(tmp_path / "ck")
-    run_ranks(saved, _save, path)
+    run_ranks(saved, _save_both, path)
     run_ranks(loaded, _load_resharded, path)
 
 
