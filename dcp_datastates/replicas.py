@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
@@ -163,6 +164,38 @@ def read_record(tier: StorageTier, rank: int, save_id: str) -> ReplicaRecord | N
         return None
 
 
+class _Landing:
+    """A replica arriving: written under a temporary name and hashed as its pieces come, kept
+    under its own name only when the whole file matches the digest its sender gives."""
+
+    def __init__(self, tier: StorageTier, name: str) -> None:
+        self.tier, self.name = tier, name
+        self.tmp = name + TEMP_INFIX + "replica"
+        self.hash = xxhash.xxh3_128()
+        self.sink = tier.open_sink(self.tmp, o_direct=False, drop_cache=True)
+
+    def write(self, chunk: np.ndarray, offset: int) -> None:
+        self.hash.update(chunk.data)
+        if len(chunk):
+            self.sink.pwrite(chunk, offset)
+
+    def keep(self, digest: bytes) -> bool:
+        """Make it durable; rename it into place when its bytes match ``digest``, else drop it."""
+        try:
+            self.sink.close(sync=True)
+        except BaseException:
+            self.sink.abort()
+            raise
+        if digest != self.hash.digest():
+            self.tier.remove(self.tmp)
+            return False
+        os.replace(self.tier.path(self.tmp), self.tier.path(self.name))
+        return True
+
+    def abort(self) -> None:
+        self.sink.abort()
+
+
 class _Exchange:
     """One round: this rank's files to ``dst`` and ``src``'s files from it, at once, over
     ``group`` (global ranks)."""
@@ -204,9 +237,8 @@ class _Exchange:
         out_seq = _with_digests(_pieces(files))
         in_seq = _with_digests(_pieces(incoming))
         hashers = [xxhash.xxh3_128() for _ in files]
-        rhashers = [xxhash.xxh3_128() for _ in incoming]
         unreadable: set[int] = set()
-        sinks: dict[int, object] = {}
+        sinks: dict[int, _Landing] = {}
         received: dict[str, list] = {}
         sendbuf = torch.empty(PIECE, dtype=torch.uint8)
         recvbuf = torch.empty(PIECE, dtype=torch.uint8)
@@ -220,10 +252,10 @@ class _Exchange:
                     into = recvbuf[:16] if a < 0 else recvbuf[:n]
                 self._both(out, into)
                 if k < len(in_seq):
-                    self._incoming(incoming, in_seq[k], rhashers, refused, sinks, recvbuf, received, problems)
+                    self._incoming(incoming, in_seq[k], refused, sinks, recvbuf, received, problems)
         finally:
-            for sink in sinks.values():
-                sink.abort()  # type: ignore[attr-defined]
+            for landing in sinks.values():
+                landing.abort()
         ok_here = torch.tensor([int(len(received) == len(incoming))], dtype=torch.int64)
         ok_there = torch.zeros(1, dtype=torch.int64)
         self._both(ok_here, ok_there)  # each side says whether it received every file intact
@@ -251,46 +283,39 @@ class _Exchange:
         buf[:n].zero_()
         return buf[:n]
 
-    def _incoming(self, incoming, piece, rhashers, refused: set, sinks: dict, buf: torch.Tensor,
+    def _incoming(self, incoming, piece, refused: set, sinks: dict[int, _Landing], buf: torch.Tensor,
                   received: dict, problems: list) -> None:
         """Piece ``piece`` of an incoming file, just received into ``buf``.  A local failure to
         store it (the step's directory purged meanwhile, a full disk) drops the file and keeps
         receiving, so the peer is never left waiting."""
         try:
-            self._store(incoming, piece, rhashers, refused, sinks, buf, received, problems)
+            self._store(incoming, piece, refused, sinks, buf, received, problems)
         except (OSError, CheckpointError) as e:
             i = piece[0]
             problems.append(f"the replica of {incoming[i][0]} could not be stored here: {e}")
             refused.add(i)
-            sink = sinks.pop(i, None)
-            if sink is not None:
-                sink.abort()  # type: ignore[attr-defined]
+            landing = sinks.pop(i, None)
+            if landing is not None:
+                landing.abort()
 
-    def _store(self, incoming, piece, rhashers, refused: set, sinks: dict, buf: torch.Tensor,
+    def _store(self, incoming, piece, refused: set, sinks: dict[int, _Landing], buf: torch.Tensor,
                received: dict, problems: list) -> None:
         i, a, n = piece
         name, size = incoming[i]
-        tmp = name + TEMP_INFIX + "replica"
         if i in refused:
             return
         if a < 0:  # the file's digest: keep it only when it matches
-            sink = sinks.pop(i, None)
-            if sink is None:
+            landing = sinks.pop(i, None)
+            if landing is None:
                 return
-            sink.close(sync=True)  # type: ignore[attr-defined]
-            if buf[:16].numpy().tobytes() != rhashers[i].digest():
-                self.tier.remove(tmp)
+            if not landing.keep(buf[:16].numpy().tobytes()):
                 problems.append(f"the replica of {name} from rank {self.src} does not match its digest")
                 return
-            os.replace(self.tier.path(tmp), self.tier.path(name))
-            received[name] = [size, rhashers[i].hexdigest()]
+            received[name] = [size, landing.hash.hexdigest()]
             return
         if i not in sinks:
-            sinks[i] = self.tier.open_sink(tmp, o_direct=False, drop_cache=True)
-        chunk = buf[:n].numpy()
-        rhashers[i].update(chunk.data)
-        if n:
-            sinks[i].pwrite(chunk, a)  # type: ignore[attr-defined]
+            sinks[i] = _Landing(self.tier, name)
+        sinks[i].write(buf[:n].numpy(), a)
 
 
 def _pieces(files: list[tuple[str, int]]) -> list[tuple[int, int, int]]:
@@ -536,30 +561,21 @@ def _send_file(group, tier: StorageTier, name: str, size: int, peer: int) -> Non
 
 
 def _recv_file(group, tier: StorageTier, name: str, size: int, peer: int, digest: str) -> bool:
-    """Receive ``name`` into ``tier`` under a temporary name; keep it only when its bytes match
-    ``digest``."""
+    """Receive ``name`` into ``tier``; keep it only when its bytes match ``digest``."""
     buf = torch.empty(PIECE, dtype=torch.uint8)
-    h = xxhash.xxh3_128()
-    tmp = name + TEMP_INFIX + "replica"
     tier.makedirs()
-    sink = tier.open_sink(tmp, o_direct=False, drop_cache=True)
+    landing = _Landing(tier, name)
     try:
         for a in range(0, size, PIECE):
             n = min(PIECE, size - a)
             dist.recv(buf[:n], peer, group=group)
-            h.update(buf[:n].numpy().data)
-            sink.pwrite(buf[:n].numpy(), a)
-        sink.close(sync=True)
+            landing.write(buf[:n].numpy(), a)
     except BaseException:
-        sink.abort()
+        landing.abort()
         raise
     tail = torch.empty(16, dtype=torch.uint8)
     dist.recv(tail, peer, group=group)
-    if h.hexdigest() != digest or tail.numpy().tobytes() != h.digest():
-        tier.remove(tmp)
-        return False
-    os.replace(tier.path(tmp), tier.path(name))
-    return True
+    return landing.keep(tail.numpy().tobytes() if landing.hash.hexdigest() == digest else b"")
 
 
 def records_in(tier: StorageTier, save_id: str) -> list[ReplicaRecord]:
