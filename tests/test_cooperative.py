@@ -252,8 +252,8 @@ def _node_copies(base: str, world: int) -> None:
         shutil.copytree(src, os.path.join(base, f"node{n}"))
 
 
-def _flip(path: str, name: str, offset: int) -> None:
-    with open(os.path.join(path, name), "r+b") as f:
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
         f.seek(offset)
         b = f.read(1)
         f.seek(offset)
@@ -282,24 +282,35 @@ def _corrupt_owner(rank, world, base):
     out = {"s": sd, "epoch": 0}
     dcp.load(out, storage_reader=DataStatesReader(mine, verify=rank != 1))
     if rank == 0:
-        for k, v in out["s"].items():  # its own shards (rank 1's came from its damaged copy)
-            want = shards[k]
-            assert torch.equal(v.to_local() if isinstance(v, DTensor) else v,
-                               want.to_local() if isinstance(want, DTensor) else want), k
+        _same_local(out["s"], shards)  # its own shards (rank 1's came from its damaged copy)
         assert any("does not match its digest; reading it from storage" in x for x in lines.lines), lines.lines
 
 
-def test_a_corrupted_block_from_an_owner_is_read_from_storage(tmp_path):
-    base = str(tmp_path)
+def _same_local(got: dict, want: dict) -> None:
+    """This rank's shards of ``got`` equal those of ``want``."""
+    for k, v in got.items():
+        w = want[k]
+        assert torch.equal(v.to_local() if isinstance(v, DTensor) else v,
+                           w.to_local() if isinstance(w, DTensor) else w), k
+
+
+def _damaged_node1(base: str, damage) -> None:
+    """A checkpoint saved by 2 ranks, copied to node0/ and node1/; ``damage`` applied to each
+    data file of node1's copy."""
     run_ranks(2, _save, os.path.join(base, "ck"))
     _node_copies(base, 2)
     node1 = os.path.join(base, "node1")
     for name in os.listdir(node1):
         if name.startswith("data-"):
-            size = os.path.getsize(os.path.join(node1, name))
-            for off in range(0, size, 1 << 16):
-                _flip(node1, name, off)
-    run_ranks(2, _corrupt_owner, base)
+            damage(os.path.join(node1, name))
+
+
+def test_a_corrupted_block_from_an_owner_is_read_from_storage(tmp_path):
+    def rot(path: str) -> None:
+        for off in range(0, os.path.getsize(path), 1 << 16):
+            _flip(path, off)
+    _damaged_node1(str(tmp_path), rot)
+    run_ranks(2, _corrupt_owner, str(tmp_path))
 
 
 def _failing_owner(rank, world, base):
@@ -325,22 +336,13 @@ def _failing_owner(rank, world, base):
         dcp.load(out, storage_reader=DataStatesReader(mine))
     assert "data file is missing" in str(e.value), str(e.value)
     if rank == 0:  # every block rank 1 owed it was read here instead
-        for k, v in out["s"].items():
-            want = shards[k]
-            assert torch.equal(v.to_local() if isinstance(v, DTensor) else v,
-                               want.to_local() if isinstance(want, DTensor) else want), k
+        _same_local(out["s"], shards)
         assert any("could not read; reading them here" in x for x in lines.lines), lines.lines
 
 
 def test_an_owner_that_cannot_read_falls_back_or_fails_alone(tmp_path):
-    base = str(tmp_path)
-    run_ranks(2, _save, os.path.join(base, "ck"))
-    _node_copies(base, 2)
-    node1 = os.path.join(base, "node1")
-    for name in os.listdir(node1):
-        if name.startswith("data-"):
-            os.remove(os.path.join(node1, name))
-    run_ranks(2, _failing_owner, base)
+    _damaged_node1(str(tmp_path), os.remove)
+    run_ranks(2, _failing_owner, str(tmp_path))
 
 
 def _peer_killed(rank, world, base):
