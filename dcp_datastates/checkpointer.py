@@ -344,6 +344,9 @@ class Checkpointer:
                 also = [(f"step-{s}", m) for s, m in self._manifests.items()]
             if self.node_copies is not None:
                 protect.update(self.node_copies.busy())  # replicas still on their way
+                held = self.node_copies.newest_replicated(self.committed_steps(0))
+                if held is not None:
+                    protect.add(held)  # what the peers hold, until a newer step is held too
             cur = self._inflight
             if cur:
                 protect.add(cur["step"])

@@ -365,6 +365,11 @@ class Replicator:
             except BaseException as e:  # noqa: BLE001 - delivered through the future, and logged there
                 fut.set_exception(e)
 
+    def node_ranks(self) -> list[int]:
+        """The global ranks on this rank's node (this one included)."""
+        mine = self.nodes.nodes[self.rank]
+        return [self._global[r] for r, n in enumerate(self.nodes.nodes) if n == mine]
+
     def own_files(self, tier: StorageTier, save_id: str) -> list[tuple[str, int]]:
         """This rank's data files and part of ``save_id`` in ``tier``, with their sizes."""
         out = []
@@ -631,6 +636,25 @@ class NodeCopies:
     def busy(self) -> set[int]:
         """Steps whose replication has not ended: retention keeps them."""
         return {step for step, fut in self._replicating.items() if not fut.done()}
+
+    def newest_replicated(self, steps: list[int]) -> int | None:
+        """The newest of ``steps`` (committed on this node) that every rank of this node has
+        fully replicated, by their records in the node's directory: retention keeps it, so that
+        a node lost while newer steps replicate leaves a step its peers hold.  Every rank of
+        the node reads the same records, so every purge of the directory keeps the same step
+        (or a newer one, once its records are complete)."""
+        if self.replicator is None:
+            return None
+        local = self.replicator.node_ranks()
+        for step in sorted(steps, reverse=True):
+            t = self.tier_of(step)
+            head = manifest_head(t)
+            if head is None:
+                continue
+            recs = [read_record(t, r, head.save_id) for r in local]
+            if all(rec is not None and rec.complete for rec in recs):
+                return step
+        return None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every step so far is replicated; False when one ended degraded."""

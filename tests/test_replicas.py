@@ -342,3 +342,46 @@ def _faulty_receiver(rank, world, base):
 
 def test_a_receiver_that_cannot_store_a_replica_degrades_only_that_copy(tmp_path):
     run_ranks(4, _faulty_receiver, str(tmp_path))
+
+
+def _newest_replicated_kept(rank, world, base):
+    """``keep=1`` on the node-local tier while step 2 is still replicating (its reads slowed):
+    step 1, the newest step every rank of the node has fully replicated, stays on the node
+    until step 2 is replicated too; a node lost meanwhile still has a step its peers hold."""
+    import threading
+    import time as _time
+
+    from dcp_datastates.tiers import StorageTier
+    slow = threading.Event()
+    real = StorageTier.read_into
+
+    def read_into(self, name, offset, buf, *, fd=None):
+        if slow.is_set() and threading.current_thread().name == "dcpds-replicas":
+            _time.sleep(0.5)
+        return real(self, name, offset, buf, fd=fd)
+    StorageTier.read_into = read_into
+    mesh = init_device_mesh("cpu", (world,))
+    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1, keep=1,
+                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
+                        async_mode=None)
+    ckpt.save(1, {"w": distribute_tensor(torch.full((64, 8), 1.0), mesh, [Shard(0)])})
+    assert ckpt.wait_replicated(60)
+    dist.barrier()
+    slow.set()
+    ckpt.save(2, {"w": distribute_tensor(torch.full((64, 8), 2.0), mesh, [Shard(0)])})
+    ckpt.wait_persisted(60)  # step 2 committed here, and a retention pass run
+    here = os.path.join(base, f"node{rank // PER_NODE}")
+    assert 2 in ckpt.node_copies.busy()
+    assert os.path.isdir(os.path.join(here, "step-1")), os.listdir(here)
+    dist.barrier()
+    slow.clear()
+    assert ckpt.wait_replicated(60)
+    dist.barrier()
+    ckpt.wait_persisted(60)  # now step 2 is the newest replicated: step 1 goes
+    dist.barrier()
+    assert not os.path.exists(os.path.join(here, "step-1")), os.listdir(here)
+    ckpt.close()
+
+
+def test_retention_keeps_the_newest_fully_replicated_step(tmp_path):
+    run_ranks(4, _newest_replicated_kept, str(tmp_path))
