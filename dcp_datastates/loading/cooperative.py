@@ -189,7 +189,14 @@ class Cooperation:
     # ------------------------------------------------------------------ plan
     def plan(self, tasks: Sequence[Ranged] | None, block_size: int) -> SharePlan | None:
         """Steps 1 and 2 (collective).  ``tasks`` None: this rank failed before its load could
-        start; it still takes part, and every rank gets None (each reads for itself)."""
+        start; it still takes part, and every rank gets None (each reads for itself).  A peer
+        that dies meanwhile: ``PeerLoadError``, nothing read yet."""
+        try:
+            return self._plan(tasks, block_size)
+        except RuntimeError as e:
+            raise self._error(e, "the plan") from None
+
+    def _plan(self, tasks: Sequence[Ranged] | None, block_size: int) -> SharePlan | None:
         t0 = time.perf_counter()
         wanted: dict[BlockKey, bool] = {}  # the blocks this rank's reads cover: arbitrated per group?
         for t in tasks or []:
@@ -356,6 +363,8 @@ class Cooperation:
             self._wait(self._works, "blocks")
         except (RuntimeError, PeerLoadError) as e:  # whatever arrived may be partial: all read again here
             err = e if isinstance(e, PeerLoadError) else self._error(e, "blocks")
+            log.warning("%s: reading the %d block(s) this rank was to receive from storage, then failing the "
+                        "load", self.checkpoint, len(received))
             self.exchange_s = time.perf_counter() - self._t0
             return Exchanged(received, err)
         unsent = [piece for p, lst in plan.recvs.items()
@@ -389,7 +398,7 @@ class Cooperation:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         err = PeerLoadError(f"cooperative load: exchanging {what} with the other ranks failed ({first}); a "
                             "peer died or stopped answering", checkpoint=self.checkpoint)
-        log.error("%s; reading what this rank was to receive from storage", err)
+        log.error("%s", err)
         return err
 
 
