@@ -33,7 +33,6 @@ from torch.futures import Future
 from .engine import upload
 from .engine.upload import DeviceUpload
 from .errors import (
-    CheckpointError,
     ChecksumMismatch,
     CoverageError,
     ManifestError,
@@ -415,8 +414,9 @@ def _fetch_all(pool: ThreadPoolExecutor, fetch: Fetcher, reads: list,
     """Read ``reads`` (pieces of tasks) on ``pool``: runs of small ones coalesced, the rest one
     by one; the first error raises.  With ``done`` (a cooperative load), called on this thread
     with the pieces of each run or batch as it ends, failed or not: no gap is read between
-    pieces (its bytes are another rank's to read), and a failed run or batch is returned as
-    ``(pieces, error)`` while the rest are read on (the exchange must still happen)."""
+    pieces (its bytes are another rank's to read), and a run or batch that failed, whatever
+    the error, is returned as ``(pieces, error)`` while the rest are read on: the peers waiting
+    for its blocks learn they were not read, then the caller raises."""
     runs, pieces = coalesce(reads, gap=COALESCE_GAP if done is None else 0)
 
     def each(run: list) -> None:
@@ -434,9 +434,9 @@ def _fetch_all(pool: ThreadPoolExecutor, fetch: Fetcher, reads: list,
     for f in as_completed(futures):
         e = f.exception()
         if e is not None:
-            if not isinstance(e, (CheckpointError, OSError)):
+            if not isinstance(e, Exception):  # an interrupt: nothing to wait for
                 raise e
-            failed.append((futures[f], e))
+            failed.append((futures[f], e))  # raised once the peers know what was not read
         done(futures[f])
     return failed
 

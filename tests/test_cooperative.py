@@ -406,3 +406,33 @@ def _checkpointer(rank, world, base):
 
 def test_checkpointer_loads_cooperatively(tmp_path):
     run_ranks(2, _checkpointer, str(tmp_path))
+
+
+def _owner_bug(rank, world, base):
+    """An unexpected error in one owner's reads (not a storage error: a bug, say) still lets
+    its peer finish: the owner tells it which blocks it could not send, then raises its own
+    error; the peer reads those blocks itself and no rank waits out a timeout."""
+    import datetime
+
+    from dcp_datastates.loading import files
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+    if rank == 1:
+        def read_range(*a, **k):
+            raise ValueError("injected: a bug in the read path")
+        files.read_range = read_range
+    mesh = init_device_mesh("cpu", (world,))
+    _full, shards = _state(mesh)
+    _z, sd = _state(mesh, seed=1)
+    out = {"s": sd, "epoch": 0}
+    t = time.monotonic()
+    with pytest.raises(BaseException) as e:  # DCP's CheckpointException names rank 1's error
+        dcp.load(out, storage_reader=DataStatesReader(os.path.join(base, "ck"), process_group=group))
+    assert time.monotonic() - t < 30, time.monotonic() - t
+    assert "injected: a bug in the read path" in str(e.value), str(e.value)
+    if rank == 0:
+        _same_local(out["s"], shards)
+
+
+def test_an_owner_that_hits_a_bug_does_not_leave_its_peer_waiting(tmp_path):
+    run_ranks(2, _save, str(tmp_path / "ck"))
+    run_ranks(2, _owner_bug, str(tmp_path))
