@@ -50,6 +50,7 @@ from .format.names import (
     replica_record_name,
     replica_record_of,
 )
+from .format.values import pack_plain
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest, manifest_head
 
@@ -134,7 +135,7 @@ class ReplicaRecord:
     held: dict
 
     def to_bytes(self) -> bytes:
-        return _packb({"rank": self.rank, "save_id": self.save_id, "replicas": self.replicas,
+        return pack_plain({"rank": self.rank, "save_id": self.save_id, "replicas": self.replicas,
                        "sent": self.sent, "confirmed": self.confirmed, "held": self.held})
 
     @classmethod
@@ -148,11 +149,6 @@ class ReplicaRecord:
         """Whether every replica of this rank's files was confirmed."""
         return len(set(self.confirmed)) >= self.replicas
 
-
-def _packb(obj) -> bytes:
-    data = msgpack.packb(obj, use_bin_type=True)
-    assert isinstance(data, bytes), "msgpack packs to bytes"
-    return data
 
 
 def read_record(tier: StorageTier, rank: int, save_id: str) -> ReplicaRecord | None:
@@ -221,7 +217,7 @@ class _Exchange:
         digest that cannot match), so neither side waits for a message the other will not send;
         only a peer that died leaves the other to the group's timeout.  ``digests`` gets each
         sent file's digest."""
-        head = _packb([[n, s] for n, s in files])
+        head = pack_plain([[n, s] for n, s in files])
         n_in = torch.zeros(1, dtype=torch.int64)
         self._both(torch.tensor([len(head)], dtype=torch.int64), n_in)
         theirs = torch.empty(int(n_in.item()), dtype=torch.uint8)

@@ -56,6 +56,7 @@ import xxhash
 
 from ..errors import PeerLoadError
 from ..format.checksum import verify_blocks
+from ..format.values import pack_plain
 from .files import Fetcher, ReadStats
 from .ranges import ByteRange, Piece, Ranged
 
@@ -109,11 +110,6 @@ class Outgoing:
     to: int
     tag: int
 
-
-def _packb(obj) -> bytes:
-    data = msgpack.packb(obj, use_bin_type=True)
-    assert isinstance(data, bytes), "msgpack packs to bytes"
-    return data
 
 
 def _shared(task: Ranged, r: ByteRange) -> bool:
@@ -177,7 +173,7 @@ class Cooperation:
         """One message per group rank: ``to[r]`` packed, nothing for a rank with nothing."""
         out = [b""] * self.world
         for r, d in to.items():
-            out[r] = _packb(dict(d))
+            out[r] = pack_plain(dict(d))
         return out
 
     def _arbiter(self, key: BlockKey, grouped: bool) -> int:
