@@ -260,14 +260,16 @@ class RankSave:
             # DCP broadcasts this Metadata to every rank as the save's result: a run-level
             # checkpointer on another node commits the manifest on its own disk from it.
             metadata.storage_data = {"dcp_datastates.manifest": body}
-        if self.persistence is not None:
-            self.persistence.start_commits(manifest, body, name, collective=self.use_collectives,
-                                           record_on=self.tier)
         if session is not None:
             session.mark_committed()
         log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),
                  len(manifest.values), sum(manifest.files.values()) / 2**20)
+        # tidy this tier before a slower tier can commit: that commit writes this directory's
+        # `.persisted` record, whose temporary file the tidy would take for a leftover of its own
         self.after_commit(self.tier, manifest)
+        if self.persistence is not None:
+            self.persistence.start_commits(manifest, body, name, collective=self.use_collectives,
+                                           record_on=self.tier)
 
     def _manifest(self, metadata: Metadata, results: list[list[WriteResult]]) -> tuple[Manifest, bytes]:
         """The manifest to commit and its bytes: a format 4 index where the planner gave

@@ -2,13 +2,16 @@
 
 import os
 import shutil
+import time
 
+import msgpack
 import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
-from dcp_datastates.tiers.manifests import load_manifest
+from dcp_datastates.format.names import PERSISTED_RECORD, TEMP_INFIX
 from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers.manifests import load_manifest
 from tests import workers
 from tests.dist import run_ranks
 
@@ -145,3 +148,59 @@ def test_stale_node_local_copy_of_another_save_is_never_mixed_in(tmp_path):
     shutil.copytree(os.path.join(old, "node1", "step-5"), os.path.join(new, "node1", "step-5"))
     run_ranks(2, workers.load_never_mixed, new, 2)
     run_ranks(2, workers.load_plain_reader_refuses_mix, new)
+
+
+def test_persisted_record_survives_the_fast_tiers_own_tidy(tmp_path, monkeypatch):
+    """The fast tier's ``.persisted`` record is written after the slower tier commits; the
+    fast tier's tidy (after its own commit) removes the save's own leftover temporary files.
+    The two must not overlap: here the fast tier's listings are slow and the record's temporary
+    file lingers before its rename, so a tidy still running when the slower tier commits would
+    take the record's temporary file away (the save then reported its persist as failed,
+    though the slower tier had committed)."""
+    t1, t2 = str(tmp_path / "nvme/step-1"), str(tmp_path / "pfs/step-1")
+    listdir, commit_bytes = StorageTier.listdir, StorageTier.commit_bytes
+
+    def slow_listdir(self):
+        if self.url.rstrip("/") == t1:
+            time.sleep(0.3)
+        return listdir(self)
+
+    def lingering_commit(self, name, data, *, sync=True):
+        if name == PERSISTED_RECORD:  # the temporary file, durable, then the rename a while later
+            tmp = self.path(f"{name}{TEMP_INFIX}linger")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            time.sleep(1.0)
+            os.replace(tmp, self.path(name))
+            return None
+        return commit_bytes(self, name, data, sync=sync)
+    monkeypatch.setattr(StorageTier, "listdir", slow_listdir)
+    monkeypatch.setattr(StorageTier, "commit_bytes", lingering_commit)
+    sd = _state(1)
+    w = DataStatesWriter(t1, persist_to=[t2])
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    assert w.wait_persisted(60)
+    assert msgpack.unpackb(open(os.path.join(t1, PERSISTED_RECORD), "rb").read()) == [t2]
+    assert not [n for n in os.listdir(t1) if TEMP_INFIX in n]
+
+
+def test_a_lost_persisted_record_does_not_fail_a_committed_flush(tmp_path, monkeypatch, caplog):
+    """``.persisted`` only tells ``inspect`` which slower tiers committed; when it cannot be
+    written (the fast tier's step purged meanwhile, a full disk) the slower tier's commit
+    still counts, and the log says what was lost."""
+    t1, t2 = str(tmp_path / "nvme/step-1"), str(tmp_path / "pfs/step-1")
+    commit_bytes = StorageTier.commit_bytes
+
+    def failing(self, name, data, *, sync=True):
+        if name == PERSISTED_RECORD:
+            raise OSError(28, "No space left on device")
+        return commit_bytes(self, name, data, sync=sync)
+    monkeypatch.setattr(StorageTier, "commit_bytes", failing)
+    sd = _state(2)
+    w = DataStatesWriter(t1, persist_to=[t2])
+    dcp.save(sd, storage_writer=w, no_dist=True)
+    assert w.wait_persisted(60)
+    assert any("could not say so" in r.getMessage() for r in caplog.records)
+    out = _zeros(sd)
+    dcp.load(out, storage_reader=DataStatesReader(t2), no_dist=True)
+    assert _equal(out, sd)

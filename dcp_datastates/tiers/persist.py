@@ -339,7 +339,11 @@ class Persistence:
             self.after_commit(by_url[url], manifest)
             if record_on is not None:
                 with lock:
-                    record_persisted(record_on, url)
+                    try:
+                        record_persisted(record_on, url)
+                    except (OSError, CheckpointError) as e:  # the tier committed: only `inspect`'s note is lost
+                        log.warning("%s committed, but %s/%s could not say so (%s)", url, record_on.url,
+                                    PERSISTED_RECORD, e)
         give_up = [threading.Event() for _ in self.tiers]  # set when this rank's own upload fails
         for f, ev in zip(self.uploads, give_up):
             f.add_done_callback(lambda f, ev=ev: ev.set() if f.exception() is not None else None)
