@@ -1,6 +1,6 @@
 """What peer replicas cost a training loop (issue 36), against no replication, in one run.
 
-    python benchmarks/bench_replicas.py [--steps 12] [--every 3] [--reps 2] [--json OUT]
+    python benchmarks/bench_replicas.py [--steps 12] [--every 3] [--reps 2] [--device-wait S] [--batch B] [--json OUT]
 
 Four gloo ranks on this machine simulate two nodes of two ranks, each node its own node-local
 directory.  An MLP sharded with FSDP2 and trained with Adam checkpoints through ``Checkpointer``
@@ -9,6 +9,12 @@ with ``replicas=0`` and ``replicas=1``, and the same loop runs without checkpoin
 method (median over ``--reps``, methods interleaved): the extra training time per checkpoint over
 the loop without checkpoints (the stall), the time the loop spends blocked in checkpoint calls,
 and the largest peak RSS growth of any rank.
+
+Four ranks training on this machine's two cores leave no CPU idle, so anything a checkpoint
+does in the background slows training by its whole CPU time.  A GPU job leaves the host's
+cores mostly idle while the device computes: ``--device-wait S`` adds ``S`` seconds of waiting
+to each step (the rank waits as it would for its GPU) and ``--batch`` shrinks the step's own
+CPU work, so that the background work can overlap training as it does there.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ def _rss() -> int:
     return 0
 
 
-def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int, base: str, out) -> None:
+def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int, base: str, out,
+          device_wait: float, batch: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -54,12 +61,14 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(32, WIDTH)
+    x = torch.randn(batch, WIDTH)
 
     def step() -> None:
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+        if device_wait:
+            time.sleep(device_wait)
 
     step()
     ckpt = None
@@ -108,7 +117,7 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     os._exit(0)  # FSDP2 on gloo can abort in native teardown (tests/dist.py)
 
 
-def run(method: str, steps: int, every: int, base: str) -> list[dict]:
+def run(method: str, steps: int, every: int, base: str, device_wait: float = 0.0, batch: int = 32) -> list[dict]:
     import torch.multiprocessing as mp
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
@@ -117,7 +126,7 @@ def run(method: str, steps: int, every: int, base: str) -> list[dict]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 4, port, method, steps, every, base, q)) for r in range(4)]
+    procs = [ctx.Process(target=_rank, args=(r, 4, port, method, steps, every, base, q, device_wait, batch)) for r in range(4)]
     for p in procs:
         p.start()
     got = q.get(timeout=900)
@@ -132,13 +141,15 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dcpds-replicas"))
+    ap.add_argument("--device-wait", type=float, default=0.0, help="seconds each step waits, as for a GPU")
+    ap.add_argument("--batch", type=int, default=32, help="rows per step (the step's CPU work)")
     ap.add_argument("--json")
     a = ap.parse_args()
     methods = ["none", "replicas0", "replicas1"]
     runs: dict[str, list] = {m: [] for m in methods}
     for rep in range(a.reps):
         for m in methods:
-            got = run(m, a.steps, a.every, a.dir)
+            got = run(m, a.steps, a.every, a.dir, a.device_wait, a.batch)
             runs[m].append(got)
             print(f"rep {rep} {m}: total {max(r['total_s'] for r in got):.2f}s "
                   f"blocked {max(r['blocked_s'] for r in got):.2f}s "
@@ -152,7 +163,8 @@ def main() -> int:
         rows[m] = {"stall": statistics.median((max(r["total_s"] for r in g) - base) / n for g in runs[m]),
                    "blocked": statistics.median(max(r["blocked_s"] for r in g) / n for g in runs[m]),
                    "rss_growth": max(r["rss_growth"] for g in runs[m] for r in g)}
-    print(f"\nloop without checkpoints {base:.2f}s; {a.steps} steps, a checkpoint every {a.every}")
+    print(f"\nloop without checkpoints {base:.2f}s; {a.steps} steps, a checkpoint every {a.every}, "
+          f"device wait {a.device_wait}s a step, batch {a.batch}")
     for m, r in rows.items():
         print(f"{m:<10} stall/ckpt {r['stall']:.3f}s  blocked/ckpt {r['blocked']:.3f}s  "
               f"peak RSS growth {r['rss_growth'] / 1e6:.0f} MB")
@@ -160,7 +172,7 @@ def main() -> int:
     print(f"replicas=1 adds {s1 - s0:+.3f}s per checkpoint ({(s1 - s0) / max(s0, 1e-9) * 100:+.0f}% of the stall)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"runs": runs, "rows": rows}, f, indent=1)
+            json.dump({"device_wait": a.device_wait, "batch": a.batch, "runs": runs, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -35,13 +35,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import msgpack
-import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
 
 from .errors import CheckpointError
 from .format import decode_manifest
+from .format.layout import ALIGNMENT, align_up
 from .format.names import (
     MANIFEST_NAME,
     TEMP_INFIX,
@@ -160,19 +160,36 @@ def read_record(tier: StorageTier, rank: int, save_id: str) -> ReplicaRecord | N
         return None
 
 
+def _piece_buffer() -> torch.Tensor:
+    """``PIECE`` bytes at an ``ALIGNMENT`` boundary, so that a piece can be written O_DIRECT."""
+    raw = torch.empty(PIECE + ALIGNMENT, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % ALIGNMENT
+    return raw[shift:shift + PIECE]
+
+
 class _Landing:
     """A replica arriving: written under a temporary name and hashed as its pieces come, kept
-    under its own name only when the whole file matches the digest its sender gives."""
+    under its own name only when the whole file matches the digest its sender gives.  Written
+    O_DIRECT where the filesystem allows: a replica is not read again soon, and on a busy node
+    the page cache's writeback of another node's bytes costs training more than direct writes
+    from the receive buffer."""
 
     def __init__(self, tier: StorageTier, name: str) -> None:
         self.tier, self.name = tier, name
         self.tmp = name + TEMP_INFIX + "replica"
         self.hash = xxhash.xxh3_128()
-        self.sink = tier.open_sink(self.tmp, o_direct=False, drop_cache=True)
+        self.sink = tier.open_sink(self.tmp, o_direct=True, drop_cache=True)
 
-    def write(self, chunk: np.ndarray, offset: int) -> None:
+    def write(self, buf: torch.Tensor, n: int, offset: int) -> None:
+        """The ``n`` bytes at the start of ``buf`` (a ``_piece_buffer``) go at ``offset`` (a
+        multiple of ``PIECE``)."""
+        chunk = buf[:n].numpy()
         self.hash.update(chunk.data)
-        if len(chunk):
+        if not n:
+            return
+        if getattr(self.sink, "o_direct", False):  # whole blocks; the file is cut to its size at close
+            self.sink.pwrite(buf[:align_up(n)].numpy().data, offset, logical=n)
+        else:
             self.sink.pwrite(chunk, offset)
 
     def keep(self, digest: bytes) -> bool:
@@ -237,7 +254,7 @@ class _Exchange:
         sinks: dict[int, _Landing] = {}
         received: dict[str, list] = {}
         sendbuf = torch.empty(PIECE, dtype=torch.uint8)
-        recvbuf = torch.empty(PIECE, dtype=torch.uint8)
+        recvbuf = _piece_buffer()
         try:
             for k in range(max(len(out_seq), len(in_seq))):
                 out = into = None
@@ -311,7 +328,7 @@ class _Exchange:
             return
         if i not in sinks:
             sinks[i] = _Landing(self.tier, name)
-        sinks[i].write(buf[:n].numpy(), a)
+        sinks[i].write(buf, n, a)
 
 
 def _pieces(files: list[tuple[str, int]]) -> list[tuple[int, int, int]]:
@@ -563,14 +580,14 @@ def _send_file(group, tier: StorageTier, name: str, size: int, peer: int) -> Non
 
 def _recv_file(group, tier: StorageTier, name: str, size: int, peer: int, digest: str) -> bool:
     """Receive ``name`` into ``tier``; keep it only when its bytes match ``digest``."""
-    buf = torch.empty(PIECE, dtype=torch.uint8)
+    buf = _piece_buffer()
     tier.makedirs()
     landing = _Landing(tier, name)
     try:
         for a in range(0, size, PIECE):
             n = min(PIECE, size - a)
             dist.recv(buf[:n], peer, group=group)
-            landing.write(buf[:n].numpy(), a)
+            landing.write(buf, n, a)
     except BaseException:
         landing.abort()
         raise

@@ -51,8 +51,8 @@ class SequentialSink(Sink):
         self.f.write(data)
         self.pos = offset + len(data)
 
-    def pwrite(self, buf, offset: int) -> None:
-        data = bytes(memoryview(buf).cast("B"))  # the cache slot is recycled after return
+    def pwrite(self, buf, offset: int, logical: int | None = None) -> None:
+        data = bytes(memoryview(buf).cast("B")[:logical])  # the cache slot is recycled after return
         with self._lock:
             if offset not in self._order:
                 self._put(offset, data)
