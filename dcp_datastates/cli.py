@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -27,17 +28,19 @@ from .cli_demo import run_demo
 from .errors import (
     CheckpointError,
     ForeignFormatError,
+    ManifestError,
     NotACheckpointError,
     PickleNotAllowedError,
     UnsupportedFormatVersion,
 )
 from .format import MANIFEST_NAME
+from .format.dtypes import dtype_from_name
 from .format.names import PERSISTED_RECORD, data_file_rank
 from .format.values import decode_value
-from .replicas import records_in
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
-from .verify import inspect_run, verify_checkpoint, verify_run
+from .tiers.replica_records import records_in
+from .verify import Verified, inspect_run, verify_checkpoint, verify_node_copy, verify_run
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOT_A_CHECKPOINT, EXIT_FOREIGN, EXIT_ERROR = 1, 2, 3, 4, 5, 6
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.I)
@@ -105,11 +108,25 @@ def cmd_inspect(args) -> int:
         print(f"note: the record of slower tiers is unreadable ({e}); listing this tier only",
               file=sys.stderr)
     rows = []
+    elsewhere = 0
     for fqn, t in sorted(m.tensors.items()):
-        exts = [e for c in t.chunks for e in ([c.extent] if c.extent else [p[2] for p in c.parts.values()])]
+        try:
+            chunks = t.chunks
+        except ManifestError as e:  # a node's copy: the records of other nodes' ranks are there
+            if e.file is None or tier.exists(e.file):
+                raise
+            if not args.node_local:
+                raise ManifestError(f"{e.reason}; if this is a node's own copy of a step (node_local=True), "
+                                    "pass --node-local", checkpoint=e.checkpoint, file=e.file) from None
+            itemsize = dtype_from_name(t.dtype).itemsize
+            rows.append({"key": fqn, "dtype": t.dtype, "shape": list(t.size), "chunks": t.count(),
+                         "bytes": math.prod(t.size) * itemsize, "records": "on other nodes"})
+            elsewhere += 1
+            continue
+        exts = [e for c in chunks for e in ([c.extent] if c.extent else [p[2] for p in c.parts.values()])]
         nbytes, stored = sum(e.nbytes for e in exts), sum(e.stored for e in exts)
         per_rank: dict = {}
-        for c in t.chunks:
+        for c in chunks:
             e = c.extent if c.extent else next(iter(c.parts.values()))[2]
             r = data_file_rank(e.file)
             per_rank[r] = per_rank.get(r, 0) + 1
@@ -148,6 +165,9 @@ def cmd_inspect(args) -> int:
         print(f"tensors: {_fmt_bytes(logical)} logical, {_fmt_bytes(stored)} stored "
               f"({logical / max(stored, 1):.2f}x compressed)")
     print("committed on: " + ", ".join(tiers))
+    if elsewhere:
+        print(f"{elsewhere} tensor(s) have chunk records in metadata parts this node does not hold "
+              "(another node's ranks): their chunks per rank are not shown")
     for r in replicas:
         print(f"replicas: rank {r['rank']}'s files on rank(s) {r['confirmed_by']} "
               f"({'complete' if r['complete'] else 'DEGRADED'}, {r['replicas']} wanted); "
@@ -171,29 +191,59 @@ def cmd_verify(args) -> int:
     single = tier.exists(MANIFEST_NAME) or not any(n.startswith("step-") for n in tier.listdir())
     if single:
         _classify(tier)  # missing, not a checkpoint, another format: its own exit code
-        results = {args.path: verify_checkpoint(args.path, _opts(args), progress=progress)}
+        if args.node_local:
+            results = {args.path: verify_node_copy(args.path, _opts(args), progress=progress)}
+        else:
+            results = {args.path: Verified(verify_checkpoint(args.path, _opts(args), progress=progress))}
     else:  # a run directory: every committed step
-        results = {tier.child(k).url: v for k, v in verify_run(args.path, _opts(args), progress).items()}
+        results = {tier.child(k).url: v for k, v in
+                   verify_run(args.path, _opts(args), progress, node_copy=args.node_local).items()}
         if not results:
             raise NotACheckpointError("the run directory holds no committed step", checkpoint=args.path)
-    bad = {k: v for k, v in results.items() if v}
+    bad = {k: v for k, v in results.items() if v.problems}
+
+    def row(path: str, v: Verified) -> dict:
+        out = {"path": path, "ok": not v.problems, "problems": v.problems}
+        if args.node_local:
+            out.update(files_elsewhere=v.elsewhere, ranks_elsewhere=v.ranks_elsewhere)
+        return out
     if args.json:
         if single:
-            print(json.dumps({"path": args.path, "ok": not bad, "problems": results[args.path]}))
+            print(json.dumps(row(args.path, results[args.path])))
         else:
-            print(json.dumps({"path": args.path, "ok": not bad, "checkpoints": [
-                {"path": k, "ok": not v, "problems": v} for k, v in results.items()]}))
+            print(json.dumps({"path": args.path, "ok": not bad,
+                              "checkpoints": [row(k, v) for k, v in results.items()]}))
         return EXIT_DAMAGED if bad else 0
-    for path, problems in results.items():
-        if problems:
-            print(f"DAMAGED: {path}")
-            for p in problems:
+    for path, v in results.items():
+        elsewhere = (f"; {len(v.elsewhere)} file(s) of rank(s) {_ranks(v.ranks_elsewhere)} are on other nodes"
+                     if v.elsewhere else "")
+        if v.problems:
+            print(f"DAMAGED: {path}{elsewhere}")
+            for p in v.problems:
                 print(f"  {p}")
+        elif args.node_local:
+            print(f"OK: {path}: every block this node holds matches its checksum{elsewhere}")
         else:
             print(f"OK: {path}: every block matches its checksum")
     if bad:
         print("restore the damaged checkpoint(s) from another tier or load an earlier step")
+        if not args.node_local and any(all(p.startswith("file ") and p.endswith(": missing") or "metadata part"
+                                           in p for p in v.problems) for v in bad.values()):
+            print("a node's own copy of a step (node_local=True) holds only its ranks' files: "
+                  "check it with --node-local")
     return EXIT_DAMAGED if bad else 0
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 # -------------------------------------------------------------------- demo
@@ -341,6 +391,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("path", help="checkpoint directory or fsspec URL")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--storage-options", help="fsspec options as JSON, for URLs")
+        p.add_argument("--node-local", action="store_true",
+                       help="a node's own copy of a step (node_local=True): its ranks' files and the "
+                            "replicas it keeps; other nodes' files are not missing")
         p.set_defaults(fn=fn)
     return ap
 

@@ -50,15 +50,16 @@ from .format.names import (
     replica_record_name,
     replica_record_of,
 )
+from .format.replica_record import ReplicaRecord
 from .format.values import pack_plain
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest, manifest_head
+from .tiers.replica_records import read_record
 
 log = logging.getLogger(__name__)
 
 NODE_ENV = "DCP_DATASTATES_NODE"  # overrides the node a rank is on (tests, odd launchers)
 PIECE = 4 << 20  # bytes per message: two buffers of it per exchange
-RECORD_MAX = 1 << 20
 
 
 def node_name() -> str:
@@ -119,45 +120,6 @@ class NodeMap:
         i = names.index(self.nodes[rank])
         j = ranks[self.nodes[rank]].index(rank)
         return ranks[names[(i - k) % len(names)]][j]
-
-
-@dataclass(frozen=True)
-class ReplicaRecord:
-    """What one rank's node-local directory of a step says about replicas: the files this rank
-    sent (``sent``: name -> [size, digest hex]) and the peers that confirmed them, and the
-    files of other ranks it holds (``held``: sender rank -> {name: [size, digest hex]})."""
-
-    rank: int
-    save_id: str
-    replicas: int
-    sent: dict
-    confirmed: list
-    held: dict
-
-    def to_bytes(self) -> bytes:
-        return pack_plain({"rank": self.rank, "save_id": self.save_id, "replicas": self.replicas,
-                       "sent": self.sent, "confirmed": self.confirmed, "held": self.held})
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "ReplicaRecord":
-        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        return cls(int(d["rank"]), str(d["save_id"]), int(d["replicas"]), dict(d["sent"]),
-                   list(d["confirmed"]), {int(k): dict(v) for k, v in d["held"].items()})
-
-    @property
-    def complete(self) -> bool:
-        """Whether every replica of this rank's files was confirmed."""
-        return len(set(self.confirmed)) >= self.replicas
-
-
-
-def read_record(tier: StorageTier, rank: int, save_id: str) -> ReplicaRecord | None:
-    """Rank ``rank``'s replica record of save ``save_id`` in ``tier``, if any and readable."""
-    name = replica_record_name(rank, save_id)
-    try:
-        return ReplicaRecord.from_bytes(tier.read_bytes(name, max_bytes=RECORD_MAX))
-    except (OSError, CheckpointError, ValueError, KeyError, TypeError, msgpack.UnpackException):
-        return None
 
 
 def _piece_buffer() -> torch.Tensor:
@@ -594,18 +556,6 @@ def _recv_file(group, tier: StorageTier, name: str, size: int, peer: int, digest
     tail = torch.empty(16, dtype=torch.uint8)
     dist.recv(tail, peer, group=group)
     return landing.keep(tail.numpy().tobytes() if landing.hash.hexdigest() == digest else b"")
-
-
-def records_in(tier: StorageTier, save_id: str) -> list[ReplicaRecord]:
-    """The replica records of save ``save_id`` in directory ``tier``, by rank."""
-    out = []
-    for name in sorted(tier.listdir()):
-        got = replica_record_of(name)
-        if got is not None and got[1] == save_id:
-            rec = read_record(tier, got[0], save_id)
-            if rec is not None:
-                out.append(rec)
-    return out
 
 
 class NodeCopies:

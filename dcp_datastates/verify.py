@@ -3,15 +3,18 @@ file, every tier) and the per-step usage of a run directory (``inspect RUN``).""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import xxhash
 
 from .errors import CheckpointError, ManifestError
 from .format.checksum import verify_blocks
 from .format.codec import decode_block
 from .format.limits import FormatViolation
-from .format.names import STEP_DIR, is_manifest_name, step_of
+from .format.names import STEP_DIR, is_manifest_name, rank_file_of, step_of
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
+from .tiers.replica_records import records_in
 
 
 def inspect_run(tier) -> list[dict]:
@@ -40,30 +43,84 @@ def inspect_run(tier) -> list[dict]:
 VERIFY_PIECE = 16 << 20  # bytes read and checked at a time: memory stays bounded
 
 
+@dataclass(frozen=True)
+class Verified:
+    """What ``verify`` found in one checkpoint directory: ``problems`` (one line each; empty
+    when intact) and, for a node's copy, the files it does not hold (``elsewhere``: another
+    node's ranks) and the ranks they belong to."""
+
+    problems: list[str]
+    elsewhere: list[str] = field(default_factory=list)
+
+    @property
+    def ranks_elsewhere(self) -> list[int]:
+        return sorted({got[0] for got in map(rank_file_of, self.elsewhere) if got is not None})
+
+
 def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[str]:
     """Check every block of every extent of the checkpoint at ``path``; one line per problem
     (empty when intact).  A missing or unreadable manifest is a problem too (the CLI tells a
     path that holds no checkpoint at all apart before it calls this)."""
-    tier = StorageTier(path, storage_options)
+    return _verify(StorageTier(path, storage_options), progress, node_copy=False).problems
+
+
+def verify_node_copy(path: str, storage_options=None, progress=None) -> Verified:
+    """``verify_checkpoint`` of one node's copy of a step (``Checkpointer(node_local=True)``):
+    every block of the files it holds (its ranks' and the replicas it keeps) is checked, and
+    a file of the manifest it does not hold is not a problem but ``elsewhere``, as is a
+    chunk whose record is in a metadata part it does not hold.  A node holds every file of a
+    rank or none: a missing file of a rank it holds others of, or of a rank its replica
+    records say it holds, is a problem."""
+    return _verify(StorageTier(path, storage_options), progress, node_copy=True)
+
+
+def _verify(tier: StorageTier, progress, *, node_copy: bool) -> Verified:
     try:
         m = load_manifest(tier)
     except CheckpointError as e:
-        return [str(e)]
-    problems = []
+        return Verified([str(e)])
+    problems: list[str] = []
+    absent: set[str] = set()  # a node's copy: the files it does not hold
+
+    def note(e: ManifestError) -> None:
+        if not (node_copy and e.file in absent) and str(e) not in problems:
+            problems.append(str(e))  # said once, not once per chunk a bad part holds
+    sizes = {}
+    homes = {name: tier.sibling(home) for name, home in m.homes.items()}
+    for name, want in m.files.items():
+        where = f" (in {m.homes[name]})" if name in m.homes else ""
+        try:
+            sizes[name] = homes.get(name, tier).size(name)
+        except OSError:
+            if node_copy:
+                absent.add(name)
+            else:
+                problems.append(f"file {name}{where}: missing")
+            continue
+        if sizes[name] < want:
+            problems.append(f"file {name}{where}: truncated ({sizes[name]} of {want} bytes)")
+    if absent:  # a node holds all the files of a rank or none: of its own ranks and of those it keeps
+        here = {got[0] for got in map(rank_file_of, sizes) if got is not None}
+        for rec in records_in(tier, m.save_id):
+            here |= {rec.rank, *rec.held}
+        for name in sorted(absent):
+            got = rank_file_of(name)
+            if got is None or got[0] in here:
+                problems.append(f"file {name}: missing (rank {got[0] if got else '?'} is on this node)")
+                absent.discard(name)
     extents = []
     if m.index is not None:  # format 4: every part's head and digest tail, also those no chunk record needs
         for rank in m.index.part_ranks():
             try:
                 m.index.check_part(rank)
             except ManifestError as e:
-                problems.append(str(e))
+                note(e)
     for fqn, t in m.tensors.items():
         for i in range(t.count()):  # chunk by chunk: a bad part hides only the chunks it holds
             try:
                 c = t.chunk_at(i)
             except ManifestError as e:
-                if str(e) not in problems:  # said once, not once per chunk the part holds
-                    problems.append(str(e))
+                note(e)
                 continue
             if c.extent is not None:
                 extents.append((fqn, c.extent))
@@ -74,20 +131,11 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
             extents += [(f"{fqn}/{pname}", ext) for pname, (_, _, ext) in v.node.parts.items()]
         elif xxhash.xxh3_64_intdigest(v.data) != v.checksum:
             problems.append(f"value {fqn}: checksum mismatch in the manifest")
-    sizes = {}
-    homes = {name: tier.sibling(home) for name, home in m.homes.items()}
-    for name, want in m.files.items():
-        where = f" (in {m.homes[name]})" if name in m.homes else ""
-        try:
-            sizes[name] = homes.get(name, tier).size(name)
-        except OSError:
-            problems.append(f"file {name}{where}: missing")
-            continue
-        if sizes[name] < want:
-            problems.append(f"file {name}{where}: truncated ({sizes[name]} of {want} bytes)")
     total = sum(e.nbytes for _, e in extents) or 1
     done = 0
     for fqn, e in extents:
+        if node_copy and any(s.file in absent for s in e.segs):
+            continue  # on another node
         if any(s.file not in sizes or sizes[s.file] < s.offset + s.nbytes for s in e.segs):
             problems.append(f"tensor {fqn}: extent in {', '.join(sorted(e.files()))} is missing or truncated")
             continue
@@ -100,7 +148,7 @@ def verify_checkpoint(path: str, storage_options=None, progress=None) -> list[st
         done += e.nbytes
         if progress:
             progress(done, total, "verify")
-    return problems
+    return Verified(problems, sorted(absent))
 
 
 def _check_extent(tier, homes, block_size: int, fqn: str, e) -> str | None:
@@ -130,8 +178,10 @@ def _check_extent(tier, homes, block_size: int, fqn: str, e) -> str | None:
     return None
 
 
-def verify_run(path: str, storage_options=None, progress=None) -> dict[str, list[str]]:
-    """Verify every committed step of a run directory: ``{step directory: problems}``."""
+def verify_run(path: str, storage_options=None, progress=None, *, node_copy: bool = False
+               ) -> dict[str, Verified]:
+    """Verify every committed step of a run directory (``node_copy``: a node's directory of
+    the run, each step as ``verify_node_copy`` checks it): ``{step directory: Verified}``."""
     run = StorageTier(path, storage_options)
     out = {}
     for name, kind in run.entries():
@@ -140,5 +190,5 @@ def verify_run(path: str, storage_options=None, progress=None) -> dict[str, list
         step = run.child(name)
         if not any(is_manifest_name(n) for n in step.listdir()):
             continue  # uncommitted, in flight, or a purged step's husk: not a checkpoint
-        out[name] = verify_checkpoint(step.url, storage_options, progress)
+        out[name] = _verify(step, progress, node_copy=node_copy)
     return dict(sorted(out.items(), key=lambda kv: step_of(kv[0]) or 0))

@@ -387,3 +387,54 @@ def _newest_replicated_kept(rank, world, base):
 
 def test_retention_keeps_the_newest_fully_replicated_step(tmp_path):
     run_ranks(4, _newest_replicated_kept, str(tmp_path))
+
+
+def _one_rank_nodes(rank, world, base):
+    """Four nodes of one rank each, one replica: node ``i`` holds rank ``i``'s files and rank
+    ``i - 1``'s replica, and neither of the other two ranks' files."""
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(torch.randn(world * 256, 64), mesh, [Shard(0)]), "step": 7}
+    ckpt = Checkpointer(_tiers(base, rank, False), node_local=True, replicas=1, node=f"n{rank}",
+                        process_group=dist.new_group(backend="gloo"), async_mode=None)
+    ckpt.save(1, sd)
+    assert ckpt.wait_replicated(60)
+    ckpt.close()
+
+
+def test_verify_and_inspect_a_nodes_copy_of_a_step(tmp_path):
+    """``verify --node-local`` checks what a node holds (its rank's files and the replica it
+    keeps) and names the ranks whose files are on other nodes; plain ``verify`` calls those
+    missing and points to the flag.  Damage to a file the node holds, or a replica its record
+    says it keeps gone, is still damage."""
+    from tests.test_cli import cli
+    run_ranks(4, _one_rank_nodes, str(tmp_path))
+    step = str(tmp_path / "node0" / "step-1")
+    plain = cli("verify", step, check=False)
+    assert plain.returncode == 1 and "--node-local" in plain.stdout, plain.stdout
+    ok = cli("verify", "--node-local", step, check=False)
+    assert ok.returncode == 0 and "rank(s) 1-2 are on other nodes" in ok.stdout, ok.stdout + ok.stderr
+    got = json.loads(cli("verify", "--node-local", "--json", step).stdout)
+    assert got["ok"] and got["ranks_elsewhere"] == [1, 2], got
+    run = cli("verify", "--node-local", str(tmp_path / "node0"), check=False)  # the node's run directory
+    assert run.returncode == 0, run.stdout
+    hint = cli("inspect", step, check=False)
+    assert hint.returncode != 0 and "pass --node-local" in hint.stderr, hint.stderr
+    shown = cli("inspect", "--node-local", step, check=False)
+    assert shown.returncode == 0 and "replicas: rank 0's files on rank(s) [1]" in shown.stdout, \
+        shown.stdout + shown.stderr
+    names = os.listdir(step)
+    own = next(n for n in names if n.startswith("data-r00000-") and n.endswith(".dsd"))
+    def flip(path: str) -> None:  # one byte in the middle of the tensor's bytes
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            b = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b ^ 0xFF]))
+    flip(os.path.join(step, own))  # this node's own data rots
+    bad = cli("verify", "--node-local", step, check=False)
+    assert bad.returncode == 1 and "checksum mismatch" in bad.stdout, bad.stdout
+    flip(os.path.join(step, own))
+    kept = next(n for n in names if n.startswith("data-r00003-") and n.endswith(".dsd"))
+    os.remove(os.path.join(step, kept))  # the replica of rank 3 this node's record says it holds
+    gone = cli("verify", "--node-local", step, check=False)
+    assert gone.returncode == 1 and f"file {kept}: missing (rank 3 is on this node)" in gone.stdout, gone.stdout
