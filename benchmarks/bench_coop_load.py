@@ -196,11 +196,14 @@ def main() -> int:
         if m == "coop":
             slow = max(range(world), key=lambda r: got[r][m][0]["s"])
             rows[m].update({k: got[slow][m][0][k] for k in ("plan_s", "read_s", "exchange_s")},
-                           sent_mb=sum(g[m][0]["sent"] for g in got) / 1e6)
+                           sent_mb=sum(g[m][0]["sent"] for g in got) / 1e6,
+                           node_read_mb=[sum(got[r][m][0]["read"] for r in range(n * a.per_node, (n + 1) * a.per_node))
+                                         / 1e6 for n in range(a.nodes)])
         print(f"{m:<5} load {rows[m]['s']:.2f} s (runs {', '.join(f'{t:.2f}' for t in times)}), "
               f"read from storage {rows[m]['read_mb']:.0f} MB"
               + (f", sent between ranks {rows[m]['sent_mb']:.0f} MB; slowest rank: plan {rows[m]['plan_s']:.3f} s, "
-                 f"reads {rows[m]['read_s']:.2f} s, exchange {rows[m]['exchange_s']:.2f} s" if m == "coop" else ""))
+                 f"reads {rows[m]['read_s']:.2f} s, exchange {rows[m]['exchange_s']:.2f} s; read per node "
+                 + " / ".join(f"{x:.0f}" for x in rows[m]["node_read_mb"]) + " MB" if m == "coop" else ""))
     print(f"cooperative: {rows['dcp']['s'] / rows['coop']['s']:.1f}x faster than DCP's FileSystemReader, "
           f"{rows['solo']['s'] / rows['coop']['s']:.1f}x faster than without cooperation; "
           f"{rows['dcp']['read_mb'] / rows['coop']['read_mb']:.1f}x fewer bytes read than DCP")
