@@ -47,7 +47,7 @@ from .loading.cooperative import Cooperation, cooperative_for, group_for
 from .loading.files import Fetcher, FileSet, ReadStats
 from .loading.metadata import manifest_to_metadata
 from .loading.ranges import COALESCE_GAP, batches, coalesce
-from .loading.tasks import ReadTask, SmallTask, small_whole
+from .loading.tasks import ReadTask, SmallTask, is_whole, small_whole
 from .options import url_tuple
 from .planner import deliver_object
 from .tiers import StorageTier, read_path
@@ -310,7 +310,7 @@ class DataStatesReader(StorageReader):
                         "cast", self.path, fqn, entry.dtype, str(dest.dtype).replace("torch.", ""))
         if chunk.extent is not None and small_whole(ri, dest, entry.dtype, chunk):
             return SmallTask(ri, dest, chunk.extent, m.block_size,
-                             whole_tensor=tuple(chunk.sizes) == tuple(entry.size) and not any(chunk.offsets))
+                             whole_tensor=is_whole(chunk, tuple(entry.size)))
         return ReadTask(ri, dest, entry.dtype, chunk, m.block_size, checkpoint=self.path,
                         tensor_size=tuple(entry.size))
 

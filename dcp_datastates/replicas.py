@@ -48,13 +48,12 @@ from .format.names import (
     data_file_save_id,
     rank_file_of,
     replica_record_name,
-    replica_record_of,
 )
 from .format.replica_record import ReplicaRecord
 from .format.values import pack_plain
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest, manifest_head
-from .tiers.replica_records import read_record
+from .tiers.replica_records import read_record, records_in
 
 log = logging.getLogger(__name__)
 
@@ -404,16 +403,11 @@ def _inventory(tier: StorageTier, save_id: str) -> dict[str, Holding]:
     and checked against the digests the replica records there give."""
     try:
         names = tier.listdir()
+        recs = records_in(tier, save_id)
     except OSError:
         return {}
     recorded: dict[str, str] = {}
-    for name in names:
-        got = replica_record_of(name)
-        if got is None or got[1] != save_id:
-            continue
-        rec = read_record(tier, got[0], save_id)
-        if rec is None:
-            continue
+    for rec in recs:
         for f, v in rec.sent.items():
             if len(v) > 1 and v[1]:
                 recorded[f] = v[1]

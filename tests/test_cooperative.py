@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from tests.dist import run_ranks
+from tests.test_corruption import _flip
 
 # ---------------------------------------------------------------- counting storage reads
 
@@ -250,14 +251,6 @@ def _node_copies(base: str, world: int) -> None:
     src = os.path.join(base, "ck")
     for n in range(world):
         shutil.copytree(src, os.path.join(base, f"node{n}"))
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 class _Lines(logging.Handler):

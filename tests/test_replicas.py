@@ -424,16 +424,10 @@ def test_verify_and_inspect_a_nodes_copy_of_a_step(tmp_path):
         shown.stdout + shown.stderr
     names = os.listdir(step)
     own = next(n for n in names if n.startswith("data-r00000-") and n.endswith(".dsd"))
-    def flip(path: str) -> None:  # one byte in the middle of the tensor's bytes
-        with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) // 2)
-            b = f.read(1)[0]
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b ^ 0xFF]))
-    flip(os.path.join(step, own))  # this node's own data rots
+    _flip_middle(os.path.join(step, own))  # this node's own data rots
     bad = cli("verify", "--node-local", step, check=False)
     assert bad.returncode == 1 and "checksum mismatch" in bad.stdout, bad.stdout
-    flip(os.path.join(step, own))
+    _flip_middle(os.path.join(step, own))
     kept = next(n for n in names if n.startswith("data-r00003-") and n.endswith(".dsd"))
     os.remove(os.path.join(step, kept))  # the replica of rank 3 this node's record says it holds
     gone = cli("verify", "--node-local", step, check=False)

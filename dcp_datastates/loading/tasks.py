@@ -23,6 +23,11 @@ from ..providers import rebuild
 from .ranges import COALESCE_PIECE, ByteRange, block_ranges, box_runs, strides_of
 
 
+def is_whole(chunk: Chunk, tensor_size: tuple[int, ...] | None) -> bool:
+    """Whether ``chunk`` is its whole tensor (of global size ``tensor_size``; None: a value)."""
+    return tensor_size is not None and tuple(chunk.sizes) == tuple(tensor_size) and not any(chunk.offsets)
+
+
 def small_whole(ri, dest: torch.Tensor, dtype: str, chunk: Chunk) -> bool:
     """Whether ``ri`` reads small ``chunk`` whole, from one segment, straight into ``dest``: a
     contiguous CPU tensor of its dtype (most of a state's many small tensors, which then take
@@ -75,8 +80,7 @@ class ReadTask:
         self.dtype = dtype_from_name(dtype_name)
         self.chunk = chunk
         self.checkpoint, self.tensor_size = checkpoint, tensor_size
-        self.whole_tensor = tensor_size is not None and tuple(chunk.sizes) == tuple(tensor_size) \
-            and not any(chunk.offsets)
+        self.whole_tensor = is_whole(chunk, tensor_size)
         self.rebuilt = None  # the object a registered provider rebuilt, when it replaces dest
         self.ranges: list[ByteRange] = []
         self.needed = 0  # bytes of stored chunks this item needs (what it reads, less block rounding)
