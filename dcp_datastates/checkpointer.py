@@ -39,14 +39,12 @@ from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .replicas import NodeCopies
 from .run_steps import RunSteps
+from .saving import MANIFEST_KEY
 from .tiers import StorageTier
 from .tiers.retention import purge_steps
 from .writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
-
-MANIFEST_KEY = "dcp_datastates.manifest"
-
 
 class Checkpointer:
     """Save, discover, retain and restore steps over ordered tiers (fastest first).

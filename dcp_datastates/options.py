@@ -61,6 +61,11 @@ class WriterOptions:
     compression: str | None = None
     """``"zstd"``: each 1 MiB block of a tensor of 64 KiB or more stored compressed on its own
     (floats byte-shuffled first); None: stored as they are (docs/configuration.md)."""
+    replicas: int = 0
+    """Copies of each rank's files on the node-local directories of as many other nodes (the
+    path is then node-local: each node has its own)."""
+    node: str | None = None
+    """This rank's node for ``replicas`` (None: ``DCP_DATASTATES_NODE``, ``GROUP_RANK`` or the host name)."""
     snapshot: str = "lazy"
     """``"lazy"``: copied while training runs (in-place changes through autograd-visible
     tensors fail the save); ``"at_call"``: copied before ``async_save`` returns, into as much as
@@ -85,6 +90,8 @@ class WriterOptions:
         if self.async_mode not in (None, "thread", "process"):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {self.async_mode!r}")
         check_available(self.compression)
+        if self.replicas < 0:
+            raise ValueError(f"replicas must be 0 (off) or more, got {self.replicas}")
         if self.dedup_unit_bytes <= 0 or self.dedup_unit_bytes % BLOCK_SIZE:
             raise ValueError(f"dedup_unit_bytes must be a positive multiple of {BLOCK_SIZE}, "
                              f"got {self.dedup_unit_bytes}")

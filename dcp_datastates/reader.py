@@ -52,6 +52,8 @@ from .options import url_tuple
 from .planner import deliver_object
 from .tiers import StorageTier, read_path
 from .tiers.manifests import load_manifest
+from .tiers.replica_repair import repair
+from .tiers.replicas import shared_replicator
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,8 @@ class DataStatesReader(StorageReader):
                  verify: bool = True, storage_options: dict | None = None,
                  fallback: list[str] | str | None = None, fallback_options: dict | None = None,
                  o_direct: bool | str = "auto", save_id: str | None = None,
-                 cooperative: bool | str = "auto", process_group=None,
-                 _extension_registry: object = None) -> None:
+                 cooperative: bool | str = "auto", process_group=None, node_local: bool = False,
+                 node: str | None = None, _extension_registry: object = None) -> None:
         super().__init__()
         del _extension_registry  # FileSystemReader's: our manifest names how each block is stored
         if o_direct not in (True, False, "auto"):
@@ -119,6 +121,8 @@ class DataStatesReader(StorageReader):
         self.save_id = save_id
         self.cooperative = cooperative
         self.process_group = process_group
+        self.node_local, self.node = node_local, node
+        self._repaired = False
         self.manifest: Manifest | None = None
         self.manifest_tier: str | None = None  # the tier the manifest came from
         self.stats = ReadStats()  # the last load's
@@ -148,9 +152,12 @@ class DataStatesReader(StorageReader):
         if checkpoint_id is not None:
             self.path = str(checkpoint_id)
         self.manifest = None
+        self._repaired = False
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        """DCP: the committed manifest (fastest tier holding a valid one) as DCP's ``Metadata``."""
+        """DCP: the committed manifest (fastest tier holding a valid one) as DCP's ``Metadata``;
+        with ``node_local``, once every node's directory was made whole (``_repair``)."""
+        self._repair()
         self.manifest = self._load_manifest()
         with paused_gc():
             return manifest_to_metadata(self.manifest, self.path)
@@ -195,6 +202,22 @@ class DataStatesReader(StorageReader):
         tiers = [StorageTier(self.path, self.storage_options)]
         tiers += [StorageTier(u, self.fallback_options) for u in self.fallback]
         return tiers if every else [t for t in tiers if t.url not in self._skip]
+
+    def _repair(self) -> None:
+        """``node_local`` (once per load, every rank, a collective over ``process_group``): copy
+        to this node's directory what it lacks of the save (the manifest, the files it lists),
+        from other nodes' copies whose bytes match the digests recorded when they were
+        replicated (``DataStatesWriter(replicas=K)``, ``tiers/replica_repair.py``)."""
+        if not self.node_local or self._repaired:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("node_local=True gathers copies over torch.distributed: call "
+                             "dist.init_process_group first")
+        self._repaired = True
+        tier = self._tiers(every=True)[0]
+        if not repair(shared_replicator(None, self.process_group, self.node), tier, tier.url, self.save_id):
+            log.warning("%s: some files have no good copy on any node; the load reads them from the "
+                        "fallback tiers or fails naming them", tier.url)
 
     def _load_manifest(self) -> Manifest:
         errors: list[Exception] = []

@@ -56,6 +56,7 @@ from .tiers.persist import Persistence
 log = logging.getLogger(__name__)
 
 WRITER_NAME = f"dcp-datastates {__version__}"
+MANIFEST_KEY = "dcp_datastates.manifest"  # the committed manifest's bytes in the save's Metadata.storage_data
 PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
 
 
@@ -259,7 +260,7 @@ class RankSave:
         if self.use_collectives:
             # DCP broadcasts this Metadata to every rank as the save's result: a run-level
             # checkpointer on another node commits the manifest on its own disk from it.
-            metadata.storage_data = {"dcp_datastates.manifest": body}
+            metadata.storage_data = {MANIFEST_KEY: body}
         if session is not None:
             session.mark_committed()
         log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),

@@ -23,12 +23,14 @@ Call order under ``dcp.save`` / ``dcp.async_save`` (DCP drives it):
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import uuid
 from collections.abc import Iterator, Sequence
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -40,8 +42,9 @@ from .engine.snapshot import SaveJob
 from .errors import CheckpointError
 from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
-from .saving import RankSave
+from .saving import MANIFEST_KEY, RankSave
 from .tiers import StorageTier
+from .tiers.replicas import Replicator, SaveToReplicate, shared_replicator
 from .writer_sessions import SAVE_IDS, WriterSessions
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,14 @@ class DataStatesWriter(StorageWriter):
             copies it before ``async_save`` returns, as far as the first cache level's size
             allows (``host_cache_bytes`` for CPU tensors, ``device_cache_bytes`` for GPU ones),
             so no in-place change, however made, can reach the checkpoint.
+        replicas: each rank's files of a save also land on ``replicas`` other nodes' directories
+            (``path`` is then node-local: every node has its own), sent over a gloo group of
+            their own in the background once the save commits (``tiers/replicas.py``); each
+            node commits the manifest in its own directory.  Load with
+            ``DataStatesReader(path, node_local=True)``, which first makes every node's
+            directory whole from its peers' copies.  ``node``: this rank's node (default:
+            ``DCP_DATASTATES_NODE``, ``GROUP_RANK`` or the host name).  ``process_group``: the
+            group given to ``dcp.save`` (default: the default group).
         compression: ``"zstd"`` stores each 1 MiB block of tensors of 64 KiB or more compressed
             on its own (floats byte-shuffled first); off by default: it pays on a slow or
             paid-per-byte tier, not on a fast local disk (``docs/configuration.md``).
@@ -99,7 +110,8 @@ class DataStatesWriter(StorageWriter):
                  incremental_base: str | None = None, dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT,
                  step_barrier_s: float = 600.0, device_cache_bytes: int = 0,
                  eager_copy_bytes: int = 64 << 20, snapshot: str = "lazy",
-                 compression: str | None = None, single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
+                 compression: str | None = None, replicas: int = 0, node: str | None = None,
+                 process_group=None, single_file_per_rank: bool = True, per_thread_copy_ahead: int = 10_000_000,
                  cache_staged_state_dict: bool = False, serialization_format: object = None,
                  _extensions: Sequence[object] | None = None) -> None:
         super().__init__()
@@ -115,7 +127,7 @@ class DataStatesWriter(StorageWriter):
             persist=persist, persist_options=persist_options, o_direct=o_direct,
             incremental_base=incremental_base, dedup_unit_bytes=dedup_unit_bytes,
             step_barrier_s=step_barrier_s, eager_copy_bytes=eager_copy_bytes, snapshot=snapshot,
-            compression=compression or self.fs_args.compression)
+            compression=compression or self.fs_args.compression, replicas=replicas, node=node)
         cache_bytes = host_cache_bytes or default_host_cache_bytes()
         self.options = dataclasses.replace(opts, host_cache_bytes=cache_bytes)
         prepare_host_cache(cache_bytes)  # in the background: ready for the first save
@@ -126,6 +138,16 @@ class DataStatesWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex[:12]
         self.sessions = WriterSessions()  # one save at a time through this writer
         self._save: RankSave | None = None  # the save whose calls run now, or the last one
+        self.process_group = process_group
+        self._replicator: Replicator | None = None  # replicas: this process's (made in the process that saves)
+        self._manifest: concurrent.futures.Future | None = None  # coordinator: the committed manifest's bytes
+        self._replicated: concurrent.futures.Future | None = None  # the last save's ReplicaRecord (or None)
+        if replicas:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("replicas travel over torch.distributed: call dist.init_process_group "
+                                 "before making DataStatesWriter(replicas=...)")
+            if async_mode != "process":  # else it is made in DCP's checkpoint process, at its first save
+                self._replicator = shared_replicator(replicas, process_group, node)
 
     @property
     def async_mode(self) -> str | None:
@@ -210,6 +232,13 @@ class DataStatesWriter(StorageWriter):
         if not self.use_collectives:
             self.save_id = SAVE_IDS.agree(self.save_id)
         self.sessions.set_up(self.path)
+        if self.options.replicas:
+            if not self.use_collectives:
+                raise CheckpointError("replicas need DCP's collectives (dcp.save without no_dist)",
+                                      checkpoint=self.path)
+            if self._replicator is None:  # DCP's checkpoint process: its first save through a writer
+                self._replicator = shared_replicator(self.options.replicas, self.process_group, self.options.node)
+            self._manifest = concurrent.futures.Future() if is_coordinator else None
         self._save = RankSave(path=self.path, tier=StorageTier(self.path, self.options.storage_options),
                               opts=self.options, rank=self.rank, is_coordinator=is_coordinator,
                               use_collectives=self.use_collectives, save_id=self.save_id,
@@ -232,19 +261,44 @@ class DataStatesWriter(StorageWriter):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        with self._failing() as save:
-            sd = plan.storage_data if isinstance(plan.storage_data, dict) else {}
-            self.rank = save.rank = int(sd.get("rank", self.rank))
-            self.save_id = save.save_id = SAVE_IDS.fresh(sd.get("save_id", self.save_id), self.save_id,
-                                                         coordinator=self.is_coordinator, path=self.path)
-            rules = getattr(planner, "rules", None)
-            save.rules = rules if self.use_collectives and isinstance(rules, RuleTable) else None
-            return save.write(plan, planner, self.sessions.session(), on_failed=lambda e: self._fail(e, save))
+        written: Future = Future()
+        try:
+            with self._failing() as save:
+                sd = plan.storage_data if isinstance(plan.storage_data, dict) else {}
+                self.rank = save.rank = int(sd.get("rank", self.rank))
+                self.save_id = save.save_id = SAVE_IDS.fresh(sd.get("save_id", self.save_id), self.save_id,
+                                                             coordinator=self.is_coordinator, path=self.path)
+                rules = getattr(planner, "rules", None)
+                save.rules = rules if self.use_collectives and isinstance(rules, RuleTable) else None
+                written = save.write(plan, planner, self.sessions.session(), on_failed=lambda e: self._fail(e, save))
+                return written
+        except BaseException as e:
+            written.set_exception(e)
+            raise
+        finally:
+            # every rank queues every save that reached its writes, failed or not, in DCP's
+            # order: the replicators agree on each save's fate before any bytes move
+            if self._replicator is not None and self._save is not None:
+                self._replicated = self._replicator.submit_save(
+                    SaveToReplicate(self._save.tier, self._save.save_id, written, self._manifest))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with self._failing() as save:
             save.commit(metadata, results, self.sessions.current)
             self.sessions.end()
+        if self._manifest is not None and not self._manifest.done():  # the replicas may go
+            sd = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+            self._manifest.set_result(sd.get(MANIFEST_KEY))
+
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """Wait until the last save through this writer is replicated (``replicas``); False when
+        it ended degraded or did not commit (the log says why).  In DCP's PROCESS mode the
+        replicas are sent from its checkpoint process, and this returns at once."""
+        fut = self._replicated
+        if fut is None:
+            return True
+        rec = fut.result(timeout)
+        return rec is not None and rec.complete
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -266,6 +320,8 @@ class DataStatesWriter(StorageWriter):
 
     def _fail(self, e: BaseException, save: RankSave | None = None) -> None:
         self.sessions.fail(e)
+        if self._manifest is not None and not self._manifest.done():
+            self._manifest.set_result(None)  # nothing committed: the other ranks replicate nothing
         save = save or self._save
         if save is not None:
             save.release()
@@ -273,4 +329,6 @@ class DataStatesWriter(StorageWriter):
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_save"] = None  # a save belongs to the process that made it; the daemon makes its own
+        d["_replicator"] = d["_manifest"] = d["_replicated"] = None  # and its own replicator
+        d["process_group"] = None  # the daemon's group is its default one
         return d

@@ -1,0 +1,120 @@
+"""Peer replicas through plain DCP (issue 36): ``dcp.save`` / ``dcp.async_save`` with
+``DataStatesWriter(path, replicas=1)`` and ``dcp.load`` with ``DataStatesReader(path,
+node_local=True)``, no ``Checkpointer``.
+
+Two nodes of two ranks are simulated on one machine: each node its own directory, the node
+given to the writer.  Every rank's files land on the other node too; the manifest is committed
+on both; a node's lost or rotted directory is made whole from the other before the load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_datastates import DataStatesReader, DataStatesWriter
+from dcp_datastates.format.names import MANIFEST_NAME, replica_record_of
+from tests.dist import run_ranks
+from tests.test_replicas import PER_NODE, _flat, _flip_middle, _model, _state, _train
+
+
+def _dir(base: str, node: int) -> str:
+    return os.path.join(base, f"node{node}", "ckpt")
+
+
+def _records(path: str) -> set[int]:
+    return {got[0] for n in os.listdir(path) if (got := replica_record_of(n))}
+
+
+def _save(rank, world, base, mode, damage):
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    pg = dist.new_group(backend="gloo")  # DCP's async saves: a group apart from training's
+    writers = []
+    for step in (1, 2):  # the second save replaces the first on every node
+        _train(model, opt, step)
+        w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
+        writers.append(w)
+        sd = _state(model, opt)
+        sd["extra"]["step"] = step
+        if mode == "sync":
+            dcp.save(sd, storage_writer=w, process_group=pg)
+        else:
+            kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+            dcp.async_save(sd, storage_writer=w, process_group=pg, async_checkpointer_type=kind).result()
+    mine = _dir(base, node)
+    if mode == "process":  # replicated from DCP's checkpoint process: only the disk shows it
+        deadline = time.monotonic() + 120
+        while _records(mine) != {node * PER_NODE + i for i in range(PER_NODE)}:
+            assert time.monotonic() < deadline, os.listdir(mine)
+            time.sleep(0.05)
+    else:
+        assert writers[-1].wait_replicated(120)
+    want = _flat(_state(model, opt))
+    dist.barrier()
+    here = os.listdir(mine)
+    assert MANIFEST_NAME in here  # committed on every node, not only the coordinator's
+    assert _records(mine) == {node * PER_NODE + i for i in range(PER_NODE)}, here
+    assert {int(n[6:11]) for n in here if n.startswith("data-r")} == set(range(world)), here  # own + replicas
+    if rank == 0:
+        if damage == "delete":
+            shutil.rmtree(_dir(base, 1))  # the node is gone, its NVMe with it
+        else:  # node 1's own file of rank 2 rots; node 0 holds the good replica
+            _flip_middle(os.path.join(_dir(base, 1), sorted(n for n in os.listdir(_dir(base, 1))
+                                                     if n.startswith("data-r00002"))[0]))
+    dist.barrier()
+    _train(model, opt, 3)  # the state moves on; the load must bring step 2 back
+    sd = _state(model, opt)
+    dcp.load(sd, storage_reader=DataStatesReader(_dir(base, node), node_local=True, node=f"n{node}"),
+             process_group=pg)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    have = _flat(_state(model, opt))
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(have[k], v), k
+    assert sd["extra"]["step"] == 2
+
+
+@pytest.mark.parametrize("mode,damage", [("sync", "delete"), ("thread", "corrupt"), ("process", "delete")])
+def test_plain_dcp_saves_replicate_and_a_lost_node_loads_bit_exact(tmp_path, mode, damage):
+    run_ranks(2 * PER_NODE, _save, str(tmp_path), mode, damage)
+    assert sorted(os.listdir(_dir(str(tmp_path), 1)))  # made whole again before the load
+
+
+class _Unsaveable:
+    """A value msgpack cannot store (and pickle is not allowed): the save fails on its rank."""
+
+
+def _failed_then_ok(rank, world, base):
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    _train(model, opt, 1)
+    sd = _state(model, opt)
+    if rank == 3:
+        sd["extra"]["bad"] = _Unsaveable()
+    w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}")
+    with pytest.raises(CheckpointException, match=r"ranks:dict_keys\(\[3\]\)"):
+        dcp.save(sd, storage_writer=w)
+    assert not w.wait_replicated(60)  # nothing committed: nothing replicated, nobody waits
+    failed = w.save_id
+    dist.barrier()
+    assert not any(failed in n for n in os.listdir(_dir(base, node)) if n.startswith("data-r")
+                   and int(n[6:11]) // PER_NODE != node), os.listdir(_dir(base, node))
+    # the next save through the same replicators is not wedged by the failed one
+    w2 = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
+    dcp.save(_state(model, opt), storage_writer=w2)
+    assert w2.wait_replicated(60)
+    dist.barrier()  # the node's other rank too
+    assert _records(_dir(base, node)) >= {node * PER_NODE + i for i in range(PER_NODE)}
+
+
+def test_a_failed_save_replicates_nothing_and_the_next_one_replicates(tmp_path):
+    run_ranks(2 * PER_NODE, _failed_then_ok, str(tmp_path))
