@@ -1,6 +1,7 @@
 """What peer replicas cost a training loop (issue 36), against no replication, in one run.
 
-    python benchmarks/bench_replicas.py [--steps 12] [--every 3] [--reps 2] [--device-wait S] [--batch B] [--json OUT]
+    python benchmarks/bench_replicas.py [--steps 12] [--every 3] [--reps 2] [--device-wait S] [--batch B]
+                                        [--host-idle] [--json OUT]
 
 Four gloo ranks on this machine simulate two nodes of two ranks, each node its own node-local
 directory.  An MLP sharded with FSDP2 and trained with Adam checkpoints through ``Checkpointer``
@@ -14,7 +15,11 @@ Four ranks training on this machine's two cores leave no CPU idle, so anything a
 does in the background slows training by its whole CPU time.  A GPU job leaves the host's
 cores mostly idle while the device computes: ``--device-wait S`` adds ``S`` seconds of waiting
 to each step (the rank waits as it would for its GPU) and ``--batch`` shrinks the step's own
-CPU work, so that the background work can overlap training as it does there.
+CPU work, so that the background work can overlap training as it does there.  Even so, FSDP2's
+collectives run on the host over gloo here (on GPUs they run on the device over NCCL) and take
+most of a step's CPU; ``--host-idle`` leaves them out of the loop: the gradients of one real
+backward pass are kept, and each step is the optimizer's in-place update on the host followed
+by the device wait, as a GPU job's host mostly launches kernels and waits.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ def _rss() -> int:
 
 
 def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int, base: str, out,
-          device_wait: float, batch: int) -> None:
+          device_wait: float, batch: int, host_idle: bool = False) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -64,12 +69,18 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     x = torch.randn(batch, WIDTH)
 
     def step() -> None:
+        if host_idle:  # the device runs forward and backward; the host then updates in place
+            time.sleep(device_wait)
+            opt.step()
+            return
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         if device_wait:
             time.sleep(device_wait)
 
+    if host_idle:
+        model(x).pow(2).mean().backward()
     step()
     ckpt = None
     if method != "none":
@@ -112,12 +123,15 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     dist.all_gather_object(got, res)
     if rank == 0:
         out.put(got)
+        out.close()
+        out.join_thread()  # os._exit below would otherwise cut the queue's feeder thread short
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # FSDP2 on gloo can abort in native teardown (tests/dist.py)
 
 
-def run(method: str, steps: int, every: int, base: str, device_wait: float = 0.0, batch: int = 32) -> list[dict]:
+def run(method: str, steps: int, every: int, base: str, device_wait: float = 0.0, batch: int = 32,
+        host_idle: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
@@ -126,7 +140,8 @@ def run(method: str, steps: int, every: int, base: str, device_wait: float = 0.0
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 4, port, method, steps, every, base, q, device_wait, batch)) for r in range(4)]
+    procs = [ctx.Process(target=_rank, args=(r, 4, port, method, steps, every, base, q, device_wait, batch,
+                                                      host_idle)) for r in range(4)]
     for p in procs:
         p.start()
     got = q.get(timeout=900)
@@ -143,13 +158,14 @@ def main() -> int:
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dcpds-replicas"))
     ap.add_argument("--device-wait", type=float, default=0.0, help="seconds each step waits, as for a GPU")
     ap.add_argument("--batch", type=int, default=32, help="rows per step (the step's CPU work)")
+    ap.add_argument("--host-idle", action="store_true", help="steps are the optimizer update and the device wait")
     ap.add_argument("--json")
     a = ap.parse_args()
     methods = ["none", "replicas0", "replicas1"]
     runs: dict[str, list] = {m: [] for m in methods}
     for rep in range(a.reps):
         for m in methods:
-            got = run(m, a.steps, a.every, a.dir, a.device_wait, a.batch)
+            got = run(m, a.steps, a.every, a.dir, a.device_wait, a.batch, a.host_idle)
             runs[m].append(got)
             print(f"rep {rep} {m}: total {max(r['total_s'] for r in got):.2f}s "
                   f"blocked {max(r['blocked_s'] for r in got):.2f}s "
@@ -164,7 +180,7 @@ def main() -> int:
                    "blocked": statistics.median(max(r["blocked_s"] for r in g) / n for g in runs[m]),
                    "rss_growth": max(r["rss_growth"] for g in runs[m] for r in g)}
     print(f"\nloop without checkpoints {base:.2f}s; {a.steps} steps, a checkpoint every {a.every}, "
-          f"device wait {a.device_wait}s a step, batch {a.batch}")
+          f"device wait {a.device_wait}s a step, batch {a.batch}{', host idle' if a.host_idle else ''}")
     for m, r in rows.items():
         print(f"{m:<10} stall/ckpt {r['stall']:.3f}s  blocked/ckpt {r['blocked']:.3f}s  "
               f"peak RSS growth {r['rss_growth'] / 1e6:.0f} MB")
@@ -172,7 +188,7 @@ def main() -> int:
     print(f"replicas=1 adds {s1 - s0:+.3f}s per checkpoint ({(s1 - s0) / max(s0, 1e-9) * 100:+.0f}% of the stall)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device_wait": a.device_wait, "batch": a.batch, "runs": runs, "rows": rows}, f, indent=1)
+            json.dump({"device_wait": a.device_wait, "batch": a.batch, "host_idle": a.host_idle, "runs": runs, "rows": rows}, f, indent=1)
     return 0
 
 
