@@ -21,7 +21,9 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
-from dcp_datastates.format.names import MANIFEST_NAME, replica_record_of
+from dcp_datastates.format.names import MANIFEST_NAME, data_file_save_id, replica_record_of
+from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers.manifests import manifest_head
 from tests.dist import run_ranks
 from tests.test_replicas import PER_NODE, _flat, _flip_middle, _model, _state, _train
 
@@ -52,8 +54,10 @@ def _save(rank, world, base, mode, damage):
             dcp.async_save(sd, storage_writer=w, process_group=pg, async_checkpointer_type=kind).result()
     mine = _dir(base, node)
     if mode == "process":  # replicated from DCP's checkpoint process: only the disk shows it
+        last = manifest_head(StorageTier(_dir(base, 0))).save_id  # committed before result() returned
+        want_records = {(node * PER_NODE + i, last) for i in range(PER_NODE)}
         deadline = time.monotonic() + 120
-        while _records(mine) != {node * PER_NODE + i for i in range(PER_NODE)}:
+        while {got for n in os.listdir(mine) if (got := replica_record_of(n))} != want_records:
             assert time.monotonic() < deadline, os.listdir(mine)
             time.sleep(0.05)
     else:
@@ -64,6 +68,12 @@ def _save(rank, world, base, mode, damage):
     assert MANIFEST_NAME in here  # committed on every node, not only the coordinator's
     assert _records(mine) == {node * PER_NODE + i for i in range(PER_NODE)}, here
     assert {int(n[6:11]) for n in here if n.startswith("data-r")} == set(range(world)), here  # own + replicas
+    # the first save's files and records are gone from every node once the second replaced it
+    saves = {data_file_save_id(n) for n in here if data_file_save_id(n)}
+    assert len(saves) == 1 and {got[1] for n in here if (got := replica_record_of(n))} == saves, here
+    if mode != "process":  # there the writer that saved is DCP's checkpoint process's copy
+        assert saves == {writers[-1].save_id}, here
+    dist.barrier()  # every node checked its directory before one is damaged
     if rank == 0:
         if damage == "delete":
             shutil.rmtree(_dir(base, 1))  # the node is gone, its NVMe with it

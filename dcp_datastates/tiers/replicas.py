@@ -44,6 +44,7 @@ import xxhash
 from torch.futures import Future as TorchFuture
 
 from ..errors import CheckpointError
+from ..format import decode_manifest
 from ..format.layout import ALIGNMENT, align_up
 from ..format.names import (
     MANIFEST_NAME,
@@ -51,11 +52,13 @@ from ..format.names import (
     data_file_save_id,
     rank_file_of,
     replica_record_name,
+    replica_record_of,
 )
 from ..format.replica_record import ReplicaRecord
 from ..format.values import pack_plain
-from .manifests import manifest_head
+from .manifests import load_manifest, manifest_head
 from .storage import StorageTier
+from .tidy import Tidy
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +313,25 @@ def _with_digests(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, in
     return out
 
 
+def _commit_here(tier: StorageTier, save_id: str, body: bytes) -> None:
+    """Commit the manifest ``body`` of save ``save_id`` in this node's directory ``tier`` (the
+    coordinator's node has it already), then remove what the save it replaces owned here, as
+    the coordinator's own commit does on its node (``tidy.py``): the replaced save's files, its
+    ranks' and the replicas this node held of them, never a file the new manifest lists."""
+    head = manifest_head(tier)
+    if head is not None and head.save_id == save_id:
+        return
+    old = None
+    if head is not None:
+        try:
+            old = load_manifest(tier)
+        except (CheckpointError, OSError) as e:  # leaking its files is recoverable
+            log.warning("%s: the manifest this save replaces cannot be read (%s); its files stay", tier.url, e)
+    tier.commit_bytes(MANIFEST_NAME, body)
+    if old is not None and old.save_id != save_id:
+        Tidy(tier, save_id, superseded=[old]).run(set(decode_manifest(body, source=tier.url).files))
+
+
 @dataclass(frozen=True)
 class SaveToReplicate:
     """One save of a plain ``DataStatesWriter(replicas=K)`` on this rank."""
@@ -390,10 +412,19 @@ class Replicator:
         if body[0] is None:
             log.info("%s: save %s did not commit; nothing replicated", save.tier.url, save.save_id)
             return None
-        head = manifest_head(save.tier)
-        if head is None or head.save_id != save.save_id:  # this node's copy of the committed save
-            save.tier.commit_bytes(MANIFEST_NAME, bytes(body[0]))
-        return self._replicate(save.tier, save.tier.url, save.save_id)
+        me = self.global_ranks[self.rank]
+        if self.node_ranks()[0] == me:  # one rank per node commits there and tidies
+            try:
+                _commit_here(save.tier, save.save_id, bytes(body[0]))
+            except (OSError, CheckpointError) as e:  # the peers still get this rank's files
+                log.warning("%s: save %s could not be committed on this node: %s", save.tier.url,
+                            save.save_id, e)
+        rec = self._replicate(save.tier, save.tier.url, save.save_id)
+        for n in save.tier.listdir():  # this rank's records of the saves this one replaced
+            got = replica_record_of(n)
+            if got is not None and got[0] == me and got[1] != save.save_id:
+                save.tier.remove(n)
+        return rec
 
     def node_ranks(self) -> list[int]:
         """The global ranks on this rank's node (this one included)."""
