@@ -151,6 +151,8 @@ def _rank(rank, world, port, per_node, nbytes, rate, methods, reps, base, locks,
     dist.all_gather_object(got, res)
     if rank == 0:
         out.put(got)
+        out.close()
+        out.join_thread()  # os._exit below would otherwise cut the queue's feeder thread short
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
