@@ -128,3 +128,33 @@ def _failed_then_ok(rank, world, base):
 
 def test_a_failed_save_replicates_nothing_and_the_next_one_replicates(tmp_path):
     run_ranks(2 * PER_NODE, _failed_then_ok, str(tmp_path))
+
+
+def _save_four(rank, world, base):
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    _train(model, opt, 1)
+    w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}")
+    dcp.save(_state(model, opt), storage_writer=w)
+    assert w.wait_replicated(60)
+    want = _flat(_state(model, opt))
+    if rank == 0:
+        torch.save(want, os.path.join(base, "want.pt"))
+
+
+def _load_on_one_node(rank, world, base):
+    model, opt = _model(world)  # 2 ranks, both on node 0; node 1 is gone
+    sd = _state(model, opt)
+    dcp.load(sd, storage_reader=DataStatesReader(_dir(base, 0), node_local=True, node="n0"))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    have = _flat(_state(model, opt))
+    for k, v in torch.load(os.path.join(base, "want.pt"), weights_only=True).items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(have[k], v), k
+
+
+def test_one_node_fewer_loads_resharded_from_the_survivors_replicas(tmp_path):
+    base = str(tmp_path)
+    run_ranks(2 * PER_NODE, _save_four, base)
+    shutil.rmtree(os.path.join(base, "node1"))
+    run_ranks(PER_NODE, _load_on_one_node, base)  # 4 ranks' state onto 2, from node 0's copy alone
