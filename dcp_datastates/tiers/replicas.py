@@ -390,7 +390,9 @@ class Replicator:
         try:
             save.written.wait()
             ok = True
-        except Exception:  # noqa: BLE001 - the save failed on this rank; DCP reports why
+        except Exception as e:  # noqa: BLE001 - the save failed on this rank; DCP raises it to the caller
+            log.debug("%s: save %s failed on this rank (%s); it will not be replicated", save.tier.url,
+                      save.save_id, e)
             ok = False
         views: list = [None] * len(self.global_ranks)
         dist.all_gather_object(views, (save.save_id, ok, save.manifest is not None), group=self.group)
@@ -405,7 +407,7 @@ class Replicator:
         if save.manifest is not None:
             try:
                 body[0] = save.manifest.result(self.timeout_s)
-            except (TimeoutError, concurrent.futures.CancelledError):
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
                 log.warning("%s: save %s was not committed within %.0f s; nothing replicated",
                             save.tier.url, save.save_id, self.timeout_s)
         dist.broadcast_object_list(body, src=coordinators[0], group=self.group)
@@ -420,10 +422,13 @@ class Replicator:
                 log.warning("%s: save %s could not be committed on this node: %s", save.tier.url,
                             save.save_id, e)
         rec = self._replicate(save.tier, save.tier.url, save.save_id)
-        for n in save.tier.listdir():  # this rank's records of the saves this one replaced
-            got = replica_record_of(n)
-            if got is not None and got[0] == me and got[1] != save.save_id:
-                save.tier.remove(n)
+        try:
+            for n in save.tier.listdir():  # this rank's records of the saves this one replaced
+                got = replica_record_of(n)
+                if got is not None and got[0] == me and got[1] != save.save_id:
+                    save.tier.remove(n)
+        except OSError as e:  # a stale record misleads nobody: the manifest names the save
+            log.warning("%s: rank %d's records of replaced saves could not be removed: %s", save.tier.url, me, e)
         return rec
 
     def node_ranks(self) -> list[int]:
