@@ -46,6 +46,7 @@ from .writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
 
+
 class Checkpointer:
     """Save, discover, retain and restore steps over ordered tiers (fastest first).
 

@@ -94,6 +94,11 @@ class DataStatesReader(StorageReader):
         process_group: the group given to ``dcp.load`` (default: the default group); the
             cooperative load sends over it (over a gloo group of its ranks where its backend
             has no gloo).
+        node_local: ``path`` is this node's own directory of a checkpoint saved with
+            ``DataStatesWriter(replicas=K)``: before the manifest is read (a collective over
+            ``process_group``), every node's directory is made whole from the other nodes'
+            copies whose bytes match their recorded digests.  ``node``: this rank's node
+            (default: ``DCP_DATASTATES_NODE``, ``GROUP_RANK`` or the host name).
         _extension_registry: ``FileSystemReader``'s, accepted so that code written for it runs
             unchanged; without effect, since the manifest records how each block is stored.
     """
