@@ -251,7 +251,18 @@ def test_lazy_snapshot_does_not_see_changes_that_bypass_the_version_counter(tmp_
     path = str(tmp_path / "ck")
     fut = dcp.async_save(sd, storage_writer=DataStatesWriter(path, host_cache_bytes=1 << 20))
     _mutate(kind, sd["t11"])
-    fut.result(timeout=120)
+    if kind == "set_":
+        # set_ bumps the version counter of the tensor's new storage: when DCP's thread reached
+        # the writes first, the version read there is the old one and the save fails as torn,
+        # uncommitted (about one run in ten here); only a set_ before that is the hole
+        try:
+            fut.result(timeout=120)
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            assert "changed in place" in str(_unwrap(e)) + str(e), e
+            assert not os.path.exists(os.path.join(path, ".metadata"))
+            return
+    else:
+        fut.result(timeout=120)
     out = {k: torch.zeros_like(v) for k, v in before.items()}
     dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
     assert torch.equal(out["t11"], before["t11"] + 1)  # the documented hole, as documented
