@@ -377,6 +377,7 @@ class Checkpointer:
         self.wait()
         if self.node_copies is not None:  # no replication left inside gloo when the process exits
             self.node_copies.wait()
+            self.node_copies.close()
         for t in list(self._helpers):
             t.join()
         self._join_purge()

@@ -53,7 +53,7 @@ from .planner import deliver_object
 from .tiers import StorageTier, read_path
 from .tiers.manifests import load_manifest
 from .tiers.replica_repair import repair
-from .tiers.replicas import shared_replicator
+from .tiers.replicator import shared_replicator
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from .tiers import StorageTier
 from .tiers.manifests import manifest_head
 from .tiers.replica_records import read_record
 from .tiers.replica_repair import repair
-from .tiers.replicas import Replicator
+from .tiers.replicator import Replicator
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,11 @@ class NodeCopies:
                 t.commit_bytes(MANIFEST_NAME, body)
             if self.replicator is not None:
                 self._replicating[step] = self.replicator.submit(t, step, decode_manifest(body).save_id)
+
+    def close(self) -> None:
+        """After ``wait``: the replicator's thread and helper end."""
+        if self.replicator is not None:
+            self.replicator.close()
 
     def record(self, step: int, timeout: float | None = None) -> ReplicaRecord:
         """This rank's replica record of ``step``, once its replication ended."""

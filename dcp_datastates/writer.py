@@ -44,7 +44,7 @@ from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
 from .saving import MANIFEST_KEY, RankSave
 from .tiers import StorageTier
-from .tiers.replicas import Replicator, SaveToReplicate, shared_replicator
+from .tiers.replicator import Replicator, SaveToReplicate, shared_replicator
 from .writer_sessions import SAVE_IDS, WriterSessions
 
 log = logging.getLogger(__name__)
@@ -297,7 +297,11 @@ class DataStatesWriter(StorageWriter):
         fut = self._replicated
         if fut is None:
             return True
-        rec = fut.result(timeout)
+        try:
+            rec = fut.result(timeout)
+        except (RuntimeError, OSError, CheckpointError) as e:  # a peer or this rank's helper gone
+            log.warning("%s: save %s: replication failed: %s", self.path, self.save_id, e)
+            return False
         return rec is not None and rec.complete
 
     @classmethod

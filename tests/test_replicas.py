@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_datastates import Checkpointer
 from dcp_datastates.format.names import replica_record_of
+from dcp_datastates.tiers.replica_helper import SENDER_ENV
 from tests.dist import run_ranks
 
 PER_NODE = 2
@@ -184,6 +185,7 @@ def _faulty_sender(rank, world, base):
     """Rank 2's disk fails under its first replication (a wrapped storage read): its peer must
     drop the partial copy, rank 2's step is degraded and said so, nobody waits for a timeout,
     training goes on, and the next step replicates in full."""
+    os.environ[SENDER_ENV] = "thread"  # the default; the wrapped storage below lives in this process
     import errno
     import threading
     import time
@@ -224,14 +226,17 @@ def test_a_sender_that_fails_mid_replication_degrades_only_its_step(tmp_path):
     run_ranks(4, _faulty_sender, str(tmp_path))
 
 
-def _peer_dies(rank, world, base):
-    """Rank 2 is SIGKILLed in the middle of sending its replica (a wrapped storage read kills
-    the process): its peer, rank 0, learns it from the broken connection, not from a timeout;
-    rank 0's step is then not fully replicated, and its training thread never waited."""
+def _peer_dies(rank, world, base, sender):
+    """Rank 2's sender dies in the middle of replication.  With the thread sender, rank 2 is
+    SIGKILLed while sending its replica (a wrapped storage read kills the process); with the
+    helper process, rank 2's helper is stopped, then SIGKILLed while rank 0's waits for it in
+    the exchange, and rank 2 trains on.  Rank 0 learns it from the broken connection, not from
+    a timeout; rank 0's step is then not fully replicated, and no training thread waited."""
     import threading
 
     from dcp_datastates.tiers import StorageTier
-    if rank == 2:
+    os.environ[SENDER_ENV] = sender
+    if rank == 2 and sender == "thread":
         real = StorageTier.read_into
 
         def read_into(self, name, offset, buf, *, fd=None):
@@ -246,27 +251,51 @@ def _peer_dies(rank, world, base):
     ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1,
                         node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
                         async_mode=None)
-    ckpt.save(1, big)
+    rep = ckpt.node_copies.replicator
+    assert rep.in_helper == (sender == "process")
+    step = 1
+    if sender == "process":  # a first step replicates: every helper is up and in its group
+        ckpt.save(step, big)
+        assert ckpt.wait_replicated(120)
+        dist.barrier()
+        step = 2
+        if rank == 2:
+            helper = rep._work._proc.pid
+            os.kill(helper, signal.SIGSTOP)
+    ckpt.save(step, big)
     ckpt.wait()  # committed here; replication runs in the background
     t = time.monotonic()
     x = torch.randn(256, 256)
     for _ in range(20):  # training goes on meanwhile
         x = torch.tanh(x @ x.T / 256)
+    if rank == 2 and sender == "process":
+        time.sleep(1)  # the others' helpers are in the exchange, waiting for this one
+        os.kill(helper, signal.SIGKILL)
     ok = ckpt.wait_replicated(120)
-    if rank == 0:
+    if rank in (0, 2):
         assert not ok and time.monotonic() - t < 60, (ok, time.monotonic() - t)
-        rec = ckpt.node_copies.record(1)
+    if rank == 0:
+        rec = ckpt.node_copies.record(step)
         assert not rec.complete and rec.confirmed == [], rec
-        here = os.listdir(os.path.join(base, "node0", "step-1"))
-        assert not [n for n in here if n.startswith("data-r00002-")], here  # nor its temporary file
+        here = os.listdir(os.path.join(base, "node0", f"step-{step}"))
+        assert not [n for n in here if n.startswith(f"data-r00002-{rec.save_id}")], here  # nor a temporary file
     elif rank in (1, 3):
         assert ok
+    if sender == "process":  # training goes on, and so do its saves: never wedged
+        x = torch.tanh(x @ x.T / 256)
+        ckpt.save(step + 1, big)
+        ckpt.wait()
+        assert ckpt.committed_steps(0)[-1] == step + 1
     os._exit(0)  # the group lost rank 2: skip the teardown collectives
 
 
-def test_a_peer_killed_mid_replication_degrades_the_step_without_waiting(tmp_path):
-    with pytest.raises(AssertionError, match=r"exited with codes \[-9\]"):
-        run_ranks(4, _peer_dies, str(tmp_path))
+@pytest.mark.parametrize("sender", ["thread", "process"])
+def test_a_peer_killed_mid_replication_degrades_the_step_without_waiting(tmp_path, sender):
+    if sender == "thread":
+        with pytest.raises(AssertionError, match=r"exited with codes \[-9\]"):
+            run_ranks(4, _peer_dies, str(tmp_path), sender)
+    else:
+        run_ranks(4, _peer_dies, str(tmp_path), sender)
 
 
 def _one_node(rank, world, base):
@@ -289,7 +318,9 @@ def test_without_another_node_a_step_is_never_called_fully_replicated(tmp_path):
 
 def _kept(rank, world, base):
     """Retention on a node-local tier with replicas: steps beyond ``keep`` go with their replica
-    files and records; the steps kept still hold every rank's files and restore after a loss."""
+    files and records; the steps kept still hold every rank's files and restore after a loss.
+    Replicas sent from helper processes, which end with the checkpointer."""
+    os.environ[SENDER_ENV] = "process"
     mesh = init_device_mesh("cpu", (world,))
     ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1, keep=2,
                         node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
@@ -299,7 +330,10 @@ def _kept(rank, world, base):
         # replicated before the next save's purge: else that purge keeps one more step, the
         # newest the node fully replicated (test_retention_keeps_the_newest_fully_replicated_step)
         assert ckpt.wait_replicated(60)
+    rep = ckpt.node_copies.replicator
+    assert rep.in_helper
     ckpt.close()
+    assert rep._work._proc.exitcode == 0  # the helper process ended with the checkpointer
     dist.barrier()
     here = os.path.join(base, f"node{rank // PER_NODE}")
     assert sorted(n for n in os.listdir(here) if n.startswith("step-")) == ["step-3", "step-4"], os.listdir(here)
@@ -316,6 +350,7 @@ def _faulty_receiver(rank, world, base):
     """Rank 2 cannot store what it receives (a wrapped sink that fails, as a full disk would):
     it drops rank 0's copy and keeps receiving, so rank 0's step is degraded at once, not after
     a timeout, and rank 2's own files still reach rank 0."""
+    os.environ[SENDER_ENV] = "thread"  # the default; the wrapped storage below lives in this process
     import errno
     import time as _time
 
@@ -350,6 +385,7 @@ def _newest_replicated_kept(rank, world, base):
     """``keep=1`` on the node-local tier while step 2 is still replicating (its reads slowed):
     step 1, the newest step every rank of the node has fully replicated, stays on the node
     until step 2 is replicated too; a node lost meanwhile still has a step its peers hold."""
+    os.environ[SENDER_ENV] = "thread"  # the default; the wrapped storage below lives in this process
     import threading
     import time as _time
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -24,6 +25,7 @@ from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.format.names import MANIFEST_NAME, data_file_save_id, replica_record_of
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_head
+from dcp_datastates.tiers.replica_helper import SENDER_ENV
 from tests.dist import run_ranks
 from tests.test_replicas import PER_NODE, _flat, _flip_middle, _model, _state, _train
 
@@ -97,6 +99,37 @@ def _save(rank, world, base, mode, damage):
 def test_plain_dcp_saves_replicate_and_a_lost_node_loads_bit_exact(tmp_path, mode, damage):
     run_ranks(2 * PER_NODE, _save, str(tmp_path), mode, damage)
     assert sorted(os.listdir(_dir(str(tmp_path), 1)))  # made whole again before the load
+
+
+def _late(rank, world, base, sender):
+    os.environ[SENDER_ENV] = sender
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    w1 = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}")
+    assert w1._replicator.in_helper == (sender == "process")
+    held = threading.Event()
+    w1._replicator._queue(held.wait)  # the replicator is busy until both saves committed
+    _train(model, opt, 1)
+    dcp.save(_state(model, opt), storage_writer=w1)
+    w2 = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
+    _train(model, opt, 2)
+    dcp.save(_state(model, opt), storage_writer=w2)
+    held.set()  # save 1 replicates now, after save 2 committed on the coordinator's node
+    assert w2.wait_replicated(60)
+    dist.barrier()
+    here = os.listdir(_dir(base, node))
+    assert manifest_head(StorageTier(_dir(base, node))).save_id == w2.save_id, here
+    assert {n for n in here if n.startswith("data-r")} == {
+        n for r in range(world) for n in os.listdir(_dir(base, r // PER_NODE))
+        if n.startswith(f"data-r{r:05d}-{w2.save_id}")}, here
+    assert {int(n[6:11]) for n in here if n.startswith("data-r")} == set(range(world)), here
+
+
+@pytest.mark.parametrize("sender", ["thread", "process"])
+def test_a_save_replicated_late_never_replaces_a_newer_one(tmp_path, sender):
+    """The replication of a save that runs after the next save committed (replication lags
+    training) leaves the newer save's manifest and files in place on every node."""
+    run_ranks(2 * PER_NODE, _late, str(tmp_path), sender)
 
 
 class _Unsaveable:

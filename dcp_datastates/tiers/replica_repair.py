@@ -16,7 +16,8 @@ from ..errors import CheckpointError
 from ..format.names import MANIFEST_NAME, data_file_save_id
 from .manifests import load_manifest, manifest_head
 from .replica_records import records_in
-from .replicas import PIECE, Landing, Replicator, piece_buffer
+from .replicas import PIECE, Landing, piece_buffer
+from .replicator import Replicator
 from .storage import StorageTier
 
 log = logging.getLogger(__name__)

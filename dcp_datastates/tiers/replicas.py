@@ -25,23 +25,15 @@ what exists, its records say what is missing, and the log says ``degraded``.
 
 from __future__ import annotations
 
-import concurrent.futures
-import datetime
 import logging
 import os
-import queue
 import socket
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import cast
 
 import msgpack
 import torch
 import torch.distributed as dist
 import xxhash
-from torch.futures import Future as TorchFuture
 
 from ..errors import CheckpointError
 from ..format import decode_manifest
@@ -177,10 +169,11 @@ class Landing:
 
 class _Exchange:
     """One round: this rank's files to ``dst`` and ``src``'s files from it, at once, over
-    ``group`` (global ranks)."""
+    ``group`` (``dst`` and ``src`` as ``dist.isend`` addresses them there); ``src_rank`` is the
+    rank that names the files ``src`` sends."""
 
-    def __init__(self, group, tier: StorageTier, dst: int, src: int) -> None:
-        self.group, self.tier, self.dst, self.src = group, tier, dst, src
+    def __init__(self, group, tier: StorageTier, dst: int, src: int, src_rank: int) -> None:
+        self.group, self.tier, self.dst, self.src, self.src_rank = group, tier, dst, src, src_rank
 
     def _both(self, out: torch.Tensor | None, into: torch.Tensor | None) -> None:
         works = []
@@ -191,7 +184,7 @@ class _Exchange:
         for w in works:
             w.wait()
 
-    def run(self, files: list[tuple[str, int]], digests: dict[str, str] | None = None
+    def run(self, files: list[tuple[str, int]], digests: dict[str, str] | None = None, keep: bool = True
             ) -> tuple[dict[str, list], bool, list[str]]:
         """Send ``files`` (name, size) and receive the peer's.  Returns what was received and
         checked (name -> [size, digest hex]), whether the peer received and checked every file
@@ -199,7 +192,7 @@ class _Exchange:
         announce whatever fails on the way (a file that cannot be read is sent as zeros with a
         digest that cannot match), so neither side waits for a message the other will not send;
         only a peer that died leaves the other to the group's timeout.  ``digests`` gets each
-        sent file's digest."""
+        sent file's digest; with ``keep`` False every incoming file is received and dropped."""
         head = pack_plain([[n, s] for n, s in files])
         n_in = torch.zeros(1, dtype=torch.int64)
         self._both(torch.tensor([len(head)], dtype=torch.int64), n_in)
@@ -210,8 +203,10 @@ class _Exchange:
         refused = set()
         for i, (name, _) in enumerate(incoming):
             got = rank_file_of(name)
-            if got is None or got[0] != self.src:  # received and dropped: never written here
-                problems.append(f"rank {self.src} offered {name!r}, not one of its own files")
+            if not keep:
+                refused.add(i)
+            elif got is None or got[0] != self.src_rank:  # received and dropped: never written here
+                problems.append(f"rank {self.src_rank} offered {name!r}, not one of its own files")
                 refused.add(i)
         out_seq = _with_digests(_pieces(files))
         in_seq = _with_digests(_pieces(incoming))
@@ -288,7 +283,7 @@ class _Exchange:
             if landing is None:
                 return
             if not landing.keep(buf[:16].numpy().tobytes()):
-                problems.append(f"the replica of {name} from rank {self.src} does not match its digest")
+                problems.append(f"the replica of {name} from rank {self.src_rank} does not match its digest")
                 return
             received[name] = [size, landing.hash.hexdigest()]
             return
@@ -314,8 +309,9 @@ def _with_digests(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, in
 
 
 def _commit_here(tier: StorageTier, save_id: str, body: bytes) -> None:
-    """Commit the manifest ``body`` of save ``save_id`` in this node's directory ``tier`` (the
-    coordinator's node has it already), then remove what the save it replaces owned here, as
+    """Commit the manifest ``body`` of save ``save_id`` in this node's directory ``tier`` (a
+    node other than the coordinator's: there, only the replicator commits, one save at a time
+    in the saves' order, so what it replaces is older), then remove what the save it replaces owned here, as
     the coordinator's own commit does on its node (``tidy.py``): the replaced save's files, its
     ranks' and the replicas this node held of them, never a file the new manifest lists."""
     head = manifest_head(tier)
@@ -333,168 +329,134 @@ def _commit_here(tier: StorageTier, save_id: str, body: bytes) -> None:
 
 
 @dataclass(frozen=True)
-class SaveToReplicate:
-    """One save of a plain ``DataStatesWriter(replicas=K)`` on this rank."""
+class ReplicaPeers:
+    """Who replicates with whom: the members of a replica group, their nodes and the copies
+    wanted.  Members are known by their place in ``ranks``; ``ranks[i]`` is the global rank
+    that names member ``i``'s files."""
 
-    tier: StorageTier  # this node's directory of the checkpoint
-    save_id: str
-    written: TorchFuture  # DCP's future of this rank's writes: resolved once its files are durable
-    manifest: Future | None  # the coordinator's: the committed manifest's bytes, or None (not committed)
+    nodes: NodeMap  # by member
+    ranks: tuple[int, ...]  # by member: its global rank in the job
+    me: int  # this rank's member
+    wanted: int  # the copies a step needs to count as fully replicated
+    timeout_s: float
 
+    @property
+    def replicas(self) -> int:
+        """The copies this job's nodes allow (``NodeMap.usable``)."""
+        return min(self.wanted, len(set(self.nodes.nodes)) - 1)
 
-class Replicator:
-    """Replicates each committed step of this rank, one step at a time, on a thread of its own
-    over a gloo group of its own (made here: a collective over ``pg``'s ranks)."""
-
-    def __init__(self, replicas: int, pg=None, node: str | None = None, timeout_s: float = 300.0) -> None:
-        self.nodes = NodeMap.gather(pg, node)
-        self.wanted = replicas  # what a step needs to count as fully replicated
-        self.replicas = self.nodes.usable(replicas)  # what this job's nodes allow
-        ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(dist.get_world_size()))
-        self.global_ranks = ranks
-        self.group = cast(dist.ProcessGroup, dist.new_group(ranks=ranks, backend="gloo",
-                                                           timeout=datetime.timedelta(seconds=timeout_s)))
-        self.rank = dist.get_rank(pg)
-        self.timeout_s = timeout_s
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="dcpds-replicas", daemon=True)
-        self._thread.start()
-
-    def submit(self, tier: StorageTier, step: int, save_id: str) -> Future:
-        """Replicate this rank's files of ``save_id`` in ``tier`` (the step's node-local
-        directory, committed on every node); the future resolves to its ``ReplicaRecord``."""
-        return self._queue(lambda: self._replicate(tier, f"step {step}", save_id))
-
-    def submit_save(self, save: SaveToReplicate) -> Future:
-        """A plain writer's save (``SaveToReplicate``), queued when DCP asks this rank for its
-        data, so every rank queues its saves in DCP's order.  Once every rank's files are
-        durable and the coordinator committed the manifest, the manifest is committed on this
-        node too and this rank's files are replicated; the future resolves to its
-        ``ReplicaRecord``, or None when the save did not commit (nothing is replicated)."""
-        return self._queue(lambda: self._replicate_save(save))
-
-    def _queue(self, work: Callable[[], ReplicaRecord | None]) -> Future:
-        fut: Future = Future()
-        self._q.put((work, fut))
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            work, fut = self._q.get()
-            try:
-                fut.set_result(work())
-            except BaseException as e:  # noqa: BLE001 - delivered through the future, and logged there
-                fut.set_exception(e)
-
-    def _replicate_save(self, save: SaveToReplicate) -> ReplicaRecord | None:
-        try:
-            save.written.wait()
-            ok = True
-        except Exception as e:  # noqa: BLE001 - the save failed on this rank; DCP raises it to the caller
-            log.debug("%s: save %s failed on this rank (%s); it will not be replicated", save.tier.url,
-                      save.save_id, e)
-            ok = False
-        views: list = [None] * len(self.global_ranks)
-        dist.all_gather_object(views, (save.save_id, ok, save.manifest is not None), group=self.group)
-        failed = [self.global_ranks[r] for r, v in enumerate(views) if not v[1]]
-        ids = {v[0] for v in views}
-        coordinators = [self.global_ranks[r] for r, v in enumerate(views) if v[2]]
-        if failed or len(ids) != 1 or len(coordinators) != 1:
-            log.info("%s: save %s did not write on every rank (failed: %s); nothing replicated",
-                     save.tier.url, save.save_id, failed or "ranks disagree")
-            return None
-        body = [None]
-        if save.manifest is not None:
-            try:
-                body[0] = save.manifest.result(self.timeout_s)
-            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-                log.warning("%s: save %s was not committed within %.0f s; nothing replicated",
-                            save.tier.url, save.save_id, self.timeout_s)
-        dist.broadcast_object_list(body, src=coordinators[0], group=self.group)
-        if body[0] is None:
-            log.info("%s: save %s did not commit; nothing replicated", save.tier.url, save.save_id)
-            return None
-        me = self.global_ranks[self.rank]
-        if self.node_ranks()[0] == me:  # one rank per node commits there and tidies
-            try:
-                _commit_here(save.tier, save.save_id, bytes(body[0]))
-            except (OSError, CheckpointError) as e:  # the peers still get this rank's files
-                log.warning("%s: save %s could not be committed on this node: %s", save.tier.url,
-                            save.save_id, e)
-        rec = self._replicate(save.tier, save.tier.url, save.save_id)
-        try:
-            for n in save.tier.listdir():  # this rank's records of the saves this one replaced
-                got = replica_record_of(n)
-                if got is not None and got[0] == me and got[1] != save.save_id:
-                    save.tier.remove(n)
-        except OSError as e:  # a stale record misleads nobody: the manifest names the save
-            log.warning("%s: rank %d's records of replaced saves could not be removed: %s", save.tier.url, me, e)
-        return rec
+    @property
+    def rank(self) -> int:
+        return self.ranks[self.me]
 
     def node_ranks(self) -> list[int]:
         """The global ranks on this rank's node (this one included)."""
-        mine = self.nodes.nodes[self.rank]
-        return [self.global_ranks[r] for r, n in enumerate(self.nodes.nodes) if n == mine]
+        mine = self.nodes.nodes[self.me]
+        return [self.ranks[i] for i, n in enumerate(self.nodes.nodes) if n == mine]
+
+
+class ReplicaWork:
+    """What one rank does to replicate its saves: agree with the other members on a save's
+    fate, commit its manifest on this node, exchange files with the peers and record the
+    outcome.  It runs where the bytes are sent from (the replicator's thread, or its helper
+    process), over ``group``, in which member ``i`` is addressed as ``addr[i]``."""
+
+    def __init__(self, peers: ReplicaPeers, group, addr: tuple[int, ...]) -> None:
+        self.peers, self.group, self.addr = peers, group, addr
+
+    def agree(self, tier: StorageTier, save_id: str, ok: bool, coordinator: bool) -> int | None:
+        """Every member's view of a plain writer's save at once (a collective): ``ok`` whether
+        this rank's files of ``save_id`` are durable, ``coordinator`` whether this rank commits
+        its manifest.  The coordinator's member when every member wrote the same save, else
+        None (nothing is replicated)."""
+        p = self.peers
+        views: list = [None] * len(p.ranks)
+        dist.all_gather_object(views, (save_id, ok, coordinator), group=self.group)
+        failed = [p.ranks[i] for i, v in enumerate(views) if not v[1]]
+        coordinators = [i for i, v in enumerate(views) if v[2]]
+        if failed or len({v[0] for v in views}) != 1 or len(coordinators) != 1:
+            log.info("%s: save %s did not write on every rank (failed: %s); nothing replicated",
+                     tier.url, save_id, failed or "ranks disagree")
+            return None
+        return coordinators[0]
+
+    def replicate_save(self, tier: StorageTier, save_id: str, coordinator: int, body: bytes | None
+                       ) -> ReplicaRecord | None:
+        """After ``agree``: the coordinator's member ``coordinator`` hands over ``body``, the
+        manifest it committed (None: not committed, and nothing is replicated); it is committed
+        on this node too and this rank's files are replicated (a collective)."""
+        p = self.peers
+        got = [body]
+        dist.broadcast_object_list(got, src=self.addr[coordinator], group=self.group)
+        if got[0] is None:
+            log.info("%s: save %s did not commit; nothing replicated", tier.url, save_id)
+            return None
+        # One rank per node commits it there and tidies.  On the coordinator's node the commit
+        # is the coordinator's own, and a later save may have replaced it there by now
+        # (replication lagging training): then nothing of this one is sent or kept.
+        superseded = None
+        if p.nodes.nodes[coordinator] == p.nodes.nodes[p.me]:
+            head = manifest_head(tier)
+            superseded = head.save_id if head is not None and head.save_id != save_id else None
+        elif p.node_ranks()[0] == p.rank:
+            try:
+                _commit_here(tier, save_id, bytes(got[0]))
+            except (OSError, CheckpointError) as e:  # the peers still get this rank's files
+                log.warning("%s: save %s could not be committed on this node: %s", tier.url, save_id, e)
+        rec = self.replicate(tier, tier.url, save_id, superseded)
+        try:
+            for n in tier.listdir():  # this rank's records of the saves this one replaced
+                old = replica_record_of(n)
+                if old is not None and old[0] == p.rank and old[1] != save_id:
+                    tier.remove(n)
+        except OSError as e:  # a stale record misleads nobody: the manifest names the save
+            log.warning("%s: rank %d's records of replaced saves could not be removed: %s", tier.url, p.rank, e)
+        return rec
 
     def own_files(self, tier: StorageTier, save_id: str) -> list[tuple[str, int]]:
         """This rank's data files and part of ``save_id`` in ``tier``, with their sizes."""
         out = []
         for name in sorted(tier.listdir()):
             got = rank_file_of(name)
-            if got is not None and got[0] == self.global_ranks[self.rank] and data_file_save_id(name) == save_id:
+            if got is not None and got[0] == self.peers.rank and data_file_save_id(name) == save_id:
                 out.append((name, tier.size(name)))
         return out
 
-    def _replicate(self, tier: StorageTier, label: str, save_id: str) -> ReplicaRecord:
-        files = self.own_files(tier, save_id)
+    def replicate(self, tier: StorageTier, label: str, save_id: str, superseded: str | None = None
+                  ) -> ReplicaRecord:
+        """Send this rank's files of ``save_id`` in ``tier`` to its peers, receive theirs and
+        record both (a collective of the members).  ``superseded``: the save that replaced
+        ``save_id`` in ``tier`` before it could be replicated (replication lagging training);
+        then nothing is sent or kept here, and the record says it is degraded."""
+        p = self.peers
+        files = [] if superseded else self.own_files(tier, save_id)
         sent: dict = {}
         confirmed: list[int] = []
         held: dict[int, dict] = {}
-        errors = []
+        errors = [f"save {superseded} replaced it here first"] if superseded else []
         digests: dict[str, str] = {}
-        for k in range(1, self.replicas + 1):
-            dst = self.global_ranks[self.nodes.peer(self.rank, k)]
-            src = self.global_ranks[self.nodes.sender(self.rank, k)]
+        for k in range(1, p.replicas + 1):
+            dst, src = p.nodes.peer(p.me, k), p.nodes.sender(p.me, k)
             try:
-                got, confirmed_there, problems = _Exchange(self.group, tier, dst, src).run(files, digests)
+                got, confirmed_there, problems = _Exchange(self.group, tier, self.addr[dst], self.addr[src],
+                                                           p.ranks[src]).run(files, digests, not superseded)
             except (RuntimeError, OSError, CheckpointError) as e:  # a dead peer: degraded
-                errors.append(f"replica {k} (to rank {dst}, from rank {src}): {e}")
+                errors.append(f"replica {k} (to rank {p.ranks[dst]}, from rank {p.ranks[src]}): {e}")
                 break  # the group may be broken: later rounds would wait out the timeout again
-            held[src] = got
-            errors += [f"replica {k}: {p}" for p in problems]
+            held[p.ranks[src]] = got
+            errors += [f"replica {k}: {q}" for q in problems]
             if confirmed_there:
-                confirmed.append(dst)
+                confirmed.append(p.ranks[dst])
             else:
-                errors.append(f"replica {k}: rank {dst} did not receive every file intact")
+                errors.append(f"replica {k}: rank {p.ranks[dst]} did not receive every file intact")
         for name, size in files:
             sent[name] = [size, digests.get(name, "")]
-        if not errors and len(confirmed) < self.wanted:
-            errors.append(f"{self.wanted} replica(s) wanted, but no other node is there to hold them")
-        rec = ReplicaRecord(self.global_ranks[self.rank], save_id, self.wanted, sent, confirmed, held)
+        if not errors and len(confirmed) < p.wanted:
+            errors.append(f"{p.wanted} replica(s) wanted, but no other node is there to hold them")
+        rec = ReplicaRecord(p.rank, save_id, p.wanted, sent, confirmed, held)
         tier.commit_bytes(replica_record_name(rec.rank, save_id), rec.to_bytes())
         if errors:
             log.warning("%s is degraded on rank %d: %s", label, rec.rank, "; ".join(errors))
         else:
-            log.info("%s: rank %d's %d file(s) replicated to ranks %s", label, rec.rank, len(files),
-                     confirmed)
+            log.info("%s: rank %d's %d file(s) replicated to ranks %s", label, rec.rank, len(files), confirmed)
         return rec
-
-
-_SHARED: dict[tuple, Replicator] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_replicator(replicas: int | None, pg=None, node: str | None = None) -> Replicator:
-    """This process's replicator of ``replicas`` copies among ``pg``'s ranks (None: any number,
-    for a repair), made on first use (a collective over them: every rank asks at the same point
-    of its program, as writers made before each ``dcp.save`` do) and reused by every later
-    writer or reader that asks alike."""
-    ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else tuple(range(dist.get_world_size()))
-    key = (replicas or 0, node or node_name(), ranks, dist.group.WORLD)  # a new job's group: a new one
-    with _SHARED_LOCK:
-        rep = _SHARED.get(key)
-        if rep is None and replicas is None:
-            rep = next((r for k, r in _SHARED.items() if k[1:] == key[1:]), None)
-        if rep is None:
-            rep = _SHARED[key] = Replicator(replicas or 0, pg, node)
-        return rep

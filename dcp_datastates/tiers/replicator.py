@@ -1,0 +1,163 @@
+"""A rank's replicator: its saves queued in order, each replicated once it can be.
+
+``Replicator`` is what writers, ``Checkpointer`` and repairs hold.  It is made by a collective
+of the replica group's ranks (their nodes gathered, a gloo group of their own made for repairs
+and for replication on a thread), and replicates one save at a time on a thread that waits for
+the save's files and manifest.  The exchange itself (``ReplicaWork``) runs on that thread, or
+in a helper process of this rank where asked (``replica_helper``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import cast
+
+import torch.distributed as dist
+from torch.futures import Future as TorchFuture
+
+from ..format.replica_record import ReplicaRecord
+from .replica_helper import HelperProcess, helper_possible
+from .replicas import NodeMap, ReplicaPeers, ReplicaWork, node_name
+from .storage import StorageTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveToReplicate:
+    """One save of a plain ``DataStatesWriter(replicas=K)`` on this rank."""
+
+    tier: StorageTier  # this node's directory of the checkpoint
+    save_id: str
+    written: TorchFuture  # DCP's future of this rank's writes: resolved once its files are durable
+    manifest: Future | None  # the coordinator's: the committed manifest's bytes, or None (not committed)
+
+
+class Replicator:
+    """Replicates each committed step of this rank, one step at a time, over a gloo group of
+    its own (made here: a collective over ``pg``'s ranks), from a thread of this process, or a
+    helper process where asked (``DCP_DATASTATES_REPLICA_SENDER=process``)."""
+
+    def __init__(self, replicas: int, pg=None, node: str | None = None, timeout_s: float = 300.0) -> None:
+        self.nodes = NodeMap.gather(pg, node)
+        self.nodes.usable(replicas)  # ranks spread unevenly: ValueError; too few nodes: said in the log
+        ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(dist.get_world_size()))
+        self.global_ranks = ranks
+        self.group = cast(dist.ProcessGroup, dist.new_group(ranks=ranks, backend="gloo",
+                                                           timeout=datetime.timedelta(seconds=timeout_s)))
+        self.rank = dist.get_rank(pg)
+        self.timeout_s = timeout_s
+        self.peers = ReplicaPeers(self.nodes, tuple(ranks), self.rank, replicas, timeout_s)
+        self.wanted, self.replicas = replicas, self.peers.replicas
+        self._work: ReplicaWork | HelperProcess = ReplicaWork(self.peers, self.group, tuple(ranks))
+        if self.replicas:
+            views: list = [None] * len(ranks)  # a helper on every rank, or on none
+            dist.all_gather_object(views, (helper_possible(), uuid.uuid4().hex), group=self.group)
+            if all(v[0] for v in views):
+                self._work = HelperProcess(self.peers, f"dcpds-replicas/{views[0][1]}/")
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="dcpds-replicas", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_helper(self) -> bool:
+        """Whether the bytes are sent from a helper process (else from this process's thread)."""
+        return isinstance(self._work, HelperProcess)
+
+    def ready(self, timeout: float | None = None) -> bool:
+        """Wait until the replicator can send (its helper started and in its group: a few
+        seconds of one core after the replicator is made, overlapping whatever the job does
+        meanwhile); False when it did not within ``timeout``."""
+        try:
+            return self._queue(self._ready).exception(timeout) is None
+        except concurrent.futures.TimeoutError:
+            return False
+
+    def _ready(self) -> None:
+        if isinstance(self._work, HelperProcess):
+            self._work.wait_ready()
+
+    def node_ranks(self) -> list[int]:
+        """The global ranks on this rank's node (this one included)."""
+        return self.peers.node_ranks()
+
+    def submit(self, tier: StorageTier, step: int, save_id: str) -> Future:
+        """Replicate this rank's files of ``save_id`` in ``tier`` (the step's node-local
+        directory, committed on every node); the future resolves to its ``ReplicaRecord``."""
+        return self._queue(lambda: self._work.replicate(tier, f"step {step}", save_id))
+
+    def submit_save(self, save: SaveToReplicate) -> Future:
+        """A plain writer's save (``SaveToReplicate``), queued when DCP asks this rank for its
+        data, so every rank queues its saves in DCP's order.  Once every rank's files are
+        durable and the coordinator committed the manifest, the manifest is committed on this
+        node too and this rank's files are replicated; the future resolves to its
+        ``ReplicaRecord``, or None when the save did not commit (nothing is replicated)."""
+        return self._queue(lambda: self._replicate_save(save))
+
+    def _queue(self, work: Callable[[], ReplicaRecord | None]) -> Future:
+        fut: Future = Future()
+        self._q.put((work, fut))
+        return fut
+
+    def close(self) -> None:
+        """End after the work queued so far: the thread, and the helper with it."""
+        self._q.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            work, fut = item
+            try:
+                fut.set_result(work())
+            except BaseException as e:  # noqa: BLE001 - delivered through the future, and logged there
+                fut.set_exception(e)
+        if isinstance(self._work, HelperProcess):
+            self._work.close()
+
+    def _replicate_save(self, save: SaveToReplicate) -> ReplicaRecord | None:
+        try:
+            save.written.wait()
+            ok = True
+        except Exception as e:  # noqa: BLE001 - the save failed on this rank; DCP raises it to the caller
+            log.debug("%s: save %s failed on this rank (%s); it will not be replicated", save.tier.url,
+                      save.save_id, e)
+            ok = False
+        coordinator = self._work.agree(save.tier, save.save_id, ok, save.manifest is not None)
+        if coordinator is None:
+            return None
+        body = None
+        if save.manifest is not None:
+            try:
+                body = save.manifest.result(self.timeout_s)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                log.warning("%s: save %s was not committed within %.0f s; nothing replicated",
+                            save.tier.url, save.save_id, self.timeout_s)
+        return self._work.replicate_save(save.tier, save.save_id, coordinator, body)
+
+
+_SHARED: dict[tuple, Replicator] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_replicator(replicas: int | None, pg=None, node: str | None = None) -> Replicator:
+    """This process's replicator of ``replicas`` copies among ``pg``'s ranks (None: any number,
+    for a repair), made on first use (a collective over them: every rank asks at the same point
+    of its program, as writers made before each ``dcp.save`` do) and reused by every later
+    writer or reader that asks alike."""
+    ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else tuple(range(dist.get_world_size()))
+    key = (replicas or 0, node or node_name(), ranks, dist.group.WORLD)  # a new job's group: a new one
+    with _SHARED_LOCK:
+        rep = _SHARED.get(key)
+        if rep is None and replicas is None:
+            rep = next((r for k, r in _SHARED.items() if k[1:] == key[1:]), None)
+        if rep is None:
+            rep = _SHARED[key] = Replicator(replicas or 0, pg, node)
+        return rep
