@@ -1,15 +1,18 @@
 """What peer replicas cost a training loop (issue 36), against no replication, in one run.
 
     python benchmarks/bench_replicas.py [--steps 12] [--every 3] [--reps 2] [--device-wait S] [--batch B]
-                                        [--host-idle] [--json OUT]
+                                        [--host-idle] [--helper] [--json OUT]
 
 Four gloo ranks on this machine simulate two nodes of two ranks, each node its own node-local
 directory.  An MLP sharded with FSDP2 and trained with Adam checkpoints through ``Checkpointer``
 (node-local tier only, async THREAD saves, a gloo group of their own) every ``--every`` steps,
-with ``replicas=0`` and ``replicas=1``, and the same loop runs without checkpoints.  Reported per
+with ``replicas=0`` and ``replicas=1``, and the same loop runs without checkpoints; ``--helper``
+adds ``replicas=1`` sent from a helper process per rank (``replicas1_helper``,
+``DCP_DATASTATES_REPLICA_SENDER=process``) instead of a thread of the training process.  Reported per
 method (median over ``--reps``, methods interleaved): the extra training time per checkpoint over
 the loop without checkpoints (the stall), the time the loop spends blocked in checkpoint calls,
-and the largest peak RSS growth of any rank.
+and the largest peak RSS growth of any rank, and the largest private memory (USS) of a rank's
+replica helper process.
 
 Four ranks training on this machine's two cores leave no CPU idle, so anything a checkpoint
 does in the background slows training by its whole CPU time.  A GPU job leaves the host's
@@ -46,6 +49,16 @@ def _rss() -> int:
     return 0
 
 
+def _uss(pid: int) -> int:
+    """The private memory of process ``pid`` (what it adds to the host beyond shared pages)."""
+    total = 0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int, base: str, out,
           device_wait: float, batch: int, host_idle: bool = False) -> None:
     import torch
@@ -56,8 +69,10 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     from torch.distributed.fsdp import fully_shard
 
     from dcp_datastates import Checkpointer
+    from dcp_datastates.tiers.replica_helper import SENDER_ENV
 
     torch.set_num_threads(1)
+    os.environ[SENDER_ENV] = "process" if method.endswith("_helper") else "thread"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))
@@ -85,9 +100,11 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     ckpt = None
     if method != "none":
         ckpt = Checkpointer([os.path.join(base, f"node{rank // PER_NODE}")], node_local=True,
-                            replicas=int(method[-1]), node=f"n{rank // PER_NODE}",
+                            replicas=int(method.split("_")[0][-1]), node=f"n{rank // PER_NODE}",
                             process_group=dist.new_group(backend="gloo"), host_cache_bytes=64 << 20)
         ckpt.register_step_pre_hook(opt)
+        if ckpt.node_copies is not None and ckpt.node_copies.replicator is not None:  # the helper's start (once, at startup) is not the loop's
+            assert ckpt.node_copies.replicator.ready(120)
     peak, stop = [_rss()], threading.Event()
 
     def sample() -> None:
@@ -117,8 +134,10 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     total = time.perf_counter() - t0
     replicated = ckpt.wait_replicated(300) if ckpt is not None and method != "replicas0" else None
     stop.set()
+    rep = ckpt.node_copies.replicator if ckpt is not None and ckpt.node_copies is not None else None
+    helper_uss = _uss(rep._work._proc.pid) if rep is not None and rep.in_helper else 0
     res = {"total_s": total, "blocked_s": blocked, "n_ckpt": n, "rss_growth": peak[0] - rss0,
-           "replicated": replicated}
+           "replicated": replicated, "helper_uss": helper_uss}
     got: list = [None] * world
     dist.all_gather_object(got, res)
     if rank == 0:
@@ -159,9 +178,10 @@ def main() -> int:
     ap.add_argument("--device-wait", type=float, default=0.0, help="seconds each step waits, as for a GPU")
     ap.add_argument("--batch", type=int, default=32, help="rows per step (the step's CPU work)")
     ap.add_argument("--host-idle", action="store_true", help="steps are the optimizer update and the device wait")
+    ap.add_argument("--helper", action="store_true", help="also replicas=1 sent from a helper process")
     ap.add_argument("--json")
     a = ap.parse_args()
-    methods = ["none", "replicas0", "replicas1"]
+    methods = ["none", "replicas0", "replicas1"] + (["replicas1_helper"] if a.helper else [])
     runs: dict[str, list] = {m: [] for m in methods}
     for rep in range(a.reps):
         for m in methods:
@@ -169,7 +189,8 @@ def main() -> int:
             runs[m].append(got)
             print(f"rep {rep} {m}: total {max(r['total_s'] for r in got):.2f}s "
                   f"blocked {max(r['blocked_s'] for r in got):.2f}s "
-                  f"rss+ {max(r['rss_growth'] for r in got) / 1e6:.0f} MB replicated {got[0]['replicated']}",
+                  f"rss+ {max(r['rss_growth'] for r in got) / 1e6:.0f} MB replicated {got[0]['replicated']} "
+                  f"helper USS {max(r['helper_uss'] for r in got) / 1e6:.0f} MB",
                   flush=True)
     shutil.rmtree(a.dir, ignore_errors=True)
     base = statistics.median(max(r["total_s"] for r in g) for g in runs["none"])
@@ -178,14 +199,20 @@ def main() -> int:
         n = runs[m][0][0]["n_ckpt"]
         rows[m] = {"stall": statistics.median((max(r["total_s"] for r in g) - base) / n for g in runs[m]),
                    "blocked": statistics.median(max(r["blocked_s"] for r in g) / n for g in runs[m]),
-                   "rss_growth": max(r["rss_growth"] for g in runs[m] for r in g)}
+                   "rss_growth": max(r["rss_growth"] for g in runs[m] for r in g),
+                   "helper_uss": max(r["helper_uss"] for g in runs[m] for r in g)}
     print(f"\nloop without checkpoints {base:.2f}s; {a.steps} steps, a checkpoint every {a.every}, "
           f"device wait {a.device_wait}s a step, batch {a.batch}{', host idle' if a.host_idle else ''}")
     for m, r in rows.items():
         print(f"{m:<10} stall/ckpt {r['stall']:.3f}s  blocked/ckpt {r['blocked']:.3f}s  "
-              f"peak RSS growth {r['rss_growth'] / 1e6:.0f} MB")
-    s0, s1 = rows["replicas0"]["stall"], rows["replicas1"]["stall"]
-    print(f"replicas=1 adds {s1 - s0:+.3f}s per checkpoint ({(s1 - s0) / max(s0, 1e-9) * 100:+.0f}% of the stall)")
+              f"peak RSS growth {r['rss_growth'] / 1e6:.0f} MB  helper USS {r['helper_uss'] / 1e6:.0f} MB")
+    s0 = rows["replicas0"]["stall"]
+    for m in methods[2:]:
+        pairs = [(max(r["total_s"] for r in g1) - max(r["total_s"] for r in g0)) / runs[m][0][0]["n_ckpt"]
+                 for g0, g1 in zip(runs["replicas0"], runs[m])]
+        se = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else float("nan")
+        print(f"{m} adds {rows[m]['stall'] - s0:+.3f}s per checkpoint ({(rows[m]['stall'] - s0) / max(s0, 1e-9) * 100:+.0f}% "
+              f"of the stall); paired mean {statistics.mean(pairs):+.4f}s, standard error {se:.4f}s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device_wait": a.device_wait, "batch": a.batch, "host_idle": a.host_idle, "runs": runs, "rows": rows}, f, indent=1)
