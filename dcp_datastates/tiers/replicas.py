@@ -377,8 +377,20 @@ class ReplicaWork:
         if failed or len({v[0] for v in views}) != 1 or len(coordinators) != 1:
             log.info("%s: save %s did not write on every rank (failed: %s); nothing replicated",
                      tier.url, save_id, failed or "ranks disagree")
+            if failed:  # DCP commits no save whose writes failed on a rank: its files are litter
+                self._drop_own(tier, save_id)
             return None
         return coordinators[0]
+
+    def _drop_own(self, tier: StorageTier, save_id: str) -> None:
+        """Remove this rank's files of ``save_id``, a save that will never commit, from its
+        node's directory (nobody else knows them there: the coordinator tidies its own node)."""
+        try:
+            for name, _ in self.own_files(tier, save_id):
+                tier.remove(name)
+        except OSError as e:  # litter, not loss: the next save through this path takes it over
+            log.warning("%s: rank %d's files of the failed save %s could not be removed: %s", tier.url,
+                        self.peers.rank, save_id, e)
 
     def replicate_save(self, tier: StorageTier, save_id: str, coordinator: int, body: bytes | None
                        ) -> ReplicaRecord | None:
