@@ -15,8 +15,9 @@ The helpers of a replica group form a gloo world of their own, met through the j
 launcher does not already provide.  The training process hands each helper its work over a
 pipe, one call at a time, and gets back what ``ReplicaWork`` returns, or the exception it
 raised, with the log records of the call, which it hands to its own loggers (so they reach
-the job's log as if the work had run in it).  A helper ends when its training process does: a second pipe, never written, reads
-end-of-file then, even while the helper waits in a collective.
+the job's log as if the work had run in it).  A helper ends when its training process does: a
+second pipe, never written, reads end-of-file then, even while the helper waits in a
+collective.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ class HelperProcess:
         except (EOFError, OSError) as e:
             raise RuntimeError(f"the replica helper (pid {self._proc.pid}) is gone: exit code "
                                f"{self._proc.exitcode}") from e
-        for record in records:
-            logging.getLogger(record.name).handle(record)
+        for record in records:  # shown as the training process's loggers would show their own
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):
+                logger.handle(record)
         if tag == "err":
             raise value
         return value
