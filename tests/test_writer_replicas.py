@@ -8,6 +8,7 @@ on both; a node's lost or rotted directory is made whole from the other before t
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -101,8 +102,20 @@ def test_plain_dcp_saves_replicate_and_a_lost_node_loads_bit_exact(tmp_path, mod
     assert sorted(os.listdir(_dir(str(tmp_path), 1)))  # made whole again before the load
 
 
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def _late(rank, world, base, sender):
     os.environ[SENDER_ENV] = sender
+    kept, logger = _Kept(), logging.getLogger("dcp_datastates")
+    logger.addHandler(kept)
+    logger.setLevel(logging.INFO)  # the job logs at INFO: the helper's debug records stay unseen
     node = rank // PER_NODE
     model, opt = _model(world)
     w1 = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}")
@@ -123,6 +136,9 @@ def _late(rank, world, base, sender):
         n for r in range(world) for n in os.listdir(_dir(base, r // PER_NODE))
         if n.startswith(f"data-r{r:05d}-{w2.save_id}")}, here
     assert {int(n[6:11]) for n in here if n.startswith("data-r")} == set(range(world)), here
+    # what replication logged reached this process's loggers, at the levels they show
+    assert any("replicated to ranks" in r.getMessage() for r in kept.records), kept.records
+    assert all(r.levelno >= logging.INFO for r in kept.records), [r.getMessage() for r in kept.records]
 
 
 @pytest.mark.parametrize("sender", ["thread", "process"])
