@@ -311,8 +311,8 @@ def _with_digests(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, in
 def _commit_here(tier: StorageTier, save_id: str, body: bytes) -> None:
     """Commit the manifest ``body`` of save ``save_id`` in this node's directory ``tier`` (a
     node other than the coordinator's: there, only the replicator commits, one save at a time
-    in the saves' order, so what it replaces is older), then remove what the save it replaces owned here, as
-    the coordinator's own commit does on its node (``tidy.py``): the replaced save's files, its
+    in the saves' order, so what it replaces is older), then remove what the replaced save
+    owned here, as the coordinator's own commit does on its node (``tidy.py``): its files, its
     ranks' and the replicas this node held of them, never a file the new manifest lists."""
     head = manifest_head(tier)
     if head is not None and head.save_id == save_id:
