@@ -86,11 +86,13 @@ class HelperProcess:
         try:
             tag, value = self._conn.recv()
         except (EOFError, OSError) as e:
-            raise RuntimeError(f"the replica helper (pid {self._proc.pid}) is gone: exit code "
-                               f"{self._proc.exitcode}") from e
+            raise self._gone() from e
         if tag != "ready":
             raise RuntimeError(f"the replica helper did not start: {value}")
         self._ready = True
+
+    def _gone(self) -> RuntimeError:
+        return RuntimeError(f"the replica helper (pid {self._proc.pid}) is gone: exit code {self._proc.exitcode}")
 
     def _call(self, method: str, *args):
         self.wait_ready()
@@ -98,8 +100,7 @@ class HelperProcess:
             self._conn.send((method, args))
             tag, value, records = self._conn.recv()
         except (EOFError, OSError) as e:
-            raise RuntimeError(f"the replica helper (pid {self._proc.pid}) is gone: exit code "
-                               f"{self._proc.exitcode}") from e
+            raise self._gone() from e
         for record in records:  # shown as the training process's loggers would show their own
             logger = logging.getLogger(record.name)
             if logger.isEnabledFor(record.levelno):
@@ -160,7 +161,7 @@ def _main(conn: Connection, alive: Connection, peers: ReplicaPeers, address: tup
         try:
             answer = ("ok", getattr(work, method)(*args))
         except Exception as e:  # noqa: BLE001 - raised again in the training process
-            answer = ("err", _portable(e))
+            answer = ("err", RuntimeError(f"{type(e).__name__}: {e}"))  # as text: every failure is alike there
         conn.send((*answer, records.take()))
 
 
@@ -180,8 +181,3 @@ class _Records(logging.Handler):
         got, self._got = self._got, []
         return got
 
-
-def _portable(e: Exception) -> RuntimeError:
-    """``e`` as it crosses the pipe: a RuntimeError saying what it was (the replicator treats
-    every failure of the work alike: the save is degraded, the log says why)."""
-    return RuntimeError(f"{type(e).__name__}: {e}")

@@ -78,12 +78,12 @@ def repair(rep: Replicator, tier: StorageTier, label: str, save_id: str | None) 
     lists is on every node; False when some file has no good copy left (the caller then reads
     a slower tier or an older step).  ``save_id``: the save to repair (None: the newest any
     node holds)."""
-    names, ranks = rep.nodes.layout()
-    mine = rep.nodes.nodes[rep.rank]
-    leader = ranks[mine][0] == rep.rank  # one rank per node hashes and receives
+    names, ranks = rep.peers.nodes.layout()
+    mine = rep.peers.nodes.nodes[rep.peers.me]
+    leader = ranks[mine][0] == rep.peers.me  # one rank per node hashes and receives
     inv = {}
     if save_id is None:
-        heads: list = [None] * len(rep.global_ranks)
+        heads: list = [None] * len(rep.peers.ranks)
         local = manifest_head(tier) if leader else None
         dist.all_gather_object(heads, local, group=rep.group)
         found = [h for h in heads if h is not None]
@@ -92,7 +92,7 @@ def repair(rep: Replicator, tier: StorageTier, label: str, save_id: str | None) 
         save_id = max(found, key=lambda h: (h.created_unix, h.save_id)).save_id
     if leader:
         inv = _inventory(tier, str(save_id))
-    views: list = [None] * len(rep.global_ranks)
+    views: list = [None] * len(rep.peers.ranks)
     dist.all_gather_object(views, (mine, inv) if leader else None, group=rep.group)
     per_node = {v[0]: v[1] for v in views if v is not None}
     manifest = [(n, h) for n, h in per_node.items() if MANIFEST_NAME in h]
@@ -113,7 +113,7 @@ def repair(rep: Replicator, tier: StorageTier, label: str, save_id: str | None) 
         except (CheckpointError, OSError) as e:  # none came: this node's ranks will read elsewhere or fail
             log.warning("%s: no readable manifest on this node after the repair: %s", label, e)
     need = sorted(n for n in (m.files if m is not None else {}) if n not in m.homes) if m is not None else []
-    lists: list = [None] * len(rep.global_ranks)
+    lists: list = [None] * len(rep.peers.ranks)
     dist.all_gather_object(lists, need if leader else None, group=rep.group)
     need = sorted({n for x in lists if x for n in x})
     good: dict[str, str] = {}
@@ -145,11 +145,11 @@ def _transfer(rep: Replicator, tier: StorageTier, per_node: dict[str, dict[str, 
                 continue
             src = holders[i % len(holders)]
             moves.append((name, ranks[src][0], ranks[node][0], per_node[src][name].size))
-    me = rep.rank
+    me = rep.peers.me
     for name, src, dst, size in moves:
         if me not in (src, dst):
             continue
-        peer = rep.global_ranks[dst if me == src else src]
+        peer = rep.peers.ranks[dst if me == src else src]
         if me == src:
             _send_file(rep.group, tier, name, size, peer)
         else:

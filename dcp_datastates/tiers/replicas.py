@@ -338,12 +338,8 @@ class ReplicaPeers:
     ranks: tuple[int, ...]  # by member: its global rank in the job
     me: int  # this rank's member
     wanted: int  # the copies a step needs to count as fully replicated
+    replicas: int  # the copies this job's nodes allow (``NodeMap.usable``)
     timeout_s: float
-
-    @property
-    def replicas(self) -> int:
-        """The copies this job's nodes allow (``NodeMap.usable``)."""
-        return min(self.wanted, len(set(self.nodes.nodes)) - 1)
 
     @property
     def rank(self) -> int:

@@ -47,18 +47,14 @@ class Replicator:
     helper process where asked (``DCP_DATASTATES_REPLICA_SENDER=process``)."""
 
     def __init__(self, replicas: int, pg=None, node: str | None = None, timeout_s: float = 300.0) -> None:
-        self.nodes = NodeMap.gather(pg, node)
-        self.nodes.usable(replicas)  # ranks spread unevenly: ValueError; too few nodes: said in the log
+        nodes = NodeMap.gather(pg, node)
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(dist.get_world_size()))
-        self.global_ranks = ranks
         self.group = cast(dist.ProcessGroup, dist.new_group(ranks=ranks, backend="gloo",
                                                            timeout=datetime.timedelta(seconds=timeout_s)))
-        self.rank = dist.get_rank(pg)
-        self.timeout_s = timeout_s
-        self.peers = ReplicaPeers(self.nodes, tuple(ranks), self.rank, replicas, timeout_s)
-        self.wanted, self.replicas = replicas, self.peers.replicas
+        self.peers = ReplicaPeers(nodes, tuple(ranks), dist.get_rank(pg), replicas, nodes.usable(replicas),
+                                  timeout_s)
         self._work: ReplicaWork | HelperProcess = ReplicaWork(self.peers, self.group, tuple(ranks))
-        if self.replicas:
+        if self.peers.replicas:
             views: list = [None] * len(ranks)  # a helper on every rank, or on none
             dist.all_gather_object(views, (helper_possible(), uuid.uuid4().hex), group=self.group)
             if all(v[0] for v in views):
@@ -136,10 +132,10 @@ class Replicator:
         body = None
         if save.manifest is not None:
             try:
-                body = save.manifest.result(self.timeout_s)
+                body = save.manifest.result(self.peers.timeout_s)
             except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
                 log.warning("%s: save %s was not committed within %.0f s; nothing replicated",
-                            save.tier.url, save.save_id, self.timeout_s)
+                            save.tier.url, save.save_id, self.peers.timeout_s)
         return self._work.replicate_save(save.tier, save.save_id, coordinator, body)
 
 
