@@ -144,6 +144,11 @@ class RankSave:
                                   checkpoint=url)
         self.claims.fence(url)
 
+    def took_over(self) -> tuple[str, ...]:
+        """The save ids of the dead attempts whose claim this save took over on its first tier
+        (their files there are this save's to remove, on every node where they landed)."""
+        return () if self.claims is None else self.claims.took_over.get(self.tier.url, ())
+
     def after_commit(self, tier: StorageTier, manifest: Manifest) -> None:
         if self.claims is not None:
             self.claims.after_commit(tier, manifest)

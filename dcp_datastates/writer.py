@@ -44,6 +44,7 @@ from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
 from .saving import MANIFEST_KEY, RankSave
 from .tiers import StorageTier
+from .tiers.replicas import CommittedSave
 from .tiers.replicator import Replicator, SaveToReplicate, shared_replicator
 from .writer_sessions import SAVE_IDS, WriterSessions
 
@@ -140,7 +141,7 @@ class DataStatesWriter(StorageWriter):
         self._save: RankSave | None = None  # the save whose calls run now, or the last one
         self.process_group = process_group
         self._replicator: Replicator | None = None  # replicas: this process's (made in the process that saves)
-        self._manifest: concurrent.futures.Future | None = None  # coordinator: the committed manifest's bytes
+        self._manifest: concurrent.futures.Future | None = None  # coordinator: its CommittedSave, or None
         self._replicated: concurrent.futures.Future | None = None  # the last save's ReplicaRecord (or None)
         if replicas:
             if not (dist.is_available() and dist.is_initialized()):
@@ -288,7 +289,8 @@ class DataStatesWriter(StorageWriter):
             self.sessions.end()
         if self._manifest is not None and not self._manifest.done():  # the replicas may go
             sd = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-            self._manifest.set_result(sd.get(MANIFEST_KEY))
+            body = sd.get(MANIFEST_KEY)
+            self._manifest.set_result(None if body is None else CommittedSave(body, save.took_over()))
 
     def wait_replicated(self, timeout: float | None = None) -> bool:
         """Wait until the last save through this writer is replicated (``replicas``); False when

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -177,6 +178,62 @@ def _failed_then_ok(rank, world, base):
 
 def test_a_failed_save_replicates_nothing_and_the_next_one_replicates(tmp_path):
     run_ranks(2 * PER_NODE, _failed_then_ok, str(tmp_path))
+
+
+class _DiesBeforeCommit(DataStatesWriter):
+    """The coordinator's process is killed after every rank wrote its files, before the commit."""
+
+    def finish(self, metadata, results):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _save_then_die(rank, world, base):
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    _train(model, opt, 1)
+    w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
+    dcp.save(_state(model, opt), storage_writer=w)
+    assert w.wait_replicated(60)
+    _train(model, opt, 2)
+    w = _DiesBeforeCommit(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
+    try:
+        dcp.save(_state(model, opt), storage_writer=w)
+    except Exception:  # noqa: BLE001 - the coordinator is gone; this rank dies too
+        pass
+    with open(os.path.join(base, f"dead-{rank}"), "w") as f:
+        f.write(w.save_id)
+    os.kill(os.getpid(), signal.SIGKILL)  # the whole job dies: no close, no teardown
+
+
+def _save_after_death(rank, world, base):
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    _train(model, opt, 3)
+    w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
+    dcp.save(_state(model, opt), storage_writer=w)
+    assert w.wait_replicated(60)
+    dist.barrier()  # every node committed and replicated the new save
+
+
+def test_a_save_whose_job_died_is_removed_from_every_node_by_the_next(tmp_path):
+    """A save whose every process died after writing (no replicator left to agree on its fate)
+    leaves its files on each node; the next save's coordinator takes over its claim, and every
+    node, not only the coordinator's, removes what that dead attempt wrote there."""
+    base = str(tmp_path)
+    with pytest.raises(AssertionError, match=r"exited with codes"):
+        run_ranks(2 * PER_NODE, _save_then_die, base)
+    dead = {open(os.path.join(base, f"dead-{r}")).read() for r in range(1, 2 * PER_NODE)}  # rank 0 died first
+    assert len(dead) == 1, dead
+    dead_id = dead.pop()
+    for node in range(2):  # the dead attempt wrote on both nodes
+        assert any(data_file_save_id(n) == dead_id for n in os.listdir(_dir(base, node))), node
+    run_ranks(2 * PER_NODE, _save_after_death, base)
+    head = manifest_head(StorageTier(_dir(base, 0)))
+    for node in range(2):
+        names = os.listdir(_dir(base, node))
+        assert manifest_head(StorageTier(_dir(base, node))).save_id == head.save_id
+        assert not [n for n in names if dead_id in n], (node, names)
+        assert {data_file_save_id(n) for n in names} - {None} == {head.save_id}, (node, names)
 
 
 def _save_four(rank, world, base):

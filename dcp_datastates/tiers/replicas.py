@@ -308,12 +308,21 @@ def _with_digests(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, in
     return out
 
 
-def _commit_here(tier: StorageTier, save_id: str, body: bytes) -> None:
-    """Commit the manifest ``body`` of save ``save_id`` in this node's directory ``tier`` (a
-    node other than the coordinator's: there, only the replicator commits, one save at a time
-    in the saves' order, so what it replaces is older), then remove what the replaced save
-    owned here, as the coordinator's own commit does on its node (``tidy.py``): its files, its
-    ranks' and the replicas this node held of them, never a file the new manifest lists."""
+@dataclass(frozen=True)
+class CommittedSave:
+    """What the coordinator's commit of a plain writer's save hands to the other nodes."""
+
+    manifest: bytes  # the committed manifest
+    took_over: tuple[str, ...] = ()  # save ids of dead attempts whose claim the save took over
+
+
+def _commit_here(tier: StorageTier, save_id: str, committed: CommittedSave) -> None:
+    """Commit save ``save_id`` (``committed``) in this node's directory ``tier`` (a node other
+    than the coordinator's: there, only the replicator commits, one save at a time in the
+    saves' order, so what it replaces is older), then remove what the coordinator's own commit
+    removes on its node (``tidy.py``), by ownership: what the replaced save owned here (its
+    ranks' files and the replicas this node held of them) and what the dead attempts the save
+    took over wrote here, never a file the new manifest or another committed one lists."""
     head = manifest_head(tier)
     if head is not None and head.save_id == save_id:
         return
@@ -323,9 +332,11 @@ def _commit_here(tier: StorageTier, save_id: str, body: bytes) -> None:
             old = load_manifest(tier)
         except (CheckpointError, OSError) as e:  # leaking its files is recoverable
             log.warning("%s: the manifest this save replaces cannot be read (%s); its files stay", tier.url, e)
-    tier.commit_bytes(MANIFEST_NAME, body)
-    if old is not None and old.save_id != save_id:
-        Tidy(tier, save_id, superseded=[old]).run(set(decode_manifest(body, source=tier.url).files))
+    tier.commit_bytes(MANIFEST_NAME, committed.manifest)
+    superseded = [old] if old is not None and old.save_id != save_id else []
+    if superseded or committed.took_over:
+        Tidy(tier, save_id, superseded=superseded, dead_ids=list(committed.took_over)).run(
+            set(decode_manifest(committed.manifest, source=tier.url).files))
 
 
 @dataclass(frozen=True)
@@ -388,13 +399,13 @@ class ReplicaWork:
             log.warning("%s: rank %d's files of the failed save %s could not be removed: %s", tier.url,
                         self.peers.rank, save_id, e)
 
-    def replicate_save(self, tier: StorageTier, save_id: str, coordinator: int, body: bytes | None
+    def replicate_save(self, tier: StorageTier, save_id: str, coordinator: int, committed: CommittedSave | None
                        ) -> ReplicaRecord | None:
-        """After ``agree``: the coordinator's member ``coordinator`` hands over ``body``, the
-        manifest it committed (None: not committed, and nothing is replicated); it is committed
-        on this node too and this rank's files are replicated (a collective)."""
+        """After ``agree``: the coordinator's member ``coordinator`` hands over ``committed``,
+        the save as it committed it (None: not committed, and nothing is replicated); it is
+        committed on this node too and this rank's files are replicated (a collective)."""
         p = self.peers
-        got = [body]
+        got = [committed]
         dist.broadcast_object_list(got, src=self.addr[coordinator], group=self.group)
         if got[0] is None:
             log.info("%s: save %s did not commit; nothing replicated", tier.url, save_id)
@@ -408,7 +419,7 @@ class ReplicaWork:
             superseded = head.save_id if head is not None and head.save_id != save_id else None
         elif p.node_ranks()[0] == p.rank:
             try:
-                _commit_here(tier, save_id, bytes(got[0]))
+                _commit_here(tier, save_id, got[0])
             except (OSError, CheckpointError) as e:  # the peers still get this rank's files
                 log.warning("%s: save %s could not be committed on this node: %s", tier.url, save_id, e)
         rec = self.replicate(tier, tier.url, save_id, superseded)

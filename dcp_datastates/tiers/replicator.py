@@ -38,7 +38,7 @@ class SaveToReplicate:
     tier: StorageTier  # this node's directory of the checkpoint
     save_id: str
     written: TorchFuture  # DCP's future of this rank's writes: resolved once its files are durable
-    manifest: Future | None  # the coordinator's: the committed manifest's bytes, or None (not committed)
+    manifest: Future | None  # the coordinator's: its ``CommittedSave``, or None (not committed)
 
 
 class Replicator:
@@ -129,14 +129,14 @@ class Replicator:
         coordinator = self._work.agree(save.tier, save.save_id, ok, save.manifest is not None)
         if coordinator is None:
             return None
-        body = None
+        committed = None
         if save.manifest is not None:
             try:
-                body = save.manifest.result(self.peers.timeout_s)
+                committed = save.manifest.result(self.peers.timeout_s)
             except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
                 log.warning("%s: save %s was not committed within %.0f s; nothing replicated",
                             save.tier.url, save.save_id, self.peers.timeout_s)
-        return self._work.replicate_save(save.tier, save.save_id, coordinator, body)
+        return self._work.replicate_save(save.tier, save.save_id, coordinator, committed)
 
 
 _SHARED: dict[tuple, Replicator] = {}
