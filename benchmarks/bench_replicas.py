@@ -1,7 +1,7 @@
 """What peer replicas cost a training loop (issue 36), against no replication, in one run.
 
     python benchmarks/bench_replicas.py [--steps 12] [--every 3] [--reps 2] [--device-wait S] [--batch B]
-                                        [--host-idle] [--helper] [--json OUT]
+                                        [--host-idle] [--helper] [--quiet N] [--json OUT]
 
 Four gloo ranks on this machine simulate two nodes of two ranks, each node its own node-local
 directory.  An MLP sharded with FSDP2 and trained with Adam checkpoints through ``Checkpointer``
@@ -13,6 +13,13 @@ method (median over ``--reps``, methods interleaved): the extra training time pe
 the loop without checkpoints (the stall), the time the loop spends blocked in checkpoint calls,
 and the largest peak RSS growth of any rank, and the largest private memory (USS) of a rank's
 replica helper process.
+
+The loop totals move between runs on this machine by more than replication costs (a step's
+optimizer update takes 6 to 9 ms in one run and 8 to 12 in the next).  ``--quiet N`` adds an
+estimate that cancels that: each rank records every step's host time (its wall time less the
+device wait), and the stall of a run is what the steps of each checkpoint cycle take above the
+same run's last ``N`` steps of the cycle, which the save has left alone (``within_run``); the
+host time by position in the cycle shows where the cost lands.
 
 Four ranks training on this machine's two cores leave no CPU idle, so anything a checkpoint
 does in the background slows training by its whole CPU time.  A GPU job leaves the host's
@@ -83,10 +90,14 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     x = torch.randn(batch, WIDTH)
 
+    update = []  # host-idle steps: the optimizer step's wall time (its wait for a snapshot included)
+
     def step() -> None:
         if host_idle:  # the device runs forward and backward; the host then updates in place
             time.sleep(device_wait)
+            t = time.perf_counter()
             opt.step()
+            update.append(time.perf_counter() - t)
             return
         model(x).pow(2).mean().backward()
         opt.step()
@@ -118,7 +129,9 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     blocked = 0.0
     t0 = time.perf_counter()
     n = 0
+    host = []  # per step: its wall time less the device wait, checkpoint call included
     for s in range(1, steps + 1):
+        ts = time.perf_counter()
         step()
         if ckpt is not None and s % every == 0:
             msd, osd = get_state_dict(model, opt)
@@ -126,6 +139,7 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
             ckpt.save(s, {"model": msd, "optim": osd})
             blocked += time.perf_counter() - t
             n += 1
+        host.append(time.perf_counter() - ts - device_wait)
     if ckpt is not None:
         t = time.perf_counter()
         ckpt.wait()
@@ -137,7 +151,8 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     rep = ckpt.node_copies.replicator if ckpt is not None and ckpt.node_copies is not None else None
     helper_uss = _uss(rep._work._proc.pid) if rep is not None and rep.in_helper else 0
     res = {"total_s": total, "blocked_s": blocked, "n_ckpt": n, "rss_growth": peak[0] - rss0,
-           "replicated": replicated, "helper_uss": helper_uss}
+           "replicated": replicated, "helper_uss": helper_uss, "host_s": host,
+           "update_s": update[-len(host):] if update else []}
     got: list = [None] * world
     dist.all_gather_object(got, res)
     if rank == 0:
@@ -147,6 +162,24 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # FSDP2 on gloo can abort in native teardown (tests/dist.py)
+
+
+def within_run(got: list[dict], every: int, quiet: int) -> tuple[float, list[float]]:
+    """The stall per checkpoint of one run measured against the same run's quiet steps, and
+    the mean host time of the steps at each position of the checkpoint cycle.
+
+    A step's host time is its wall time less the device wait (the save call included on the
+    step that saves); a synchronous job waits each step for its slowest rank, so the series is
+    the per-step maximum over the ranks.  The last ``quiet`` steps of each cycle (the save is
+    at position 0) are the run's own baseline: the run's speed, which moves by more between
+    runs on this machine than a replica costs, cancels.  The stall is what the other positions
+    take above that baseline, per cycle, over the cycles after the first save."""
+    steps = len(got[0]["host_s"])
+    worst = [max(r["host_s"][i] for r in got) for i in range(steps)]
+    cycles = [worst[c:c + every] for c in range(every - 1, steps - every + 1, every)]  # index 0: the save step
+    base = statistics.mean(x for c in cycles for x in c[every - quiet:])
+    profile = [statistics.mean(c[k] for c in cycles) for k in range(every)]
+    return sum(p - base for p in profile[:every - quiet]), profile
 
 
 def run(method: str, steps: int, every: int, base: str, device_wait: float = 0.0, batch: int = 32,
@@ -179,6 +212,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32, help="rows per step (the step's CPU work)")
     ap.add_argument("--host-idle", action="store_true", help="steps are the optimizer update and the device wait")
     ap.add_argument("--helper", action="store_true", help="also replicas=1 sent from a helper process")
+    ap.add_argument("--quiet", type=int, default=0,
+                    help="the last N steps of each checkpoint cycle are the run's own baseline (see within_run)")
     ap.add_argument("--json")
     a = ap.parse_args()
     methods = ["none", "replicas0", "replicas1"] + (["replicas1_helper"] if a.helper else [])
@@ -213,9 +248,26 @@ def main() -> int:
         se = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else float("nan")
         print(f"{m} adds {rows[m]['stall'] - s0:+.3f}s per checkpoint ({(rows[m]['stall'] - s0) / max(s0, 1e-9) * 100:+.0f}% "
               f"of the stall); paired mean {statistics.mean(pairs):+.4f}s, standard error {se:.4f}s")
+    if a.quiet:
+        print(f"\nagainst each run's own quiet steps (the last {a.quiet} of every {a.every}; per-step maximum over ranks):")
+        for m in methods[1:]:
+            est = [within_run(g, a.every, a.quiet) for g in runs[m]]
+            profile = [statistics.mean(p[k] for _, p in est) for k in range(a.every)]
+            rows[m]["stall_within"] = statistics.mean(e for e, _ in est)
+            rows[m]["profile"] = profile
+            print(f"{m:<16} stall/ckpt {rows[m]['stall_within']:.4f}s; host time by position "
+                  + " ".join(f"{x * 1000:.1f}" for x in profile) + " ms")
+        for m in methods[2:]:
+            pairs = [within_run(g1, a.every, a.quiet)[0] - within_run(g0, a.every, a.quiet)[0]
+                     for g0, g1 in zip(runs["replicas0"], runs[m])]
+            se = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else float("nan")
+            rows[m]["added_within"] = [statistics.mean(pairs), se]
+            print(f"{m} adds {statistics.mean(pairs):+.4f}s per checkpoint (paired, standard error {se:.4f}s), "
+                  f"{statistics.mean(pairs) / max(rows['replicas0']['stall_within'], 1e-9) * 100:+.0f}% of the stall")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device_wait": a.device_wait, "batch": a.batch, "host_idle": a.host_idle, "runs": runs, "rows": rows}, f, indent=1)
+            json.dump({"device_wait": a.device_wait, "batch": a.batch, "host_idle": a.host_idle, "every": a.every,
+                       "quiet": a.quiet, "runs": runs, "rows": rows}, f, indent=1)
     return 0
 
 

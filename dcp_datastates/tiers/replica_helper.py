@@ -5,10 +5,12 @@ Sending, receiving, hashing and storing replicas is background work, but run on 
 training process it shares that process's interpreter lock with training: each time the thread
 wakes from a socket or a disk it takes the lock, and a training thread that takes it back
 between every operator may wait.  A helper process per rank keeps that work off training's
-lock and, at the lowest CPU priority (``nice`` 19, set before any of its threads start, so
-gloo's threads inherit it), behind training on the cores.  It costs a process per rank (about
-230 MB of private memory, mostly torch's own), and on the machines measured so far it did not
-lower the stall measurably (``docs/benchmarks.md``), so the thread is the default.
+lock and, at the lowest CPU priority (``SCHED_IDLE``, else ``nice`` 19, set before any of its
+threads start, so gloo's threads inherit it), behind training on the cores.  It costs a process
+per rank (about 230 MB of private memory, mostly torch's own); measured against each run's own
+quiet steps it adds a third of what the thread adds to the stall, but neither meets the
+target on this machine (``docs/benchmarks.md``), so the thread, which costs no process, stays
+the default.
 
 The helpers of a replica group form a gloo world of their own, met through the job's own
 ``TCPStore`` (the default process group's, under a prefix of their own), so it needs nothing a
@@ -127,7 +129,7 @@ class HelperProcess:
 
 def _main(conn: Connection, alive: Connection, peers: ReplicaPeers, address: tuple[str, int], prefix: str
           ) -> None:
-    os.nice(19)  # before gloo starts its threads: they inherit it
+    _lowest_priority()  # before gloo starts its threads: they inherit it
     torch.set_num_threads(1)
 
     def watch() -> None:
@@ -163,6 +165,18 @@ def _main(conn: Connection, alive: Connection, peers: ReplicaPeers, address: tup
         except Exception as e:  # noqa: BLE001 - raised again in the training process
             answer = ("err", RuntimeError(f"{type(e).__name__}: {e}"))  # as text: every failure is alike there
         conn.send((*answer, records.take()))
+
+
+def _lowest_priority() -> None:
+    """Run only on a core training leaves idle: ``SCHED_IDLE`` where the kernel has it (a
+    waking training thread always preempts it), else ``nice`` 19.  Safe here and not on a
+    thread of the training process, where a preempted holder of the interpreter's lock would
+    keep training waiting."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as e:
+        log.debug("SCHED_IDLE refused (%s); nice 19 instead", e)
+        os.nice(19)
 
 
 class _Records(logging.Handler):
