@@ -306,6 +306,29 @@ def test_retention_keeps_the_base_of_an_incremental_save_in_flight(tmp_path, mon
     assert all(torch.equal(out[k], want[k]) for k in want)
 
 
+def test_retention_keeps_every_step_while_a_live_claims_record_is_being_written(tmp_path):
+    """A claim file exists, locked, before its record is written, and a record rewritten in
+    place (``carry``: truncate, then write) is empty or cut short for a moment.  A retention
+    pass that reads a live claim then cannot know which base that save uses, so it removes
+    no step this pass.  (It used to take such a claim for one without a base, and dropped
+    the base of an incremental save in flight: seen once in CI.)  Every prefix of a real
+    record is tried, each a state a reader can see."""
+    from dcp_datastates.tiers.retention import purge_steps
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), _state(1))
+    c = acquire(StorageTier(str(run / "step-2")), CLAIM_NAME, "f" * 12, base="step-1")
+    assert c.lock is not None
+    full = c.lock.read()
+    for n in range(len(full)):
+        c.lock.write(full[:n])
+        assert purge_steps(StorageTier(str(run)), ["step-1"]) == [], (n, full[:n])
+        assert os.path.exists(run / "step-1" / ".metadata"), n
+    c.lock.write(full)
+    assert purge_steps(StorageTier(str(run)), ["step-1"]) == []  # the whole record names its base
+    c.release()
+    assert purge_steps(StorageTier(str(run)), ["step-1"]) == ["step-1"]  # no save in flight uses it
+
+
 def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(tmp_path, monkeypatch):
     """An incremental step persisted to a slow tier copies the files it references from a step
     that tier never had; a retention pass there between that copy and the step's commit used to

@@ -470,10 +470,26 @@ def claimed(tier: StorageTier) -> bool:
     return bool(live_claims(tier))
 
 
-def bases_in_flight(run: StorageTier) -> set[str]:
-    """The step directories of ``run`` that saves in flight there use as incremental bases
-    (found through their live claims, whatever wrote them)."""
-    out: set[str] = set()
+@dataclasses.dataclass(frozen=True)
+class BasesInFlight:
+    """The step directories of a run that saves in flight there use as incremental bases."""
+
+    names: frozenset[str]
+    # live claims whose record could not be read (being written: a claim file exists before
+    # its record, and a record rewritten in place is empty or cut short for a moment): their
+    # save's base is unknown, so every step may be one
+    unknown: tuple[str, ...] = ()
+
+    def keeps(self, name: str) -> bool:
+        """Whether step directory ``name`` may be the base of a save in flight."""
+        return bool(self.unknown) or name in self.names
+
+
+def bases_in_flight(run: StorageTier) -> BasesInFlight:
+    """What the saves in flight in ``run`` use as incremental bases, found through their live
+    claims (whatever wrote them)."""
+    names: set[str] = set()
+    unknown: list[str] = []
     for d, kind in run.entries():
         if kind != "dir":
             continue
@@ -481,11 +497,16 @@ def bases_in_flight(run: StorageTier) -> set[str]:
         for n in live_claims(t):
             try:
                 rec = _read(t, n)
-            except (OSError, CheckpointError):
+            except FileNotFoundError:  # released between the listing and the read
                 continue
-            if rec is not None and rec.base:
-                out.add(rec.base)
-    return out
+            except (OSError, CheckpointError) as e:
+                log.debug("the live claim %s/%s cannot be read (%s)", t.url, n, e)
+                rec = None
+            if rec is None:
+                unknown.append(f"{t.url}/{n}")
+            elif rec.base:
+                names.add(rec.base)
+    return BasesInFlight(frozenset(names), tuple(unknown))
 
 
 def holds_live_claim(tier: StorageTier, name: str) -> bool:
@@ -508,4 +529,4 @@ def holds_live_claim(tier: StorageTier, name: str) -> bool:
     return _lease_stale(tier, name, cur, DEFAULT_LEASE_S) is None
 
 
-__all__ = ["Claim", "ClaimRecord", "acquire", "bases_in_flight", "claimed", "holds_live_claim", "live_claims"]
+__all__ = ["BasesInFlight", "Claim", "ClaimRecord", "acquire", "bases_in_flight", "claimed", "holds_live_claim", "live_claims"]

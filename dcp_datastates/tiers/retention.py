@@ -85,8 +85,14 @@ def purge_steps(run: StorageTier, drop: list[str], *,
         if claimed(t):
             log.warning("retention: %s is being saved right now; not purging it", t.url)
             continue
-        if name in bases:
-            log.warning("retention: %s is the base of an incremental save in flight; not purging it", t.url)
+        if bases.keeps(name):
+            if bases.unknown:
+                log.info("retention: %s is not purged this pass: the claim of a save in flight (%s) is "
+                         "being written, and the save may use it as its incremental base", t.url,
+                         bases.unknown[0])
+            else:
+                log.warning("retention: %s is the base of an incremental save in flight; not purging it",
+                            t.url)
             foreign.add(name)
             continue
         try:
