@@ -39,7 +39,7 @@ from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .replicas import NodeCopies
 from .run_steps import RunSteps
-from .saving import MANIFEST_KEY
+from .saving import committed_save
 from .tiers import StorageTier
 from .tiers.retention import purge_steps
 from .writer import DataStatesWriter
@@ -225,12 +225,10 @@ class Checkpointer:
         """The committed manifest's body, handed to this node's copy of the step (``NodeCopies``)
         when the first tier is node-local.  Runs when an async save's future completes (in
         DCP's thread) and again from ``wait``."""
-        body = None
-        if md is not None and isinstance(getattr(md, "storage_data", None), dict):
-            body = md.storage_data.get(MANIFEST_KEY)
-        if self.node_copies is not None and body is not None:
-            self.node_copies.committed(step, body)
-        return body
+        committed = committed_save(md)
+        if self.node_copies is not None and committed is not None:
+            self.node_copies.committed(step, committed)
+        return None if committed is None else committed.manifest
 
     def wait_replicated(self, timeout: float | None = None) -> bool:
         """Wait until every save so far is replicated to its peers (``replicas``); False when a

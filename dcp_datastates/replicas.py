@@ -15,12 +15,12 @@ import torch.distributed as dist
 
 from .errors import CheckpointError
 from .format import decode_manifest
-from .format.names import MANIFEST_NAME
 from .format.replica_record import ReplicaRecord
 from .tiers import StorageTier
 from .tiers.manifests import manifest_head
 from .tiers.replica_records import read_record
 from .tiers.replica_repair import repair
+from .tiers.replicas import CommittedSave, commit_on_node
 from .tiers.replicator import Replicator
 
 log = logging.getLogger(__name__)
@@ -42,23 +42,24 @@ class NodeCopies:
                 raise ValueError("replicas travel over torch.distributed: call dist.init_process_group first")
             self.replicator = Replicator(replicas, pg, node)  # a collective: every rank
         self._lock = threading.Lock()
-        self._done: set[int] = set()  # steps this node committed
+        self._done: set[tuple[int, str]] = set()  # (step, save) this node committed
         self._replicating: dict[int, Future] = {}
 
-    def committed(self, step: int, body: bytes) -> None:
-        """Step ``step`` committed with manifest ``body``: commit it on this node, and start its
-        replication.  Called when an async save's future completes and again from the next
-        wait; the second call finds it done."""
+    def committed(self, step: int, committed: CommittedSave) -> None:
+        """Step ``step`` committed as ``committed``: commit it on this node, where it replaces
+        an older save of the step and removes what that save and the dead attempts it took over
+        wrote here (``commit_on_node``), and start its replication.  Called when an async
+        save's future completes and again from the next wait; the second call finds it done."""
+        save_id = decode_manifest(committed.manifest).save_id
         with self._lock:
-            if step in self._done:
+            if (step, save_id) in self._done:
                 return
-            self._done.add(step)
+            self._done.add((step, save_id))
             t = self.tier_of(step)
-            if not t.exists(MANIFEST_NAME):
-                t.makedirs()
-                t.commit_bytes(MANIFEST_NAME, body)
+            t.makedirs()
+            commit_on_node(t, save_id, committed)
             if self.replicator is not None:
-                self._replicating[step] = self.replicator.submit(t, step, decode_manifest(body).save_id)
+                self._replicating[step] = self.replicator.submit(t, step, save_id)
 
     def close(self) -> None:
         """After ``wait``: the replicator's thread and helper end."""

@@ -42,9 +42,8 @@ from .engine.snapshot import SaveJob
 from .errors import CheckpointError
 from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
-from .saving import MANIFEST_KEY, RankSave
+from .saving import RankSave, committed_save
 from .tiers import StorageTier
-from .tiers.replicas import CommittedSave
 from .tiers.replicator import Replicator, SaveToReplicate, shared_replicator
 from .writer_sessions import SAVE_IDS, WriterSessions
 
@@ -288,9 +287,7 @@ class DataStatesWriter(StorageWriter):
             save.commit(metadata, results, self.sessions.current)
             self.sessions.end()
         if self._manifest is not None and not self._manifest.done():  # the replicas may go
-            sd = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-            body = sd.get(MANIFEST_KEY)
-            self._manifest.set_result(None if body is None else CommittedSave(body, save.took_over()))
+            self._manifest.set_result(committed_save(metadata))
 
     def wait_replicated(self, timeout: float | None = None) -> bool:
         """Wait until the last save through this writer is replicated (``replicas``); False when

@@ -22,8 +22,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from dcp_datastates import Checkpointer
-from dcp_datastates.format.names import replica_record_of
+from dcp_datastates import Checkpointer, DataStatesWriter
+from dcp_datastates.format.names import data_file_save_id, replica_record_of
+from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers.manifests import manifest_head
 from dcp_datastates.tiers.replica_helper import SENDER_ENV
 from tests.dist import run_ranks
 
@@ -468,3 +470,71 @@ def test_verify_and_inspect_a_nodes_copy_of_a_step(tmp_path):
     os.remove(os.path.join(step, kept))  # the replica of rank 3 this node's record says it holds
     gone = cli("verify", "--node-local", step, check=False)
     assert gone.returncode == 1 and f"file {kept}: missing (rank 3 is on this node)" in gone.stdout, gone.stdout
+
+
+def _step_then_die(rank, world, base):
+    """Step 1 commits and replicates; step 2's coordinator is killed in DCP's ``finish``, after
+    every rank wrote its files, and the other ranks die with it."""
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    ckpt = Checkpointer([os.path.join(base, f"node{node}")], node_local=True, replicas=1, node=f"n{node}",
+                        async_mode=None)
+    _train(model, opt, 1)
+    ckpt.save(1, _state(model, opt))
+    assert ckpt.wait_replicated(60)
+    _train(model, opt, 2)
+    if rank == 0:
+        DataStatesWriter.finish = lambda *_a, **_k: os.kill(os.getpid(), signal.SIGKILL)  # dies before the commit
+    try:
+        ckpt.save(2, _state(model, opt))
+    except Exception:  # noqa: BLE001 - the coordinator is gone; this rank dies too
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _step_again(rank, world, base):
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    ckpt = Checkpointer([os.path.join(base, f"node{node}")], node_local=True, replicas=1, node=f"n{node}",
+                        async_mode=None)
+    assert ckpt.load(_state(model, opt)) == 1
+    _train(model, opt, 2)
+    ckpt.save(2, _state(model, opt))  # the step the dead job did not commit, saved again
+    assert ckpt.wait_replicated(60)
+    dist.barrier()
+
+
+def test_a_step_whose_job_died_is_saved_again_and_its_dead_files_go_on_every_node(tmp_path):
+    """The restarted job saves the step the dead one did not commit into the same directories:
+    on every node, not only the coordinator's, what the dead attempt wrote there is removed."""
+    base = str(tmp_path)
+    with pytest.raises(AssertionError, match=r"exited with codes"):
+        run_ranks(2 * PER_NODE, _step_then_die, base)
+    dead = {n: {data_file_save_id(f) for f in os.listdir(os.path.join(base, f"node{n}", "step-2"))} - {None}
+            for n in range(2)}
+    assert all(len(ids) == 1 for ids in dead.values()) and len(set().union(*dead.values())) == 1, dead
+    dead_id = dead[0].pop()
+    run_ranks(2 * PER_NODE, _step_again, base)
+    for n in range(2):
+        names = os.listdir(os.path.join(base, f"node{n}", "step-2"))
+        assert not [f for f in names if dead_id in f], (n, names)
+
+
+def _same_step_twice(rank, world, base):
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    ckpt = Checkpointer([os.path.join(base, f"node{node}")], node_local=True, replicas=1, node=f"n{node}",
+                        async_mode=None)
+    for step in (1, 2):
+        _train(model, opt, step)
+        ckpt.save(1, _state(model, opt))  # a job that rolled back saves step 1 again
+        assert ckpt.wait_replicated(60)
+    dist.barrier()
+    heads = {n: manifest_head(StorageTier(os.path.join(base, f"node{n}", "step-1"))).save_id for n in range(2)}
+    assert len(set(heads.values())) == 1, heads  # every node holds the newer save, not a mix
+    names = os.listdir(os.path.join(base, f"node{node}", "step-1"))
+    assert {data_file_save_id(f) for f in names} - {None} == {heads[0]}, names
+
+
+def test_a_step_saved_again_replaces_the_older_save_on_every_node(tmp_path):
+    run_ranks(2 * PER_NODE, _same_step_twice, str(tmp_path))

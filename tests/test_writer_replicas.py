@@ -24,10 +24,11 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
-from dcp_datastates.format.names import MANIFEST_NAME, data_file_save_id, replica_record_of
+from dcp_datastates.format.names import MANIFEST_NAME, TEMP_INFIX, data_file_save_id, replica_record_of
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_head
 from dcp_datastates.tiers.replica_helper import SENDER_ENV
+from dcp_datastates.tiers.replicas import CommittedSave, commit_on_node
 from tests.dist import run_ranks
 from tests.test_replicas import PER_NODE, _flat, _flip_middle, _model, _state, _train
 
@@ -264,3 +265,23 @@ def test_one_node_fewer_loads_resharded_from_the_survivors_replicas(tmp_path):
     run_ranks(2 * PER_NODE, _save_four, base)
     shutil.rmtree(os.path.join(base, "node1"))
     run_ranks(PER_NODE, _load_on_one_node, base)  # 4 ranks' state onto 2, from node 0's copy alone
+
+
+def test_a_nodes_commit_never_removes_another_ranks_manifest_in_progress(tmp_path):
+    """Every rank of a node commits the step's manifest there (``Checkpointer``), possibly at
+    the same moment: one's tidy-up of the replaced save must not take the other's temporary
+    manifest for a leftover (the other's rename then failed, its replication never started,
+    and its peer waited out the group's timeout)."""
+    here, other = tmp_path / "run" / "node", tmp_path / "run" / "b"
+    sd = {"w": torch.arange(4096, dtype=torch.float32)}
+    dcp.save(sd, storage_writer=DataStatesWriter(str(here)), no_dist=True)
+    old = manifest_head(StorageTier(str(here))).save_id
+    dcp.save(sd, storage_writer=DataStatesWriter(str(other)), no_dist=True)
+    new = manifest_head(StorageTier(str(other)))
+    body = (other / MANIFEST_NAME).read_bytes()
+    in_progress = here / f"{MANIFEST_NAME}{TEMP_INFIX}0123abcd"  # a neighbour rank's commit, not renamed yet
+    in_progress.write_bytes(body)
+    commit_on_node(StorageTier(str(here)), new.save_id, CommittedSave(body))
+    assert manifest_head(StorageTier(str(here))).save_id == new.save_id
+    assert in_progress.exists()
+    assert not [n for n in os.listdir(here) if data_file_save_id(n) == old]  # the replaced save's files went

@@ -316,13 +316,16 @@ class CommittedSave:
     took_over: tuple[str, ...] = ()  # save ids of dead attempts whose claim the save took over
 
 
-def _commit_here(tier: StorageTier, save_id: str, committed: CommittedSave) -> None:
-    """Commit save ``save_id`` (``committed``) in this node's directory ``tier`` (a node other
-    than the coordinator's: there, only the replicator commits, one save at a time in the
-    saves' order, so what it replaces is older), then remove what the coordinator's own commit
-    removes on its node (``tidy.py``), by ownership: what the replaced save owned here (its
-    ranks' files and the replicas this node held of them) and what the dead attempts the save
-    took over wrote here, never a file the new manifest or another committed one lists."""
+def commit_on_node(tier: StorageTier, save_id: str, committed: CommittedSave) -> None:
+    """Commit save ``save_id`` (``committed``) in this node's directory ``tier``, where the
+    coordinator did not (on its node, its own commit stands), then remove what the
+    coordinator's own commit removes on its node (``tidy.py``), by ownership: what the replaced
+    save owned here (its ranks' files and the replicas this node held of them) and what the
+    dead attempts the save took over wrote here, never a file the new manifest or another
+    committed one lists.  What it replaces is older: a plain writer's replicator commits one
+    save at a time in the saves' order, and ``Checkpointer`` one save of a step at a time.
+    Ranks of one node may run it at once: both commit the same bytes, neither removes the
+    other's temporary manifest, and a file already removed is no error."""
     head = manifest_head(tier)
     if head is not None and head.save_id == save_id:
         return
@@ -335,7 +338,7 @@ def _commit_here(tier: StorageTier, save_id: str, committed: CommittedSave) -> N
     tier.commit_bytes(MANIFEST_NAME, committed.manifest)
     superseded = [old] if old is not None and old.save_id != save_id else []
     if superseded or committed.took_over:
-        Tidy(tier, save_id, superseded=superseded, dead_ids=list(committed.took_over)).run(
+        Tidy(tier, save_id, superseded=superseded, dead_ids=list(committed.took_over), temps=False).run(
             set(decode_manifest(committed.manifest, source=tier.url).files))
 
 
@@ -419,7 +422,7 @@ class ReplicaWork:
             superseded = head.save_id if head is not None and head.save_id != save_id else None
         elif p.node_ranks()[0] == p.rank:
             try:
-                _commit_here(tier, save_id, got[0])
+                commit_on_node(tier, save_id, got[0])
             except (OSError, CheckpointError) as e:  # the peers still get this rank's files
                 log.warning("%s: save %s could not be committed on this node: %s", tier.url, save_id, e)
         rec = self.replicate(tier, tier.url, save_id, superseded)

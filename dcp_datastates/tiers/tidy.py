@@ -132,6 +132,9 @@ class Tidy:
     dead_ids: list[str] = dataclasses.field(default_factory=list)
     rank: int | None = None  # per-rank manifests: touch only this rank's leftovers
     fence: Callable[[], None] = lambda: None  # raises where the save lost its claim
+    # its own temporary files (under the claim nobody else commits this manifest here); False
+    # where others may be committing the same manifest right now (a node's copy, ``replicas``)
+    temps: bool = True
 
     def _own_temp(self, n: str) -> bool:
         base = n.partition(TEMP_INFIX)[0]
@@ -157,7 +160,7 @@ class Tidy:
             if sid is not None and (sid in dead or (sid == self.save_id and marker_save_id(base))):
                 if mine in base or marker_save_id(base):
                     doomed.add(n)
-            elif (is_temp_manifest(n) or TEMP_INFIX in n) and self._own_temp(n):
+            elif self.temps and (is_temp_manifest(n) or TEMP_INFIX in n) and self._own_temp(n):
                 doomed.add(n)  # under the claim nobody else commits this manifest here
         doomed = (doomed & set(names)) - protect_own
         if not doomed:
