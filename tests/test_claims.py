@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -267,33 +268,40 @@ def test_object_store_claims_are_created_conditionally(s3):
 
 
 # ---------------------------- retention leaves the base of an incremental save in flight
+def _child_in_flight(run, monkeypatch, tensors: int, numel: int, **kw):
+    """step-1 saved; an async incremental save of step-2 on it (one tensor changed) claimed and
+    held before its commit.  Returns (its future, the state it saves, the event that lets it
+    commit)."""
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(numel, generator=g) for i in range(tensors)}
+    _save(str(run / "step-1"), sd)
+    last = f"t{tensors - 1}"
+    sd[last] = sd[last] + 1  # one tensor changed: the rest is referenced in step-1
+    go = threading.Event()
+    orig = LocalBackend.commit
+
+    @functools.wraps(orig)
+    def commit(self, root, p, tmp_name, data, *, sync):  # step-2 commits only once let go
+        if p.endswith(os.path.join("step-2", ".metadata")):
+            assert go.wait(60)
+        return orig(self, root, p, tmp_name, data, sync=sync)
+    monkeypatch.setattr(LocalBackend, "commit", commit)
+    fut = dcp.async_save(sd, storage_writer=DataStatesWriter(str(run / "step-2"), incremental_base="step-1", **kw),
+                         no_dist=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(run / "step-2" / CLAIM_NAME):
+        assert time.monotonic() < deadline and not fut.done()
+        time.sleep(0.002)
+    return fut, {k: v.clone() for k, v in sd.items()}, go
+
+
 def test_retention_keeps_the_base_of_an_incremental_save_in_flight(tmp_path, monkeypatch):
     """A plain writer's incremental save of step-2 on step-1 is still copying when a retention
     pass drops step-1: the base is found through step-2's live claim and left whole, and step-2
     commits and loads exactly.  (Before, only the Checkpointer's own in-flight save was known.)"""
     from dcp_datastates.tiers.retention import purge_steps
     run = tmp_path / "run"
-    g = torch.Generator().manual_seed(0)
-    sd = {f"t{i}": torch.randn(1 << 20, generator=g) for i in range(16)}  # 64 MiB
-    _save(str(run / "step-1"), sd)
-    sd["t15"] = sd["t15"] + 1  # one tensor changed: the rest is referenced in step-1
-    want = {k: v.clone() for k, v in sd.items()}
-    import threading
-    purged = threading.Event()
-    orig = LocalBackend.commit
-
-    @functools.wraps(orig)
-    def commit(self, root, p, tmp_name, data, *, sync):  # step-2 commits only after the purge
-        if p.endswith(os.path.join("step-2", ".metadata")):
-            assert purged.wait(60)
-        return orig(self, root, p, tmp_name, data, sync=sync)
-    monkeypatch.setattr(LocalBackend, "commit", commit)
-    w = DataStatesWriter(str(run / "step-2"), incremental_base="step-1", host_cache_bytes=1 << 20)
-    fut = dcp.async_save(sd, storage_writer=w, no_dist=True)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(run / "step-2" / CLAIM_NAME):
-        assert time.monotonic() < deadline and not fut.done()
-        time.sleep(0.002)
+    fut, want, purged = _child_in_flight(run, monkeypatch, 16, 1 << 20, host_cache_bytes=1 << 20)  # 64 MiB
     assert purge_steps(StorageTier(str(run)), ["step-1"]) == []
     purged.set()
     fut.result(timeout=120)
@@ -329,6 +337,30 @@ def test_retention_keeps_every_step_while_a_live_claims_record_is_being_written(
     assert purge_steps(StorageTier(str(run)), ["step-1"]) == ["step-1"]  # no save in flight uses it
 
 
+def test_a_base_saved_again_keeps_the_files_a_save_in_flight_references(tmp_path, monkeypatch):
+    """An incremental save of step-2 on step-1 is in flight when step-1 is saved again
+    (``overwrite=True``): the re-save's tidy-up must not remove the old step-1 files the save
+    in flight references (no committed manifest names them yet), or step-2 commits a manifest
+    whose bytes are gone."""
+    run = tmp_path / "run"
+    fut, want, resaved = _child_in_flight(run, monkeypatch, 8, 1 << 18)
+    other = {k: v + 2 for k, v in want.items()}
+    torch.save(other, tmp_path / "other.pt")
+    code = ("import sys, torch, torch.distributed.checkpoint as dcp\n"  # another process: nothing shared in memory
+            "from dcp_datastates import DataStatesWriter\n"
+            "sd = torch.load(sys.argv[1], weights_only=True)\n"
+            "dcp.save(sd, storage_writer=DataStatesWriter(sys.argv[2], overwrite=True), no_dist=True)\n")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "other.pt"), str(run / "step-1")], env=ENV,
+                   check=True, timeout=120)  # step-1 saved again, new bytes
+    resaved.set()
+    fut.result(timeout=120)
+    out = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(out, storage_reader=DataStatesReader(str(run / "step-2")), no_dist=True)
+    assert all(torch.equal(out[k], want[k]) for k in want)
+    dcp.load(out, storage_reader=DataStatesReader(str(run / "step-1")), no_dist=True)
+    assert all(torch.equal(out[k], other[k]) for k in other)
+
+
 def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(tmp_path, monkeypatch):
     """An incremental step persisted to a slow tier copies the files it references from a step
     that tier never had; a retention pass there between that copy and the step's commit used to
@@ -337,7 +369,6 @@ def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(t
     from dcp_datastates.tiers import persist
     from dcp_datastates.tiers.retention import purge_steps
     t1, t2 = str(tmp_path / "t1"), str(tmp_path / "t2")
-    import threading
     orig, orig_commit = persist.copy_file, persist.commit_when_complete
     swept, copied = [], threading.Event()
 
@@ -373,7 +404,6 @@ def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(t
 
 def test_purges_of_one_checkpointer_never_overlap(tmp_path, monkeypatch):
     """``wait_persisted()`` purges too; it takes the same lock as the background passes."""
-    import threading
 
     from dcp_datastates import Checkpointer
     from dcp_datastates import checkpointer as ck

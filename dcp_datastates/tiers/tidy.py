@@ -35,7 +35,7 @@ from ..format.names import (
     marker_save_id,
     parse_rank_manifest,
 )
-from .claim import holds_live_claim, live_claims
+from .claim import bases_in_flight, holds_live_claim, live_claims
 from .manifests import load_manifest, rank_saves, read_manifest
 from .storage import StorageTier
 
@@ -176,6 +176,18 @@ class Tidy:
             log.warning("not removing superseded files of %s: a checkpoint of the run that may use "
                         "them cannot be read", t.url)
             return []
+        if self.superseded:  # files an incremental save in flight references are named by no manifest yet
+            try:
+                bases = bases_in_flight(t.parent())
+            except OSError as e:
+                log.warning("not removing superseded files of %s: the run's claims cannot be read (%s)", t.url, e)
+                return []
+            if bases.keeps(t.name):
+                spared = doomed & {f for m in self.superseded for f in m.files}
+                if spared:
+                    log.warning("%s: %d file(s) of the save this one replaced stay: a save in flight may use "
+                                "them as its incremental base", t.url, len(spared))
+                doomed -= spared
         removed = []
         self.fence()
         for n in sorted(doomed - keep):
