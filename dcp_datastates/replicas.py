@@ -14,7 +14,6 @@ from concurrent.futures import Future
 import torch.distributed as dist
 
 from .errors import CheckpointError
-from .format import decode_manifest
 from .format.replica_record import ReplicaRecord
 from .tiers import StorageTier
 from .tiers.manifests import manifest_head
@@ -50,16 +49,15 @@ class NodeCopies:
         an older save of the step and removes what that save and the dead attempts it took over
         wrote here (``commit_on_node``), and start its replication.  Called when an async
         save's future completes and again from the next wait; the second call finds it done."""
-        save_id = decode_manifest(committed.manifest).save_id
         with self._lock:
-            if (step, save_id) in self._done:
+            if (step, committed.save_id) in self._done:
                 return
-            self._done.add((step, save_id))
+            self._done.add((step, committed.save_id))
             t = self.tier_of(step)
             t.makedirs()
-            commit_on_node(t, save_id, committed)
+            commit_on_node(t, committed)
             if self.replicator is not None:
-                self._replicating[step] = self.replicator.submit(t, step, save_id)
+                self._replicating[step] = self.replicator.submit(t, step, committed.save_id)
 
     def close(self) -> None:
         """After ``wait``: the replicator's thread and helper end."""

@@ -59,15 +59,16 @@ log = logging.getLogger(__name__)
 WRITER_NAME = f"dcp-datastates {__version__}"
 MANIFEST_KEY = "dcp_datastates.manifest"  # the committed manifest's bytes in the save's Metadata.storage_data
 TOOK_OVER_KEY = "dcp_datastates.took_over"  # beside it: the dead attempts whose claim the save took over
+SAVE_ID_KEY = "dcp_datastates.save_id"  # and the save's id
 
 
 def committed_save(metadata) -> CommittedSave | None:
     """The save as its coordinator committed it, from the ``Metadata`` DCP hands every rank
     (``storage_data``); None where it carries none (not committed by this writer)."""
     sd = getattr(metadata, "storage_data", None)
-    if not isinstance(sd, dict) or sd.get(MANIFEST_KEY) is None:
+    if not isinstance(sd, dict) or sd.get(MANIFEST_KEY) is None or sd.get(SAVE_ID_KEY) is None:
         return None
-    return CommittedSave(sd[MANIFEST_KEY], tuple(sd.get(TOOK_OVER_KEY, ())))
+    return CommittedSave(str(sd[SAVE_ID_KEY]), sd[MANIFEST_KEY], tuple(sd.get(TOOK_OVER_KEY, ())))
 PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
 
 
@@ -276,7 +277,8 @@ class RankSave:
         if self.use_collectives:
             # DCP broadcasts this Metadata to every rank as the save's result: a run-level
             # checkpointer on another node commits the manifest on its own disk from it.
-            metadata.storage_data = {MANIFEST_KEY: body, TOOK_OVER_KEY: list(self.took_over())}
+            metadata.storage_data = {MANIFEST_KEY: body, SAVE_ID_KEY: self.save_id,
+                                     TOOK_OVER_KEY: list(self.took_over())}
         if session is not None:
             session.mark_committed()
         log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),

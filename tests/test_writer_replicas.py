@@ -281,7 +281,7 @@ def test_a_nodes_commit_never_removes_another_ranks_manifest_in_progress(tmp_pat
     body = (other / MANIFEST_NAME).read_bytes()
     in_progress = here / f"{MANIFEST_NAME}{TEMP_INFIX}0123abcd"  # a neighbour rank's commit, not renamed yet
     in_progress.write_bytes(body)
-    commit_on_node(StorageTier(str(here)), new.save_id, CommittedSave(body))
+    commit_on_node(StorageTier(str(here)), CommittedSave(new.save_id, body))
     assert manifest_head(StorageTier(str(here))).save_id == new.save_id
     assert in_progress.exists()
     assert not [n for n in os.listdir(here) if data_file_save_id(n) == old]  # the replaced save's files went

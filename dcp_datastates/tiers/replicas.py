@@ -312,12 +312,13 @@ def _with_digests(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, in
 class CommittedSave:
     """What the coordinator's commit of a plain writer's save hands to the other nodes."""
 
+    save_id: str
     manifest: bytes  # the committed manifest
     took_over: tuple[str, ...] = ()  # save ids of dead attempts whose claim the save took over
 
 
-def commit_on_node(tier: StorageTier, save_id: str, committed: CommittedSave) -> None:
-    """Commit save ``save_id`` (``committed``) in this node's directory ``tier``, where the
+def commit_on_node(tier: StorageTier, committed: CommittedSave) -> None:
+    """Commit save ``committed`` in this node's directory ``tier``, where the
     coordinator did not (on its node, its own commit stands), then remove what the
     coordinator's own commit removes on its node (``tidy.py``), by ownership: what the replaced
     save owned here (its ranks' files and the replicas this node held of them) and what the
@@ -327,7 +328,7 @@ def commit_on_node(tier: StorageTier, save_id: str, committed: CommittedSave) ->
     Ranks of one node may run it at once: both commit the same bytes, neither removes the
     other's temporary manifest, and a file already removed is no error."""
     head = manifest_head(tier)
-    if head is not None and head.save_id == save_id:
+    if head is not None and head.save_id == committed.save_id:
         return
     old = None
     if head is not None:
@@ -336,9 +337,9 @@ def commit_on_node(tier: StorageTier, save_id: str, committed: CommittedSave) ->
         except (CheckpointError, OSError) as e:  # leaking its files is recoverable
             log.warning("%s: the manifest this save replaces cannot be read (%s); its files stay", tier.url, e)
     tier.commit_bytes(MANIFEST_NAME, committed.manifest)
-    superseded = [old] if old is not None and old.save_id != save_id else []
+    superseded = [old] if old is not None and old.save_id != committed.save_id else []
     if superseded or committed.took_over:
-        Tidy(tier, save_id, superseded=superseded, dead_ids=list(committed.took_over), temps=False).run(
+        Tidy(tier, committed.save_id, superseded=superseded, dead_ids=list(committed.took_over), temps=False).run(
             set(decode_manifest(committed.manifest, source=tier.url).files))
 
 
@@ -422,7 +423,7 @@ class ReplicaWork:
             superseded = head.save_id if head is not None and head.save_id != save_id else None
         elif p.node_ranks()[0] == p.rank:
             try:
-                commit_on_node(tier, save_id, got[0])
+                commit_on_node(tier, got[0])
             except (OSError, CheckpointError) as e:  # the peers still get this rank's files
                 log.warning("%s: save %s could not be committed on this node: %s", tier.url, save_id, e)
         rec = self.replicate(tier, tier.url, save_id, superseded)
