@@ -60,6 +60,7 @@ WRITER_NAME = f"dcp-datastates {__version__}"
 MANIFEST_KEY = "dcp_datastates.manifest"  # the committed manifest's bytes in the save's Metadata.storage_data
 TOOK_OVER_KEY = "dcp_datastates.took_over"  # beside it: the dead attempts whose claim the save took over
 SAVE_ID_KEY = "dcp_datastates.save_id"  # and the save's id
+PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
 
 
 def committed_save(metadata) -> CommittedSave | None:
@@ -69,7 +70,6 @@ def committed_save(metadata) -> CommittedSave | None:
     if not isinstance(sd, dict) or sd.get(MANIFEST_KEY) is None or sd.get(SAVE_ID_KEY) is None:
         return None
     return CommittedSave(str(sd[SAVE_ID_KEY]), sd[MANIFEST_KEY], tuple(sd.get(TOOK_OVER_KEY, ())))
-PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
 
 
 def _world(at_least: int = 1) -> int:
@@ -159,7 +159,7 @@ class RankSave:
     def took_over(self) -> tuple[str, ...]:
         """The save ids of the dead attempts whose claim this save took over on its first tier
         (their files there are this save's to remove, on every node where they landed)."""
-        return () if self.claims is None else self.claims.took_over.get(self.tier.url, ())
+        return () if self.claims is None else self.claims.took_over(self.tier.url)
 
     def after_commit(self, tier: StorageTier, manifest: Manifest) -> None:
         if self.claims is not None:

@@ -35,7 +35,6 @@ class SaveClaims:
         self._claims: dict[str, Claim] = {}
         self._tidies: dict[str, Tidy] = {}
         self.unclaimed: dict[str, Exception] = {}  # slower tiers it could not claim: not flushed to
-        self.took_over: dict[str, tuple[str, ...]] = {}  # by tier: the dead attempts whose claims it took over
 
     def acquire(self, tiers: list[StorageTier]) -> None:
         """Claim each tier's directory; the first tier must succeed.  A slower tier that cannot
@@ -54,13 +53,18 @@ class SaveClaims:
                     self.unclaimed[t.url] = e
                     continue
                 self._claims[t.url] = c
-                self.took_over[t.url] = tuple(c.took_over)
                 old = superseded_here(t, rank=self.rank)
                 c.carry([m.save_id for m in old])
                 self._tidies[t.url] = Tidy(t, self.save_id, old, list(c.took_over), self.rank, fence=c.fence)
         except BaseException:
             self.abandon()
             raise
+
+    def took_over(self, url: str) -> tuple[str, ...]:
+        """The save ids of the dead attempts whose claim on ``url`` this save took over (while
+        it holds that claim)."""
+        c = self._claims.get(url)
+        return () if c is None else tuple(c.took_over)
 
     def after_commit(self, tier: StorageTier, manifest: Manifest) -> None:
         """``tier`` committed this save: remove what it superseded, then let its claim go."""
