@@ -48,6 +48,7 @@ from .placement import Placed, Written, lay_out, results_of
 from .planner import RULES_KEY
 from .session import SaveSession
 from .tiers import StorageTier
+from .tiers.base_lock import BaseHold
 from .tiers.incremental import Base, load_base
 from .tiers.manifests import committed_here
 from .tiers.ownership import SaveClaims
@@ -97,6 +98,7 @@ class RankSave:
         self.save_id = save_id
         self._end = end
         self.base: Base | None = None
+        self.hold = BaseHold()  # shared base locks of the directories this save may reference
         self.claims: SaveClaims | None = None
         self.persistence: Persistence | None = None
         self.job: SaveJob | None = None  # the engine's job while its data is not durable
@@ -122,7 +124,7 @@ class RankSave:
                 "Checkpoint already exists: a committed checkpoint is here; pass overwrite=True to "
                 "DataStatesWriter to replace it, or save to a new path (unlike DCP's "
                 "FileSystemWriter, which overwrites by default)", checkpoint=self.path)
-        self.base = load_base(self.tier, self.opts.incremental_base, self.opts.storage_options)
+        self.base = load_base(self.tier, self.opts.incremental_base, self.opts.storage_options, self.hold)
 
     def claim(self) -> None:
         self._planned_at, self._wrote = time.monotonic(), False
@@ -133,6 +135,12 @@ class RankSave:
             raise CheckpointExistsError("Checkpoint already exists: a committed checkpoint appeared here "
                                         "while this save was planning; pass overwrite=True to replace it",
                                         checkpoint=self.path)
+
+    def _over(self, session: SaveSession) -> None:
+        """Another rank's part of the save is over: the coordinator's claim and base locks
+        cover what it references from here to the commit."""
+        self.hold.release()
+        self._end(session)
 
     def busy(self) -> bool:
         """Whether this save still runs (a claim of one DCP abandoned after planning is stale)."""
@@ -147,6 +155,8 @@ class RankSave:
         records for the next save there to take over (see ``SaveClaims.abandon``)."""
         if self.claims is not None:
             self.claims.abandon(url)
+        if url is None or url == self.tier.url:
+            self.hold.release()
 
     def fence(self, url: str) -> None:
         """The last check before a manifest is committed on ``url``: this save still holds
@@ -177,7 +187,7 @@ class RankSave:
                 allow_pickle=self.opts.allow_pickle, checkpoint=self.path, compression=self.opts.compression)
         fut: Future = Future()
         if not self.is_coordinator:  # this rank's part of the save is over once DCP has its results
-            fut.add_done_callback(lambda f: self._end(session))
+            fut.add_done_callback(lambda f: self._over(session))
         self.persistence = Persistence(self.tier, self.persist_tiers(), self.save_id, self.rank,
                                        on_done=session.mark_persisted, after_commit=self.after_commit,
                                        on_tier_failed=self.release, fence=self.fence,
@@ -286,6 +296,7 @@ class RankSave:
         # tidy this tier before a slower tier can commit: that commit writes this directory's
         # `.persisted` record, whose temporary file the tidy would take for a leftover of its own
         self.after_commit(self.tier, manifest)
+        self.hold.release()  # the manifest names what it references now
         if self.persistence is not None:
             self.persistence.start_commits(manifest, body, name, collective=self.use_collectives,
                                            record_on=self.tier)

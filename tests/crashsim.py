@@ -239,9 +239,9 @@ class RecBackend(Backend):
         self.inner.copy_local(src_path, path, tmp_name, size, pace=pace, piece=piece)
         _after(k)
 
-    def try_lock(self, path):
+    def try_lock(self, path, *, shared=False):
         k = _op("lock", path)
-        held = self.inner.try_lock(path)
+        held = self.inner.try_lock(path, shared=shared)
         _after(k)
         return None if held is None else RecLock(held, path)
 

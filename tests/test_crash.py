@@ -75,7 +75,7 @@ def _no_leftovers(c, step):
     from dcp_datastates.tiers import StorageTier
     for i in range(2):
         t = StorageTier(c.step_path(i, step))
-        keep = set(load_manifest(t).files) | {".metadata", ".persisted"}
+        keep = set(load_manifest(t).files) | {".metadata", ".persisted", ".base-lock"}  # the lock: no leftover
         extra = [n for n in t.listdir() if n not in keep]
         assert not extra, (c.step_path(i, step), extra)
 

@@ -25,7 +25,7 @@ class LockUnsupported(OSError):
 
 
 class HeldLock:
-    """A file held under the kernel's exclusive lock, released by the kernel when its process
+    """A file held under the kernel's lock (exclusive, or shared where asked), released by the kernel when its process
     dies.  ``read``/``write`` are the file's contents; ``still_named`` tells whether the path
     still names this very file (nobody removed or replaced it)."""
 
@@ -116,10 +116,11 @@ class Backend(ABC):
         where this filesystem cannot (the caller then streams the bytes)."""
         raise OSError(f"{type(self).__name__} copies no local files")
 
-    def try_lock(self, path: str) -> HeldLock | None:
+    def try_lock(self, path: str, *, shared: bool = False) -> HeldLock | None:
         """Open ``path`` (created where missing) and take the kernel's exclusive lock on it
-        without waiting; ``None`` where another open file holds it.  ``LockUnsupported``
-        where the filesystem keeps no locks."""
+        (a shared one with ``shared``) without waiting; ``None`` where another open file holds
+        it in a way that excludes ours.  ``LockUnsupported`` where the filesystem keeps no
+        locks."""
         raise LockUnsupported(f"{type(self).__name__} keeps no locks")
 
     def lock_held(self, path: str) -> bool:

@@ -8,6 +8,7 @@ import logging
 
 from ..errors import CheckpointError
 from ..format.model import Chunk, Extent, Manifest
+from .base_lock import BaseHold
 from .manifests import load_manifest
 from .storage import StorageTier
 
@@ -42,9 +43,12 @@ class Base:
         return {k: ext for k, (_dt, _shape, ext) in c.parts.items()}
 
 
-def load_base(tier: StorageTier, incremental_base: str | None, storage_options: dict | None) -> Base | None:
+def load_base(tier: StorageTier, incremental_base: str | None, storage_options: dict | None,
+              hold: BaseHold) -> Base | None:
     """The base named ``incremental_base`` (a sibling directory of ``tier``), as this rank's
-    tier holds it; None to write in full (no base, the step itself, or an unusable base)."""
+    tier holds it; None to write in full (no base, the step itself, or an unusable base).
+    ``hold`` takes the base lock, shared, of every directory the save may reference, before
+    what is there is read (``base_lock.py``); the caller lets it go."""
     if incremental_base is None:
         return None
     raw = incremental_base.rstrip("/")
@@ -55,6 +59,9 @@ def load_base(tier: StorageTier, incremental_base: str | None, storage_options: 
     if name == tier.name:
         return None  # re-saving a step over itself: nothing to reference
     base_tier = tier.sibling(name)
+    if not hold.take(base_tier):
+        log.info("incremental base %s is being changed; writing %s in full", base_tier.url, tier.url)
+        return None
     try:
         m = load_manifest(base_tier)
     except (CheckpointError, OSError) as e:
@@ -65,8 +72,8 @@ def load_base(tier: StorageTier, incremental_base: str | None, storage_options: 
     listed: dict[str, set] = {}
     here = set()
     for f, home in homes.items():
-        if home not in listed:
-            listed[home] = set(tier.sibling(home).listdir())
+        if home not in listed:  # held, then listed: what is there now stays while the save needs it
+            listed[home] = set(tier.sibling(home).listdir()) if hold.take(tier.sibling(home)) else set()
         if f in listed[home]:
             here.add(f)
     chunks = {(fqn, c.offsets): c for fqn, t in m.tensors.items() if not t.lazy for c in t.chunks}

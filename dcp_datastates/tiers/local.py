@@ -158,7 +158,7 @@ def _sync_dir(root: str) -> None:
 
 
 class FileLock(HeldLock):
-    """A claim file held under an open-file-description lock (see ``_lock``)."""
+    """A claim or base-lock file held under an open-file-description lock (see ``_lock``)."""
 
     def __init__(self, fd: int, path: str) -> None:
         self.fd, self.path = fd, path
@@ -326,11 +326,11 @@ class LocalBackend(Backend):
         finally:
             os.close(fi)
 
-    def try_lock(self, path: str) -> HeldLock | None:
+    def try_lock(self, path: str, *, shared: bool = False) -> HeldLock | None:
         for _ in range(64):
             fd = open_regular(path, os.O_RDWR | os.O_CREAT, checkpoint=os.path.dirname(path))
             try:
-                if not _lock(fd, fcntl.F_WRLCK):
+                if not _lock(fd, fcntl.F_RDLCK if shared else fcntl.F_WRLCK):
                     os.close(fd)
                     return None
             except BaseException:

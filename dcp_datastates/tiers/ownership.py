@@ -88,6 +88,8 @@ class SaveClaims:
                 tidy.superseded = old
             tidy.superseded += kind_old
             tidy.run(protect)
+            if tidy.deferred:  # the record names the save whose files stayed: the next save here removes them
+                self.abandon(tier.url)
         except (OSError, CheckpointError) as e:
             log.warning("%s committed, but tidying superseded files failed (%s); the claim's record "
                         "stays, and the next save here removes them", tier.url, e)

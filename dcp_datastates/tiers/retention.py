@@ -23,6 +23,7 @@ because one entry fails (logged, then the next one).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from ..errors import CheckpointError
 from ..format.model import Manifest
 from ..format.names import PURGED_MARK, STEP_DIR, is_manifest_name, is_ours
+from .base_lock import removing
 from .claim import bases_in_flight, claimed
 from .manifests import manifest_is_ours
 from .storage import StorageTier
@@ -70,6 +72,43 @@ def purge_steps(run: StorageTier, drop: list[str], *,
     """Purge step directories ``drop`` of ``run`` without breaking any retained step.
     Returns the directories removed completely (husks that stay are not listed)."""
     kinds = dict(run.entries())
+    husks = [n for n, k in kinds.items() if k == "dir" and STEP_DIR.match(n) and n not in drop
+             and run.child(n).exists(PURGED_MARK)]
+    with contextlib.ExitStack() as held:
+        # each directory under its base lock (``base_lock.py``) before the claims, then the
+        # manifests, are read: a save reading one as its base keeps it whole
+        free = {name for name in [*drop, *husks] if kinds.get(name) == "dir" and _locked(run, name, held)}
+        foreign = _uncommit(run, [n for n in drop if n in free or kinds.get(n) != "dir"], kinds)
+        foreign |= set(drop) - free
+        live = live_files(run, also)
+        gone = []
+        for name in sorted(((set(drop) - foreign) & {n for n, k in kinds.items() if k == "dir"})
+                           | (set(husks) & free)):
+            t = _inside(run, name)
+            if t is None:
+                continue
+            try:
+                if _sweep(t, live.get(name, set())):
+                    gone.append(name)
+            except (OSError, CheckpointError) as e:
+                log.warning("retention: sweeping %s failed (%s); the next pass retries", t.url, e)
+        return gone
+
+
+def _locked(run: StorageTier, name: str, held: contextlib.ExitStack) -> bool:
+    """Hold ``run/name``'s base lock exclusive for this pass; False where a save holds it
+    shared (it reads that step as its incremental base now)."""
+    t = _inside(run, name)
+    if t is None:
+        return True  # left alone below, with the reason
+    if held.enter_context(removing(t)):
+        return True
+    log.info("retention: %s is being read as the base of an incremental save; not purging it this pass", t.url)
+    return False
+
+
+def _uncommit(run: StorageTier, drop: list[str], kinds: dict[str, str]) -> set[str]:
+    """Mark and uncommit each of ``drop`` (step 1); the names left alone."""
     foreign: set[str] = set()  # dropped names left alone: not uncommitted, so not swept
     bases = bases_in_flight(run)
     for name in drop:
@@ -81,9 +120,11 @@ def purge_steps(run: StorageTier, drop: list[str], *,
         t = _inside(run, name)
         if t is None:
             log.warning("retention: %s/%s leaves the run directory; left alone", run.url, name)
+            foreign.add(name)
             continue
         if claimed(t):
             log.warning("retention: %s is being saved right now; not purging it", t.url)
+            foreign.add(name)
             continue
         if bases.keeps(name):
             if bases.unknown:
@@ -111,22 +152,7 @@ def purge_steps(run: StorageTier, drop: list[str], *,
         except (OSError, CheckpointError) as e:
             log.warning("retention: could not uncommit %s (%s); skipping it", t.url, e)
             foreign.add(name)
-    live = live_files(run, also)
-    gone = []
-    marked = []
-    for n, kind in run.entries():
-        if kind == "dir" and STEP_DIR.match(n) and run.child(n).exists(PURGED_MARK):
-            marked.append(n)
-    for name in sorted((set(drop) - foreign) & {n for n, k in kinds.items() if k == "dir"} | set(marked)):
-        t = _inside(run, name)
-        if t is None:
-            continue
-        try:
-            if _sweep(t, live.get(name, set())):
-                gone.append(name)
-        except (OSError, CheckpointError) as e:
-            log.warning("retention: sweeping %s failed (%s); the next pass retries", t.url, e)
-    return gone
+    return foreign
 
 
 def _sweep(t: StorageTier, keep: set[str]) -> bool:

@@ -35,6 +35,7 @@ from ..format.names import (
     marker_save_id,
     parse_rank_manifest,
 )
+from .base_lock import removing
 from .claim import bases_in_flight, holds_live_claim, live_claims
 from .manifests import load_manifest, rank_saves, read_manifest
 from .storage import StorageTier
@@ -135,6 +136,7 @@ class Tidy:
     # its own temporary files (under the claim nobody else commits this manifest here); False
     # where others may be committing the same manifest right now (a node's copy, ``replicas``)
     temps: bool = True
+    deferred: bool = False  # set by ``run``: superseded files stay while a save reads them as a base
 
     def _own_temp(self, n: str) -> bool:
         base = n.partition(TEMP_INFIX)[0]
@@ -146,7 +148,9 @@ class Tidy:
     def run(self, protect_own: set[str]) -> list[str]:
         """Remove what this save may remove, sparing ``protect_own`` (files of manifests that
         stay in this directory) and everything the run references.  Returns what it removed.
-        The run's manifests are read only when there is something to remove."""
+        The run's manifests are read only when there is something to remove.  Where a save
+        holds this directory's base lock (``base_lock.py``), no data file goes this time and
+        ``deferred`` is set: the caller keeps its claim's record for the next save here."""
         t = self.tier
         doomed: set[str] = set()
         for m in self.superseded:
@@ -165,18 +169,22 @@ class Tidy:
         doomed = (doomed & set(names)) - protect_own
         if not doomed:
             return []
-        try:
-            live = run_references(t.parent(), skip=t.name)
-        except OSError as e:
-            log.warning("not removing superseded files of %s: the run directory cannot be "
-                        "listed (%s)", t.url, e)
-            return []
-        keep = live.get(t.name, set())
-        if "*" in keep:
-            log.warning("not removing superseded files of %s: a checkpoint of the run that may use "
-                        "them cannot be read", t.url)
-            return []
-        if self.superseded:  # files an incremental save in flight references are named by no manifest yet
+        with removing(t) as free:
+            if not free:
+                data = {n for n in doomed if data_file_save_id(n.partition(TEMP_INFIX)[0]) is not None}
+                if data:
+                    log.info("%s: a save is reading this step as its incremental base; %d superseded "
+                             "file(s) stay", t.url, len(data))
+                    self.deferred = True
+                    doomed -= data
+            return self._remove(doomed)
+
+    def _remove(self, doomed: set[str]) -> list[str]:
+        """Remove ``doomed`` but what a save in flight or a committed manifest of the run may
+        use (read in that order: a save that commits and lets its claim go between the two
+        reads is seen by the second)."""
+        t = self.tier
+        if self.superseded and doomed:  # files an incremental save in flight references are named by no manifest yet
             try:
                 bases = bases_in_flight(t.parent())
             except OSError as e:
@@ -188,6 +196,19 @@ class Tidy:
                     log.warning("%s: %d file(s) of the save this one replaced stay: a save in flight may use "
                                 "them as its incremental base", t.url, len(spared))
                 doomed -= spared
+        if not doomed:
+            return []
+        try:
+            live = run_references(t.parent(), skip=t.name)
+        except OSError as e:
+            log.warning("not removing superseded files of %s: the run directory cannot be "
+                        "listed (%s)", t.url, e)
+            return []
+        keep = live.get(t.name, set())
+        if "*" in keep:
+            log.warning("not removing superseded files of %s: a checkpoint of the run that may use "
+                        "them cannot be read", t.url)
+            return []
         removed = []
         self.fence()
         for n in sorted(doomed - keep):

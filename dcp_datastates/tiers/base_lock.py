@@ -1,0 +1,123 @@
+"""Who may remove a step's files while a save references them: the base lock.
+
+An incremental save reads its base's manifest when each rank plans, and references the base's
+files (and the files the base itself references in older steps) from then on; its own manifest
+names them only once it commits, and its claim, which names the base, exists only from the
+global plan.  A re-save of the base that tidies, or a retention pass that purges it, in that
+window would remove bytes the save then commits references to.  So the rule, kept here and
+used by every path that removes a committed save's files (``tidy.py``, ``retention.py``):
+
+* **Removing.**  Files are removed from a step directory only under its base lock
+  (``.base-lock``) held *exclusive*, and only after reading, under it, first the run's live
+  claims, then its committed manifests.
+* **Referencing.**  A save holds the base lock *shared* on every directory it may reference,
+  taken before it reads what is there, and held until its manifest is committed (the
+  coordinator) or its part of the save is over (another rank: the coordinator's hold and
+  claim cover the save from then on).
+
+So a removal either comes before the save's reads (which then see what is left) or after its
+claim exists and then its commit (which protect what it references).  Nobody waits: the kernel
+lock is tried, not queued for.  A save that finds a removal under way writes in full; a removal
+that finds a save reading spares those files, and the next save or retention pass there
+removes them.  The kernel drops the locks of a process that dies.  Where the filesystem keeps
+no locks (object stores) the claim's base record is all there is (``docs/design.md``).  A
+directory holding another format's checkpoint (DCP's own) gets no lock file: nothing of ours
+references it, and nothing of ours removes from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+from ..errors import CheckpointError
+from ..format.names import BASE_LOCK
+from .backend import HeldLock, LockUnsupported
+from .manifests import manifest_is_ours
+from .storage import StorageTier
+
+log = logging.getLogger(__name__)
+
+_TRIES = 5  # a removal holds the lock for milliseconds: a few tries before writing in full
+_PAUSE_S = 0.02
+
+
+class BaseHold:
+    """The shared base locks one rank's save holds on the directories it may reference."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, HeldLock] = {}
+
+    def take(self, tier: StorageTier) -> bool:
+        """Hold ``tier``'s base lock shared (at once where held already).  False where a removal
+        holds it now, or it cannot be taken (the directory is gone): reference nothing there.
+        True without a lock where the filesystem keeps none or the directory is read-only."""
+        if tier.url in self._held or _foreign(tier):
+            return True
+        path = tier.path(BASE_LOCK)
+        for attempt in range(_TRIES):
+            try:
+                held = tier.backend.try_lock(path, shared=True)
+            except LockUnsupported:
+                return True
+            except (PermissionError, FileNotFoundError) as e:
+                # read-only: nobody removes from it either; gone: nothing there to reference
+                return isinstance(e, PermissionError)
+            except OSError as e:
+                log.warning("cannot hold %s's base lock (%s); referencing nothing there", tier.url, e)
+                return False
+            if held is not None:
+                self._held[tier.url] = held
+                return True
+            if attempt + 1 < _TRIES:
+                time.sleep(_PAUSE_S)
+        log.info("%s is being tidied or purged right now; referencing nothing there", tier.url)
+        return False
+
+    def release(self) -> None:
+        """Let every lock go (idempotent)."""
+        held, self._held = self._held, {}
+        for lock in held.values():
+            try:
+                lock.unlock(unlink=False)
+            except OSError as e:  # the descriptor is closed whatever happens: the lock went with it
+                log.debug("letting a base lock go: %s", e)
+
+
+@contextlib.contextmanager
+def removing(tier: StorageTier) -> Iterator[bool]:
+    """Hold ``tier``'s base lock exclusive while removing from it.  Yields False where a save
+    holds it shared now (it may reference any committed file there: remove none of them this
+    time); True where held, and where the filesystem keeps no locks or the directory holds
+    another format's checkpoint (which no removal of ours touches)."""
+    if _foreign(tier):
+        yield True
+        return
+    try:
+        held = tier.backend.try_lock(tier.path(BASE_LOCK))
+    except (LockUnsupported, FileNotFoundError):  # no locks kept; or no directory, nothing in it
+        yield True
+        return
+    except OSError as e:
+        log.warning("cannot hold %s's base lock (%s); removing none of its committed files", tier.url, e)
+        yield False
+        return
+    try:
+        yield held is not None
+    finally:
+        if held is not None:
+            held.unlock(unlink=False)
+
+
+def _foreign(tier: StorageTier) -> bool:
+    """Whether ``tier`` holds another format's checkpoint (a lock file there would be ours in
+    someone else's directory)."""
+    try:
+        return manifest_is_ours(tier) is False
+    except (OSError, CheckpointError):
+        return False  # unreadable: lock it as ours, the safe side
+
+
+__all__ = ["BaseHold", "removing"]

@@ -1,0 +1,80 @@
+"""A process that changes a run while a save in the test process is paused at one of its
+storage calls: ``python -m tests.interferer``, then one command per line on stdin.
+
+``resave DIR SEED [AT]``: save :func:`state_for` ``SEED`` into DIR with ``overwrite=True`` (its
+commit tidies what the save it replaced owned); ``purge RUN STEP [AT]``: a retention pass that
+drops RUN/STEP.  Each answers one line: ``done N`` (N: the calls it made into the storage
+interface), or ``err <type>: <message>``.  With AT, it first stops before its AT-th storage
+call, answers ``paused`` and waits for a line on stdin before it goes on.
+
+Another process on purpose: nothing a save registers in its own process (the steps it is
+flushing, its claims) is visible here, as on another node or in another job.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+
+import torch
+
+SEAM = ("makedirs", "exists", "size", "entries", "is_real_dir", "listdir", "open_sink", "read_file",
+        "read_into", "commit", "sync_dir", "remove", "remove_dir", "copy_local", "try_lock", "lock_held",
+        "create_exclusive")
+
+
+def state_for(seed: int, tensors: int = 6, numel: int = 1 << 14) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(numel, generator=g) for i in range(tensors)}
+
+
+def main() -> int:
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.tiers import StorageTier
+    from dcp_datastates.tiers.retention import purge_steps
+    seam = _Seam()
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        seam.calls, seam.at = 0, int(args[2]) if len(args) > 2 else -1
+        try:
+            if cmd == "resave":
+                dcp.save(state_for(int(args[1])), storage_writer=DataStatesWriter(args[0], overwrite=True),
+                         no_dist=True)
+            elif cmd == "purge":
+                purge_steps(StorageTier(args[0]), [args[1]])
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
+            print(f"err {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+            continue
+        print(f"done {seam.calls}", flush=True)
+    return 0
+
+
+class _Seam:
+    """Counts calls into the storage interface (wrapping it); pauses before call ``at``."""
+
+    def __init__(self) -> None:
+        from dcp_datastates.tiers.local import LocalBackend
+        self.calls, self.at = 0, -1
+        self._lock = threading.Lock()
+        for name in SEAM:
+            setattr(LocalBackend, name, self._wrap(getattr(LocalBackend, name)))
+
+    def _wrap(self, orig):
+        @functools.wraps(orig)
+        def call(backend, *a, **kw):
+            with self._lock:
+                n, self.calls = self.calls, self.calls + 1
+            if n == self.at:
+                print("paused", flush=True)
+                sys.stdin.readline()
+            return orig(backend, *a, **kw)
+        return call
+
+
+if __name__ == "__main__":
+    sys.exit(main())
