@@ -540,3 +540,32 @@ def test_a_claim_of_a_zombie_process_is_stale(tmp_path):
         claim.release()
     finally:
         child.wait()
+
+
+def test_a_step_uncommitted_while_a_tidy_up_reads_the_run_is_not_unreadable(tmp_path, monkeypatch, caplog):
+    """Retention uncommits step-1 between a tidy-up's listing of it and its read of step-1's
+    manifest.  The manifest is gone, not unreadable: the tidy-up of step-2, saved again, still
+    removes what the replaced save owned.  (It took the vanished manifest for one it could not
+    read, which may reference any file, and removed nothing: a dead attempt's files were left
+    behind in the crash harness under load.)"""
+    import logging
+
+    from dcp_datastates.tiers.local import LocalBackend
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), {"w": torch.randn(1024)})
+    _save(str(run / "step-2"), {"w": torch.randn(1024)})
+    old = {n for n in os.listdir(run / "step-2") if n.startswith("data-")}
+    orig = LocalBackend.read_file
+    gone = []
+
+    def read_file(self, path, *a, **kw):  # step-1 uncommitted just before its manifest is read
+        if path == str(run / "step-1" / ".metadata") and not gone:
+            gone.append(path)
+            os.remove(path)
+        return orig(self, path, *a, **kw)
+    monkeypatch.setattr(LocalBackend, "read_file", read_file)
+    caplog.set_level(logging.WARNING)
+    _save(str(run / "step-2"), {"w": torch.randn(1024)}, overwrite=True)
+    assert gone, "the tidy-up never read step-1's manifest"
+    assert not old & set(os.listdir(run / "step-2")), "the replaced save's files stayed"
+    assert "cannot read the committed manifest" not in caplog.text

@@ -48,6 +48,8 @@ _inflight_lock = threading.Lock()
 _inflight: dict[tuple[str, str], Manifest] = {}  # (run url, step dir) -> manifest being flushed
 
 
+_RELISTS = 3  # reads of a step directory whose manifest keeps vanishing before it counts as unreadable
+
 _pins: dict[tuple[str, str, str], int] = {}  # (run url, step dir, file) -> holders
 
 
@@ -98,15 +100,23 @@ def run_references(run: StorageTier, *, skip: str | None = None,
         if name == skip:
             continue
         t = run.child(name)
-        if not any(is_manifest_name(n) for n in t.listdir()):
-            continue
-        try:
-            _add(live, name, load_manifest(t))
-        except ForeignFormatError:
-            # DCP's own format (a run being migrated): its files are its own, none of ours
-            log.debug("%s holds a checkpoint in DCP's own format; it references none of ours", t.url)
-        except (CheckpointError, OSError) as e:
-            unreadable.append((t.url, e))
+        for attempt in range(_RELISTS):
+            if not any(is_manifest_name(n) for n in t.listdir()):
+                break
+            try:
+                _add(live, name, load_manifest(t))
+            except FileNotFoundError as e:
+                # uncommitted between the listing and the read (retention; a superseded rank
+                # manifest): look again, it is gone or another one stands there now
+                if attempt + 1 == _RELISTS:
+                    unreadable.append((t.url, e))
+                continue
+            except ForeignFormatError:
+                # DCP's own format (a run being migrated): its files are its own, none of ours
+                log.debug("%s holds a checkpoint in DCP's own format; it references none of ours", t.url)
+            except (CheckpointError, OSError) as e:
+                unreadable.append((t.url, e))
+            break
     if unreadable:
         url, e = unreadable[0]
         log.warning("cannot read the committed manifest of %s%s (%s); it may use files of any step "
