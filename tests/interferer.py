@@ -3,7 +3,7 @@ storage calls: ``python -m tests.interferer``, then one command per line on stdi
 
 ``resave DIR SEED [AT]``: save :func:`state_for` ``SEED`` into DIR with ``overwrite=True`` (its
 commit tidies what the save it replaced owned); ``purge RUN STEP [AT]``: a retention pass that
-drops RUN/STEP.  Each answers one line: ``done N`` (N: the calls it made into the storage
+drops RUN/STEP (``-``: none, it only sweeps what earlier passes left).  Each answers one line: ``done N`` (N: the calls it made into the storage
 interface), or ``err <type>: <message>``.  With AT, it first stops before its AT-th storage
 call, answers ``paused`` and waits for a line on stdin before it goes on.
 
@@ -44,7 +44,7 @@ def main() -> int:
                 dcp.save(state_for(int(args[1])), storage_writer=DataStatesWriter(args[0], overwrite=True),
                          no_dist=True)
             elif cmd == "purge":
-                purge_steps(StorageTier(args[0]), [args[1]])
+                purge_steps(StorageTier(args[0]), [] if args[1] == "-" else [args[1]])
             else:
                 raise ValueError(f"unknown command {cmd!r}")
         except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it

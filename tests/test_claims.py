@@ -212,7 +212,7 @@ def test_a_retained_step_is_never_tidied_by_a_save_that_lost_its_claim(tmp_path,
 # ------------------------------------------ leases, where the filesystem keeps no locks
 @pytest.fixture
 def no_locks(monkeypatch):
-    def refuse(self, path):
+    def refuse(self, path, **_kw):
         raise LockUnsupported("this test's filesystem keeps no locks")
     monkeypatch.setattr(LocalBackend, "try_lock", refuse)
     monkeypatch.setattr(LocalBackend, "lock_held", refuse)
@@ -361,14 +361,25 @@ def test_a_base_saved_again_keeps_the_files_a_save_in_flight_references(tmp_path
     assert all(torch.equal(out[k], other[k]) for k in other)
 
 
-def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["this process", "another process"])
+def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(tmp_path, monkeypatch, where):
     """An incremental step persisted to a slow tier copies the files it references from a step
     that tier never had; a retention pass there between that copy and the step's commit used to
-    sweep them (no committed manifest named them yet), and the slow tier's copy did not load."""
+    sweep them (no committed manifest named them yet), and the slow tier's copy did not load.
+    In this process a pin kept them; a pass run by another process (a cleanup job) still swept
+    them until the upload held the directory's base lock."""
     from dcp_datastates import Checkpointer
     from dcp_datastates.tiers import persist
     from dcp_datastates.tiers.retention import purge_steps
+    from tests.test_base_lock import _Interferer
     t1, t2 = str(tmp_path / "t1"), str(tmp_path / "t2")
+    other = _Interferer() if where == "another process" else None
+
+    def purge_steps_here(run):
+        if other is None:
+            return purge_steps(run, [])
+        other(f"purge {run.root} -")
+        return []
     orig, orig_commit = persist.copy_file, persist.commit_when_complete
     swept, copied = [], threading.Event()
 
@@ -378,7 +389,7 @@ def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(t
             dst.commit_bytes(".purged", b"")
         out = orig(src, dst, name)
         if dst.name == "step-2":
-            swept.append(purge_steps(dst.parent(), []))  # sweeps husks
+            swept.append(purge_steps_here(dst.parent()))  # sweeps husks
             copied.set()
         return out
 
@@ -396,7 +407,52 @@ def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(t
         c.save(step, sd)
         assert c.wait_persisted(120)
     c.close()
+    if other is not None:
+        other.close()
     assert swept, "the step-3 flush copied no referenced file"
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=DataStatesReader(os.path.join(t2, "step-3")), no_dist=True)
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_a_flush_waits_for_a_removal_in_a_directory_it_references(tmp_path, monkeypatch):
+    """Step-3, incremental on step-2, flushes to the slow tier while a removal there holds
+    step-2's base lock (a tidy-up or retention pass): the upload waits for it to end before it
+    counts on step-2's files, then completes; the slow tier's step-3 loads."""
+    from dcp_datastates import Checkpointer
+    from dcp_datastates.tiers.base_lock import removing
+    t1, t2 = str(tmp_path / "t1"), str(tmp_path / "t2")
+    c = Checkpointer([t1, t2], async_mode=None, incremental=True)
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(1 << 16, generator=g) for i in range(4)}
+    for step in (1, 2):
+        sd[f"t{step}"] = sd[f"t{step}"] + step
+        c.save(step, sd)
+        assert c.wait_persisted(120)
+    held, released, marked = threading.Event(), threading.Event(), []
+
+    def remover():
+        with removing(StorageTier(os.path.join(t2, "step-2"))) as free:
+            assert free
+            held.set()
+            time.sleep(1.0)
+            released.set()
+    orig = StorageTier.commit_bytes
+
+    def commit_bytes(self, name, *a, **kw):  # the rank's upload marker: its references are held
+        if name.startswith(".uploaded") and self.name == "step-3":
+            marked.append(released.is_set())
+        return orig(self, name, *a, **kw)
+    monkeypatch.setattr(StorageTier, "commit_bytes", commit_bytes)
+    th = threading.Thread(target=remover)
+    th.start()
+    assert held.wait(30)
+    sd["t3"] = sd["t3"] + 3
+    c.save(3, sd)
+    assert c.wait_persisted(120)
+    th.join()
+    c.close()
+    assert marked == [True], marked
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(out, storage_reader=DataStatesReader(os.path.join(t2, "step-3")), no_dist=True)
     assert all(torch.equal(out[k], sd[k]) for k in sd)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -49,13 +50,15 @@ class BaseHold:
 
     def __init__(self) -> None:
         self._held: dict[str, HeldLock] = {}
+        self._lock = threading.Lock()  # uploads to several slower tiers take locks at once
 
     def take(self, tier: StorageTier) -> bool:
         """Hold ``tier``'s base lock shared (at once where held already).  False where a removal
         holds it now, or it cannot be taken (the directory is gone): reference nothing there.
         True without a lock where the filesystem keeps none or the directory is read-only."""
-        if tier.url in self._held or _foreign(tier):
-            return True
+        with self._lock:
+            if tier.url in self._held or _foreign(tier):
+                return True
         path = tier.path(BASE_LOCK)
         for attempt in range(_TRIES):
             try:
@@ -69,16 +72,19 @@ class BaseHold:
                 log.warning("cannot hold %s's base lock (%s); referencing nothing there", tier.url, e)
                 return False
             if held is not None:
-                self._held[tier.url] = held
+                with self._lock:
+                    extra = self._held.setdefault(tier.url, held) is not held
+                if extra:  # another thread took it meanwhile
+                    held.unlock(unlink=False)
                 return True
             if attempt + 1 < _TRIES:
                 time.sleep(_PAUSE_S)
-        log.info("%s is being tidied or purged right now; referencing nothing there", tier.url)
         return False
 
     def release(self) -> None:
         """Let every lock go (idempotent)."""
-        held, self._held = self._held, {}
+        with self._lock:
+            held, self._held = self._held, {}
         for lock in held.values():
             try:
                 lock.unlock(unlink=False)

@@ -18,6 +18,7 @@ the save's ``wait_persisted()`` and the logs, and its copy never commits.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -33,12 +34,14 @@ from ..format.model import Manifest
 from ..format.names import MANIFEST_NAME, PERSISTED_RECORD, failed_marker, uploaded_marker
 from ..format.values import pack_plain
 from .activity import wait_for_quiet
+from .base_lock import BaseHold
 from .storage import StorageTier
 from .tidy import flushing, pin
 
 log = logging.getLogger(__name__)
 
 UPLOAD_PIECE = 64 << 20
+HOLD_WAIT_S = 120.0  # for a removal in a directory holding referenced files to end
 YIELD_S = 2.0  # before each piece, wait up to this long for this process's saves to finish writing
 
 
@@ -118,7 +121,7 @@ def _executor() -> ThreadPoolExecutor:
 
 def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank: int,
                 save_id: str, refs: dict[str, tuple[str, int]] | None = None,
-                pins: list[tuple[StorageTier, str, str]] | None = None) -> Future:
+                pins: list[tuple[StorageTier, str, str]] | None = None, hold: BaseHold | None = None) -> Future:
     """Phase 1 on one rank: upload its files, then its marker.
 
     ``refs`` are files of earlier checkpoints that this incremental save references
@@ -126,7 +129,10 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
     that is not (its step was never persisted) is copied into its home directory there, so that
     the slow tier's copy is complete without re-sending the rest.  Such a copy is pinned live
     there (``tidy.pin``) before it starts, and recorded in ``pins`` for the caller to let go
-    once the manifest that references it has committed."""
+    once the manifest that references it has committed.  Every directory holding such files
+    there is held under its base lock (``base_lock.py``) in ``hold``, before the file is looked
+    for, until the caller lets it go: no tidy-up or retention pass, in any process, removes
+    from it meanwhile."""
     def run() -> None:
         try:
             upload()
@@ -144,6 +150,8 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
             with_retries(partial(copy_file, src, dst, name), f"upload of {name} to {dst.url}")
         for name, (home, size) in sorted((refs or {}).items()):
             there = dst.sibling(home)
+            if hold is not None:
+                _hold(hold, there)
             try:
                 if there.exists(name) and there.size(name) == size:
                     continue
@@ -160,6 +168,22 @@ def upload_rank(src: StorageTier, dst: StorageTier, files: dict[str, int], rank:
                      f"marker upload to {dst.url}")
         log.debug("rank %d uploaded %d files to %s", rank, len(files), dst.url)
     return _executor().submit(run)
+
+
+def _hold(hold: BaseHold, there: StorageTier) -> None:
+    """Hold ``there``'s base lock shared (the directory made first: a step this tier never had),
+    waiting up to ``HOLD_WAIT_S`` for a tidy-up or retention pass that holds it to end."""
+    deadline = time.monotonic() + HOLD_WAIT_S
+    pause = 0.05
+    while True:
+        with_retries(there.makedirs, f"creating {there.url}")
+        if hold.take(there):
+            return
+        if time.monotonic() > deadline:
+            raise OSError(errno.EBUSY, f"{there.url} has been tidied or purged for {HOLD_WAIT_S:.0f} s; "
+                                       "the files this save references there cannot be held")
+        time.sleep(pause)  # a lock held by another process: the kernel tells no one when it goes
+        pause = min(pause * 2, 1.0)
 
 
 def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], save_id: str,
@@ -295,6 +319,7 @@ class Persistence:
         self.uploads: list[Future] = []
         self.futures: list[Future] = []
         self.pins: list[tuple[StorageTier, str, str]] = []  # referenced files copied, held live
+        self.hold = BaseHold()  # the directories of the slower tiers holding referenced files
 
     def pending(self) -> bool:
         return any(not f.done() for f in self.futures)
@@ -305,12 +330,14 @@ class Persistence:
         for run, name, file in self.pins:
             pin(run, name, file, on=False)
         self.pins = []
+        self.hold.release()
         self.on_done(error)
 
     def start_uploads(self, files: dict[str, int], refs: dict[str, tuple[str, int]], *,
                       waits_for_commit: bool) -> None:
         self.uploads = [_failed(self.unclaimed[dst.url]) if dst.url in self.unclaimed else
-                        upload_rank(self.src, dst, files, self.rank, self.save_id, refs=refs, pins=self.pins)
+                        upload_rank(self.src, dst, files, self.rank, self.save_id, refs=refs, pins=self.pins,
+                                    hold=self.hold)
                         for dst in self.tiers]
         self.futures = list(self.uploads)
         for f, t in zip(self.uploads, self.tiers):
