@@ -57,8 +57,10 @@ class BaseHold:
         holds it now, or it cannot be taken (the directory is gone): reference nothing there.
         True without a lock where the filesystem keeps none or the directory is read-only."""
         with self._lock:
-            if tier.url in self._held or _foreign(tier):
+            if tier.url in self._held:
                 return True
+        if _foreign(tier):
+            return True
         path = tier.path(BASE_LOCK)
         for attempt in range(_TRIES):
             try:

@@ -42,13 +42,13 @@ from .storage import StorageTier
 
 log = logging.getLogger(__name__)
 
+_RELISTS = 3  # reads of a step directory whose manifest keeps vanishing before it counts as unreadable
+
 # Process-wide on purpose: a tidy-up of any save must see the steps any writer of the process is
 # still flushing, whose files it must not remove.
 _inflight_lock = threading.Lock()
 _inflight: dict[tuple[str, str], Manifest] = {}  # (run url, step dir) -> manifest being flushed
 
-
-_RELISTS = 3  # reads of a step directory whose manifest keeps vanishing before it counts as unreadable
 
 _pins: dict[tuple[str, str, str], int] = {}  # (run url, step dir, file) -> holders
 
@@ -159,8 +159,8 @@ class Tidy:
         """Remove what this save may remove, sparing ``protect_own`` (files of manifests that
         stay in this directory) and everything the run references.  Returns what it removed.
         The run's manifests are read only when there is something to remove.  Where a save
-        holds this directory's base lock (``base_lock.py``), no data file goes this time and
-        ``deferred`` is set: the caller keeps its claim's record for the next save here."""
+        holds this directory's base lock (``base_lock.py``, taken only where data files would
+        go), no data file goes this time and ``deferred`` is set: the caller keeps its claim's record for the next save here."""
         t = self.tier
         doomed: set[str] = set()
         for m in self.superseded:
@@ -177,16 +177,15 @@ class Tidy:
             elif self.temps and (is_temp_manifest(n) or TEMP_INFIX in n) and self._own_temp(n):
                 doomed.add(n)  # under the claim nobody else commits this manifest here
         doomed = (doomed & set(names)) - protect_own
-        if not doomed:
-            return []
+        data = {n for n in doomed if data_file_save_id(n.partition(TEMP_INFIX)[0]) is not None}
+        if not data:  # markers and temporary manifests: nothing a save references
+            return self._remove(doomed)
         with removing(t) as free:
             if not free:
-                data = {n for n in doomed if data_file_save_id(n.partition(TEMP_INFIX)[0]) is not None}
-                if data:
-                    log.info("%s: a save is reading this step as its incremental base; %d superseded "
-                             "file(s) stay", t.url, len(data))
-                    self.deferred = True
-                    doomed -= data
+                log.info("%s: a save is reading this step as its incremental base; %d superseded "
+                         "file(s) stay", t.url, len(data))
+                self.deferred = True
+                doomed -= data
             return self._remove(doomed)
 
     def _remove(self, doomed: set[str]) -> list[str]:
