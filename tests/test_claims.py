@@ -240,6 +240,23 @@ def test_a_lease_is_renewed_while_its_save_runs_and_lapses_after(tmp_path, no_lo
     c.release()
 
 
+def test_a_short_lease_taken_while_the_renewer_waits_on_a_long_one_is_renewed_in_time(tmp_path, no_locks):
+    """The renewer wakes for a new claim: one taken while it waits out a long lease's period
+    (here a lease of 60 s, renewed every 12 s, released just before) is renewed within its own."""
+    long = acquire(StorageTier(str(tmp_path / "long")), CLAIM_NAME, "0123456789ab", lease_s=60)
+    time.sleep(0.2)  # the renewer renewed it and waits 12 s
+    long.release()
+    tier = StorageTier(str(tmp_path / "short"))
+    c = acquire(tier, CLAIM_NAME, "ba9876543210", lease_s=0.5)
+    try:
+        first = ClaimRecord.from_bytes(open(tier.path(CLAIM_NAME), "rb").read())
+        time.sleep(1.0)
+        again = ClaimRecord.from_bytes(open(tier.path(CLAIM_NAME), "rb").read())
+        assert first is not None and again is not None and again.created_unix > first.created_unix
+    finally:
+        c.release()
+
+
 def test_a_lease_of_a_dead_process_in_this_namespace_is_stale_at_once(tmp_path, no_locks):
     tier = StorageTier(str(tmp_path / "ck"))
     tier.makedirs()

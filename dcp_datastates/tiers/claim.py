@@ -177,10 +177,12 @@ class _Renewer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._added = threading.Event()  # wakes the thread: a new claim's lease may be shorter
 
     def ensure(self) -> None:
         """Called once a lease claim is registered in ``_live``."""
         with self._lock:
+            self._added.set()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dcp-datastates-lease", daemon=True)
                 self._thread.start()
@@ -193,13 +195,14 @@ class _Renewer:
     def _run(self) -> None:
         while True:
             with self._lock:  # decided under the lock ``ensure`` takes: a claim added meanwhile is seen
+                self._added.clear()
                 leases = self._leases()
                 if not leases:
                     self._thread = None
                     return
             for c in leases:
                 c.renew()
-            time.sleep(max(0.05, min(c.lease_s for c in leases) / 5))
+            self._added.wait(max(0.05, min(c.lease_s for c in leases) / 5))
 
 
 _renewer = _Renewer()
