@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import cast
 
 import torch.distributed as dist
@@ -38,13 +39,26 @@ from .guard import async_save
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .replicas import NodeCopies
+from .run_retention import Protected, RunRetention
 from .run_steps import RunSteps
 from .saving import committed_save
 from .tiers import StorageTier
-from .tiers.retention import purge_steps
 from .writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveInFlight:
+    """The save a ``Checkpointer`` has in flight: started, not yet seen committed."""
+
+    step: int
+    writer: DataStatesWriter
+    # DCP's for an async save (a Future, or the response whose ``upload_completion`` is one);
+    # None: synchronous, committed when recorded
+    future: object | None
+    persist: bool  # flushed to the slower tiers
+    base: int | None  # the step it is incremental on
 
 
 class Checkpointer:
@@ -100,11 +114,10 @@ class Checkpointer:
         self._last_committed: int | None = None  # newest step this process committed
         self._manifests: dict[int, Manifest] = {}  # step -> Manifest, while it flushes to slower tiers
         self._saves = 0
-        self._inflight: dict | None = None  # {"step", "writer", "future", "persist"}
+        self._inflight: SaveInFlight | None = None
         self._persisting: dict[int, DataStatesWriter] = {}
         self._lock = threading.Lock()
-        self._purge_thread: threading.Thread | None = None
-        self._purge_lock = threading.RLock()
+        self.retention = RunRetention(self.steps, self.keep, self._protected, lambda: self.rank)
         self.last_timings: dict[str, float] = {}  # stage timings of the newest save (seconds)
         # bytes of the newest committed save, all ranks: written anew, and reused from earlier steps
         self.last_stats: dict[str, int] = {}
@@ -143,14 +156,13 @@ class Checkpointer:
             incremental_base=None if base is None else f"step-{base}", **self.writer_options)
         if self.async_mode is None:
             md = dcp.save(state, storage_writer=writer, process_group=self.pg, planner=DataStatesSavePlanner())
-            self._inflight = {"step": step, "writer": writer, "future": None, "persist": persist,
-                              "base": base}
+            self._inflight = SaveInFlight(step, writer, None, persist, base)
             self._on_committed(md)
             return None
         kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
         fut = async_save(state, storage_writer=writer, process_group=self.pg, planner=DataStatesSavePlanner(),
                          async_checkpointer_type=kind)
-        self._inflight = {"step": step, "writer": writer, "future": fut, "persist": persist, "base": base}
+        self._inflight = SaveInFlight(step, writer, fut, persist, base)
         if self.node_local:  # the step is on this node (and on its way to the peers) once it commits
             done = cast(Future, getattr(fut, "upload_completion", fut))
             done.add_done_callback(lambda f: self._on_node(step, f.result()) if f.exception() is None else None)
@@ -166,7 +178,7 @@ class Checkpointer:
     def wait_snapshot(self, timeout: float | None = None) -> bool:
         """Training may mutate the state once this returns (see ``DataStatesWriter.wait_snapshot``)."""
         cur = self._inflight
-        return True if cur is None else cur["writer"].wait_snapshot(timeout)
+        return True if cur is None else cur.writer.wait_snapshot(timeout)
 
     def register_step_pre_hook(self, optimizer):
         """Make ``optimizer.step()`` wait for the current save's snapshot."""
@@ -178,10 +190,9 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait until the in-flight save is committed on the first tier (then purge)."""
         cur = self._inflight
-        if cur is None or cur["future"] is None:
+        if cur is None or cur.future is None:
             return
-        fut = cur["future"]
-        fut = getattr(fut, "upload_completion", fut)
+        fut = cast(Future, getattr(cur.future, "upload_completion", cur.future))
         md = fut.result()
         self._on_committed(md)
 
@@ -193,16 +204,14 @@ class Checkpointer:
             ok = w.wait_persisted(timeout) and ok
             with self._lock:
                 self._persisting.pop(step, None)
-        with self._purge_lock:  # one retention pass at a time, this one included
-            self._join_purge()
-            self._purge()
+        self.retention.run_now()
         return ok
 
     def _on_committed(self, md) -> None:
         cur, self._inflight = self._inflight, None
         if cur is None:
             return
-        step, writer = cur["step"], cur["writer"]
+        step, writer = cur.step, cur.writer
         self.last_timings = writer.timings()
         body = self._on_node(step, md)
         self._last_committed = step if self._last_committed is None else max(self._last_committed, step)
@@ -210,7 +219,7 @@ class Checkpointer:
             m = decode_manifest(body, source=self.step_path(0, step))
             owned, shared = m.usage()
             self.last_stats = {"bytes_written": owned, "bytes_reused": sum(shared.values())}
-        if cur["persist"]:
+        if cur.persist:
             with self._lock:
                 self._persisting[step] = writer
                 if body is not None:
@@ -219,7 +228,7 @@ class Checkpointer:
                                  name="dcpds-persist-wait")
             t.start()
             self._helpers = [h for h in self._helpers if h.is_alive()] + [t]
-        self._start_purge()
+        self.retention.start()
 
     def _on_node(self, step: int, md) -> bytes | None:
         """The committed manifest's body, handed to this node's copy of the step (``NodeCopies``)
@@ -245,7 +254,7 @@ class Checkpointer:
         with self._lock:
             self._persisting.pop(step, None)
             self._manifests.pop(step, None)
-        self._start_purge()
+        self.retention.start()
 
     # -------------------------------------------------------------- discovery
     def is_committed(self, i: int, step: int) -> bool:
@@ -254,7 +263,7 @@ class Checkpointer:
 
     def committed_steps(self, i: int) -> list[int]:
         """Steps whose copy on tier ``i`` is committed (in-flight saves excluded)."""
-        return self.steps.committed(i, besides=self._inflight["step"] if self._inflight else None)
+        return self.steps.committed(i, besides=self._inflight.step if self._inflight else None)
 
     def latest_step(self) -> int | None:
         """The newest step committed on any tier, or None."""
@@ -315,59 +324,24 @@ class Checkpointer:
         return None
 
     # ---------------------------------------------------------------- retention
-    def _start_purge(self) -> None:
-        if not any(self.keep):
-            return
-        with self._purge_lock:  # one retention pass at a time; the commit and flush threads both ask
-            self._join_purge()
-            t = threading.Thread(target=self._purge, daemon=True, name="dcpds-purge")
-            t.start()
-            self._purge_thread = t
-
-    def _join_purge(self) -> None:
-        t = self._purge_thread
-        if t is not None and t is not threading.current_thread():
-            t.join()
-
-    def _purge(self) -> None:
-        try:
-            slowest = len(self.tiers) - 1
-            durable = self.committed_steps(slowest)
-            protect = set()
-            if durable:
-                protect.add(durable[-1])  # the newest durable checkpoint stays everywhere
-            with self._lock:
-                protect.update(self._persisting)  # sources of flushes in flight
-                also = [(f"step-{s}", m) for s, m in self._manifests.items()]
-            if self.node_copies is not None:
-                protect.update(self.node_copies.busy())  # replicas still on their way
-                held = self.node_copies.newest_replicated(self.committed_steps(0))
-                if held is not None:
-                    protect.add(held)  # what the peers hold, until a newer step is held too
-            cur = self._inflight
-            if cur:
-                protect.add(cur["step"])
-                if cur.get("base") is not None:
-                    protect.add(cur["base"])  # an incremental save in flight reads from it
-            for i, k in enumerate(self.keep):
-                if not k:
-                    continue
-                mine = (i == 0 and self.node_local) or self.rank == 0
-                if not mine:
-                    continue
-                committed = self.committed_steps(i)
-                keep_set = set(committed[-k:]) | protect
-                newest = committed[-1] if committed else None
-                drop = [s for s in self.steps.step_dirs(i) if s not in keep_set
-                        and (s in committed or (newest is not None and s < newest
-                                                and not self.steps.foreign(i, s)))]
-                if drop:
-                    log.info("retention: purging steps %s on %s", drop, self.tiers[i])
-                    # bytes of retained steps, and of steps still flushing to this tier, stay
-                    purge_steps(self._tier(i), [f"step-{s}" for s in drop],
-                                also=also if i > 0 else [])
-        except Exception:  # retention must never break training
-            log.exception("retention pass failed")
+    def _protected(self) -> Protected:
+        """What a retention pass leaves alone now (``RunRetention``)."""
+        durable = self.committed_steps(len(self.tiers) - 1)
+        protect = set(durable[-1:])  # the newest durable checkpoint stays everywhere
+        with self._lock:
+            protect.update(self._persisting)  # sources of flushes in flight
+            flushing = tuple((f"step-{s}", m) for s, m in self._manifests.items())
+        if self.node_copies is not None:
+            protect.update(self.node_copies.busy())  # replicas still on their way
+            held = self.node_copies.newest_replicated(self.committed_steps(0))
+            if held is not None:
+                protect.add(held)  # what the peers hold, until a newer step is held too
+        cur = self._inflight
+        if cur is not None:
+            protect.add(cur.step)
+            if cur.base is not None:
+                protect.add(cur.base)  # an incremental save in flight reads from it
+        return Protected(frozenset(protect), None if cur is None else cur.step, flushing)
 
     def close(self) -> None:
         """Wait for the save in flight, its flushes to slower tiers, its replicas, and the
@@ -378,4 +352,4 @@ class Checkpointer:
             self.node_copies.close()
         for t in list(self._helpers):
             t.join()
-        self._join_purge()
+        self.retention.join()

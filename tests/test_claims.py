@@ -479,7 +479,7 @@ def test_purges_of_one_checkpointer_never_overlap(tmp_path, monkeypatch):
     """``wait_persisted()`` purges too; it takes the same lock as the background passes."""
 
     from dcp_datastates import Checkpointer
-    from dcp_datastates import checkpointer as ck
+    from dcp_datastates import run_retention as ck
     active, peak, lock = [0], [0], threading.Lock()
     orig = ck.purge_steps
 
