@@ -21,6 +21,7 @@ Rules, the ones users were burned by elsewhere:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from concurrent.futures import Future
@@ -38,7 +39,7 @@ from .format.model import Manifest
 from .guard import async_save
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
-from .replicas import NodeCopies
+from .replicas import KnownSave, NodeCopies
 from .run_retention import Protected, RunRetention
 from .run_steps import RunSteps
 from .saving import committed_save
@@ -112,6 +113,7 @@ class Checkpointer:
             prepare_device_cache(writer_options.get("device_cache_bytes") or 0)
         self.incremental = incremental
         self._last_committed: int | None = None  # newest step this process committed
+        self._known: KnownSave | None = None  # and its save, as the next save's base
         self._manifests: dict[int, Manifest] = {}  # step -> Manifest, while it flushes to slower tiers
         self._saves = 0
         self._inflight: SaveInFlight | None = None
@@ -148,12 +150,25 @@ class Checkpointer:
         persist = self._saves % self.persist_every == 0 and len(self.tiers) > 1
         self._saves += 1
         base = self._base_for(step) if self.incremental else None
+        base_id = None
+        if base is not None and self.node_copies is not None:  # this node's copy held until it commits
+            base_id = self.node_copies.hold_base(step, base, self._known)
+            base = None if base_id is None else base
+        try:
+            return self._save(step, state, base, base_id, persist)
+        except BaseException:
+            if self.node_copies is not None:
+                self.node_copies.let_go(step)
+            raise
+
+    def _save(self, step: int, state: dict, base: int | None, base_id: str | None, persist: bool):
         writer = DataStatesWriter(
             self.step_path(0, step), storage_options=self.storage_options[0],
             persist_to=[self.step_path(i, step) for i in range(1, len(self.tiers))],
             persist=persist, persist_options=self.storage_options[1] if len(self.tiers) > 1 else None,
             overwrite=True, async_mode=self.async_mode,
-            incremental_base=None if base is None else f"step-{base}", **self.writer_options)
+            incremental_base=None if base is None else f"step-{base}", incremental_base_save_id=base_id,
+            **self.writer_options)
         if self.async_mode is None:
             md = dcp.save(state, storage_writer=writer, process_group=self.pg, planner=DataStatesSavePlanner())
             self._inflight = SaveInFlight(step, writer, None, persist, base)
@@ -165,8 +180,15 @@ class Checkpointer:
         self._inflight = SaveInFlight(step, writer, fut, persist, base)
         if self.node_local:  # the step is on this node (and on its way to the peers) once it commits
             done = cast(Future, getattr(fut, "upload_completion", fut))
-            done.add_done_callback(lambda f: self._on_node(step, f.result()) if f.exception() is None else None)
+            done.add_done_callback(functools.partial(self._node_done, step))
         return fut
+
+    def _node_done(self, step: int, fut: Future) -> None:
+        """An async save's future completed: the step is on this node (or failed)."""
+        if fut.exception() is None:
+            self._on_node(step, fut.result())
+        elif self.node_copies is not None:
+            self.node_copies.let_go(step)
 
     def _base_for(self, step: int) -> int | None:
         """The step an incremental save builds on: the newest committed before ``step``."""
@@ -217,6 +239,7 @@ class Checkpointer:
         self._last_committed = step if self._last_committed is None else max(self._last_committed, step)
         if body is not None:
             m = decode_manifest(body, source=self.step_path(0, step))
+            self._known = KnownSave(step, m.save_id, frozenset(m.homes.values()))
             owned, shared = m.usage()
             self.last_stats = {"bytes_written": owned, "bytes_reused": sum(shared.values())}
         if cur.persist:
@@ -235,8 +258,10 @@ class Checkpointer:
         when the first tier is node-local.  Runs when an async save's future completes (in
         DCP's thread) and again from ``wait``."""
         committed = committed_save(md)
-        if self.node_copies is not None and committed is not None:
-            self.node_copies.committed(step, committed)
+        if self.node_copies is not None:
+            if committed is not None:
+                self.node_copies.committed(step, committed)
+            self.node_copies.let_go(step)
         return None if committed is None else committed.manifest
 
     def wait_replicated(self, timeout: float | None = None) -> bool:

@@ -52,6 +52,10 @@ class WriterOptions:
     """Write local data files with O_DIRECT from the aligned host cache."""
     incremental_base: str | None = None
     """A committed sibling checkpoint whose unchanged bytes are referenced."""
+    incremental_base_save_id: str | None = None
+    """Reference ``incremental_base`` only while it holds this save (None: whichever is
+    committed there); another save there is not referenced, the checkpoint is written in full.
+    ``Checkpointer`` passes the save whose directories it holds."""
     dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT
     """The unit of an incremental save's dedup (a multiple of the 1 MiB block)."""
     step_barrier_s: float = 600.0

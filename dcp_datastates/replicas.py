@@ -10,19 +10,30 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from .errors import CheckpointError
 from .format.replica_record import ReplicaRecord
 from .tiers import StorageTier
-from .tiers.manifests import manifest_head
+from .tiers.base_lock import BaseHold
+from .tiers.manifests import load_manifest, manifest_head
 from .tiers.replica_records import read_record
 from .tiers.replica_repair import repair
 from .tiers.replicas import CommittedSave, commit_on_node
 from .tiers.replicator import Replicator
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KnownSave:
+    """A step ``Checkpointer`` committed: the save and the other steps it references."""
+
+    step: int
+    save_id: str
+    homes: frozenset[str]  # step directories holding files it references (``Manifest.homes``)
 
 
 class NodeCopies:
@@ -40,9 +51,42 @@ class NodeCopies:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("replicas travel over torch.distributed: call dist.init_process_group first")
             self.replicator = Replicator(replicas, pg, node)  # a collective: every rank
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # committed() lets the base locks go under it
         self._done: set[tuple[int, str]] = set()  # (step, save) this node committed
         self._replicating: dict[int, Future] = {}
+        self._holds: dict[int, BaseHold] = {}  # step -> its base's locks, until committed here
+
+    def hold_base(self, step: int, base: int, known: KnownSave | None) -> str | None:
+        """Before ``step`` is saved incremental on step ``base``: hold, shared, the base lock
+        of this node's directory of ``base`` and of those it references, until this node
+        commits ``step`` (``committed``) or its save fails (``let_go``).  The rank's own hold
+        ends with its part of the save, before its node commits (``base_lock.py``).  The save
+        id held (the writer references no other: ``incremental_base_save_id``); None where
+        the base is being changed here or cannot be read: write ``step`` in full.  ``known``:
+        the base as this process committed it (its references then need no read)."""
+        self.let_go(step)
+        hold, t = BaseHold(), self.tier_of(base)
+        try:
+            if hold.take(t) and (head := manifest_head(t)) is not None:
+                homes = (known.homes if known is not None and known.step == base and known.save_id == head.save_id
+                         else frozenset(load_manifest(t).homes.values()))
+                if all(hold.take(t.sibling(h)) for h in sorted(homes)):
+                    with self._lock:
+                        self._holds[step] = hold
+                    return head.save_id
+            log.info("step %d: its base, step %d, is being changed on this node; writing it in full", step, base)
+        except (CheckpointError, OSError) as e:
+            log.warning("step %d: its base, step %d, cannot be read on this node (%s); writing it in full",
+                        step, base, e)
+        hold.release()
+        return None
+
+    def let_go(self, step: int) -> None:
+        """The base locks held for ``step`` (``hold_base``) go: it committed here, or failed."""
+        with self._lock:
+            hold = self._holds.pop(step, None)
+        if hold is not None:
+            hold.release()
 
     def committed(self, step: int, committed: CommittedSave) -> None:
         """Step ``step`` committed as ``committed``: commit it on this node, where it replaces
@@ -55,12 +99,17 @@ class NodeCopies:
             self._done.add((step, committed.save_id))
             t = self.tier_of(step)
             t.makedirs()
-            commit_on_node(t, committed)
+            try:
+                commit_on_node(t, committed)
+            finally:  # from here on the manifest keeps alive what the step references here
+                self.let_go(step)
             if self.replicator is not None:
                 self._replicating[step] = self.replicator.submit(t, step, committed.save_id)
 
     def close(self) -> None:
         """After ``wait``: the replicator's thread and helper end."""
+        for step in list(self._holds):
+            self.let_go(step)
         if self.replicator is not None:
             self.replicator.close()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,17 @@ MANIFEST_KEY = "dcp_datastates.manifest"  # the committed manifest's bytes in th
 TOOK_OVER_KEY = "dcp_datastates.took_over"  # beside it: the dead attempts whose claim the save took over
 SAVE_ID_KEY = "dcp_datastates.save_id"  # and the save's id
 PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
+
+
+@dataclass(frozen=True)
+class PlannedSave:
+    """What the coordinator's global plan hands each rank (``SavePlan.storage_data``)."""
+
+    rank: int  # the rank's place in the save: names its files
+    save_id: str
+    # the incremental base the coordinator read, as (directory name, its save id), or None
+    # (written in full): a rank references no other base (see ``RankSave.agree_base``)
+    base: tuple[str, str] | None = None
 
 
 def committed_save(metadata) -> CommittedSave | None:
@@ -124,7 +136,8 @@ class RankSave:
                 "Checkpoint already exists: a committed checkpoint is here; pass overwrite=True to "
                 "DataStatesWriter to replace it, or save to a new path (unlike DCP's "
                 "FileSystemWriter, which overwrites by default)", checkpoint=self.path)
-        self.base = load_base(self.tier, self.opts.incremental_base, self.opts.storage_options, self.hold)
+        self.base = load_base(self.tier, self.opts.incremental_base, self.opts.storage_options, self.hold,
+                              self.opts.incremental_base_save_id)
 
     def claim(self) -> None:
         self._planned_at, self._wrote = time.monotonic(), False
@@ -136,10 +149,28 @@ class RankSave:
                                         "while this save was planning; pass overwrite=True to replace it",
                                         checkpoint=self.path)
 
+    def planned_base(self) -> tuple[str, str] | None:
+        """The base this rank read, as ``PlannedSave.base`` names it."""
+        return None if self.base is None else (self.base.name, self.base.manifest.save_id)
+
+    def agree_base(self, planned: tuple[str, str] | None) -> None:
+        """Reference only the base the coordinator read (``planned``): the one its claim names
+        and its base locks hold, with the directories that base references, to the commit.  A
+        rank that read another (the coordinator found the base being changed and writes in
+        full, or the base was saved again between their reads) writes in full."""
+        if self.base is not None and planned != self.planned_base():
+            log.info("%s: the coordinator planned with base %s, this rank read %s; writing in full",
+                     self.path, planned, self.planned_base())
+            self.base = None
+            self.hold.release()
+
     def _over(self, session: SaveSession) -> None:
-        """Another rank's part of the save is over: the coordinator's claim and base locks
-        cover what it references from here to the commit."""
-        self.hold.release()
+        """Another rank's part of the save is over: where its directory is the coordinator's,
+        the coordinator's claim covers what it references from here to the commit.  With
+        ``replicas`` the directory is this node's, which the replicator commits later: it lets
+        the base locks go then (``SaveToReplicate.hold``)."""
+        if not self.opts.replicas:
+            self.hold.release()
         self._end(session)
 
     def busy(self) -> bool:

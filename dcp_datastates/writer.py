@@ -42,7 +42,7 @@ from .engine.snapshot import SaveJob
 from .errors import CheckpointError
 from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
-from .saving import RankSave, committed_save
+from .saving import PlannedSave, RankSave, committed_save
 from .tiers import StorageTier
 from .tiers.replicator import Replicator, SaveToReplicate, shared_replicator
 from .writer_sessions import SAVE_IDS, WriterSessions
@@ -73,7 +73,8 @@ class DataStatesWriter(StorageWriter):
         persist_to / persist / persist_options: slower tiers this checkpoint is flushed to in the
             background, each committing on its own (``tiers/persist.py``).
         incremental_base: a committed sibling checkpoint whose unchanged bytes are referenced,
-            per ``dedup_unit_bytes`` (a multiple of 1 MiB, default 4 MiB).
+            per ``dedup_unit_bytes`` (a multiple of 1 MiB, default 4 MiB); with
+            ``incremental_base_save_id``, only while it holds that save (else written in full).
         o_direct: write local data files with O_DIRECT from the aligned host cache.
         step_barrier_s: optimizers' ``step()`` waits up to this for an async save's snapshot (0: off).
         eager_copy_bytes: an async save copies tensors of at most 64 KiB when it is called, up to
@@ -107,7 +108,8 @@ class DataStatesWriter(StorageWriter):
                  storage_options: dict | None = None, async_mode: str | None = None,
                  persist_to: list[str] | str | None = None, persist: bool = True,
                  persist_options: dict | None = None, o_direct: bool = True,
-                 incremental_base: str | None = None, dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT,
+                 incremental_base: str | None = None, incremental_base_save_id: str | None = None,
+                 dedup_unit_bytes: int = DEFAULT_DEDUP_UNIT,
                  step_barrier_s: float = 600.0, device_cache_bytes: int = 0,
                  eager_copy_bytes: int = 64 << 20, snapshot: str = "lazy",
                  compression: str | None = None, replicas: int = 0, node: str | None = None,
@@ -125,7 +127,8 @@ class DataStatesWriter(StorageWriter):
             storage_options=storage_options, async_mode=async_mode,
             persist_to=url_tuple(persist_to),
             persist=persist, persist_options=persist_options, o_direct=o_direct,
-            incremental_base=incremental_base, dedup_unit_bytes=dedup_unit_bytes,
+            incremental_base=incremental_base, incremental_base_save_id=incremental_base_save_id,
+            dedup_unit_bytes=dedup_unit_bytes,
             step_barrier_s=step_barrier_s, eager_copy_bytes=eager_copy_bytes, snapshot=snapshot,
             compression=compression or self.fs_args.compression, replicas=replicas, node=node)
         cache_bytes = host_cache_bytes or default_host_cache_bytes()
@@ -255,19 +258,22 @@ class DataStatesWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         with self._failing() as save:
             save.claim()
+        base = save.planned_base()
         if len(plans) == 1 and not self.use_collectives:
-            return [dataclasses.replace(plans[0], storage_data={"rank": self.rank, "save_id": self.save_id})]
-        return [dataclasses.replace(p, storage_data={"rank": i, "save_id": self.save_id})
-                for i, p in enumerate(plans)]
+            return [dataclasses.replace(plans[0], storage_data=PlannedSave(self.rank, self.save_id, base))]
+        return [dataclasses.replace(p, storage_data=PlannedSave(i, self.save_id, base)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         written: Future = Future()
         try:
             with self._failing() as save:
-                sd = plan.storage_data if isinstance(plan.storage_data, dict) else {}
-                self.rank = save.rank = int(sd.get("rank", self.rank))
-                self.save_id = save.save_id = SAVE_IDS.fresh(sd.get("save_id", self.save_id), self.save_id,
+                sd = plan.storage_data
+                if not isinstance(sd, PlannedSave):  # no global plan of this writer's (DCP replayed one)
+                    sd = PlannedSave(self.rank, self.save_id, save.planned_base())
+                self.rank = save.rank = sd.rank
+                self.save_id = save.save_id = SAVE_IDS.fresh(sd.save_id, self.save_id,
                                                              coordinator=self.is_coordinator, path=self.path)
+                save.agree_base(sd.base)
                 rules = getattr(planner, "rules", None)
                 save.rules = rules if self.use_collectives and isinstance(rules, RuleTable) else None
                 written = save.write(plan, planner, self.sessions.session(), on_failed=lambda e: self._fail(e, save))
@@ -280,7 +286,7 @@ class DataStatesWriter(StorageWriter):
             # order: the replicators agree on each save's fate before any bytes move
             if self._replicator is not None and self._save is not None:
                 self._replicated = self._replicator.submit_save(
-                    SaveToReplicate(self._save.tier, self._save.save_id, written, self._manifest))
+                    SaveToReplicate(self._save.tier, self._save.save_id, written, self._manifest, self._save.hold))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with self._failing() as save:

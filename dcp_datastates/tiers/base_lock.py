@@ -11,9 +11,14 @@ used by every path that removes a committed save's files (``tidy.py``, ``retenti
   (``.base-lock``) held *exclusive*, and only after reading, under it, first the run's live
   claims, then its committed manifests.
 * **Referencing.**  A save holds the base lock *shared* on every directory it may reference,
-  taken before it reads what is there, and held until its manifest is committed (the
-  coordinator) or its part of the save is over (another rank: the coordinator's hold and
-  claim cover the save from then on).
+  taken before it reads what is there, and held until the manifest naming what it references
+  is committed in the directory the references live in.  The coordinator holds it to its
+  commit.  Another rank references only the base the coordinator read (the same save:
+  ``RankSave.agree_base``); where it shares the coordinator's directory it lets go when its
+  part of the save is over (the coordinator's locks and claim cover the same directories to
+  the commit); where its node has a directory of its own (``replicas``, ``Checkpointer(
+  node_local=True)``) the locks are let go by whoever commits the manifest on that node, once
+  it did (``Replicator``, ``NodeCopies.hold_base``).
 
 So a removal either comes before the save's reads (which then see what is left) or after its
 claim exists and then its commit (which protect what it references).  Nobody waits: the kernel

@@ -44,11 +44,12 @@ class Base:
 
 
 def load_base(tier: StorageTier, incremental_base: str | None, storage_options: dict | None,
-              hold: BaseHold) -> Base | None:
+              hold: BaseHold, save_id: str | None = None) -> Base | None:
     """The base named ``incremental_base`` (a sibling directory of ``tier``), as this rank's
-    tier holds it; None to write in full (no base, the step itself, or an unusable base).
-    ``hold`` takes the base lock, shared, of every directory the save may reference, before
-    what is there is read (``base_lock.py``); the caller lets it go."""
+    tier holds it; None to write in full (no base, the step itself, an unusable base, or not
+    save ``save_id`` where one is given).  ``hold`` takes the base lock, shared, of every
+    directory the save may reference, before what is there is read (``base_lock.py``); the
+    caller lets it go."""
     if incremental_base is None:
         return None
     raw = incremental_base.rstrip("/")
@@ -67,6 +68,10 @@ def load_base(tier: StorageTier, incremental_base: str | None, storage_options: 
     except (CheckpointError, OSError) as e:
         log.warning("incremental base %s is not usable (%s); writing %s in full",
                     base_tier.url, str(e).splitlines()[0][:200], tier.url)
+        return None
+    if save_id is not None and m.save_id != save_id:
+        log.info("incremental base %s holds save %s, not %s; writing %s in full", base_tier.url, m.save_id,
+                 save_id, tier.url)
         return None
     homes = {f: m.homes.get(f, name) for f in m.files}
     listed: dict[str, set] = {}

@@ -414,14 +414,17 @@ class ReplicaWork:
         if got[0] is None:
             log.info("%s: save %s did not commit; nothing replicated", tier.url, save_id)
             return None
-        # One rank per node commits it there and tidies.  On the coordinator's node the commit
-        # is the coordinator's own, and a later save may have replaced it there by now
-        # (replication lagging training): then nothing of this one is sent or kept.
+        # Every rank of another node commits it there (the first to come writes it and tidies;
+        # the others find it committed) before its caller lets go of the rank's base locks:
+        # from then on the manifest keeps alive what the rank's files reference.  On the
+        # coordinator's node the commit is the coordinator's own, and a later save may have
+        # replaced it there by now (replication lagging training): then nothing of this one is
+        # sent or kept.
         superseded = None
         if p.nodes.nodes[coordinator] == p.nodes.nodes[p.me]:
             head = manifest_head(tier)
             superseded = head.save_id if head is not None and head.save_id != save_id else None
-        elif p.node_ranks()[0] == p.rank:
+        else:
             try:
                 commit_on_node(tier, got[0])
             except (OSError, CheckpointError) as e:  # the peers still get this rank's files

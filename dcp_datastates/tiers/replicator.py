@@ -17,13 +17,14 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch.distributed as dist
 from torch.futures import Future as TorchFuture
 
 from ..format.replica_record import ReplicaRecord
+from .base_lock import BaseHold
 from .replica_helper import HelperProcess, helper_possible
 from .replicas import NodeMap, ReplicaPeers, ReplicaWork, node_name
 from .storage import StorageTier
@@ -39,6 +40,9 @@ class SaveToReplicate:
     save_id: str
     written: TorchFuture  # DCP's future of this rank's writes: resolved once its files are durable
     manifest: Future | None  # the coordinator's: its ``CommittedSave``, or None (not committed)
+    # the rank's shared base locks (``base_lock.py``), let go once this node's directory has the
+    # manifest that names what the rank references there, or the save did not commit
+    hold: BaseHold = field(default_factory=BaseHold)
 
 
 class Replicator:
@@ -119,6 +123,12 @@ class Replicator:
             self._work.close()
 
     def _replicate_save(self, save: SaveToReplicate) -> ReplicaRecord | None:
+        try:
+            return self._agree_and_replicate(save)
+        finally:  # committed on this node by now (``ReplicaWork.replicate_save``), or never
+            save.hold.release()
+
+    def _agree_and_replicate(self, save: SaveToReplicate) -> ReplicaRecord | None:
         try:
             save.written.wait()
             ok = True
