@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import errno
 import json
+import logging
 import os
 import shutil
 import sys
@@ -433,8 +434,22 @@ def _leftovers(run: str, tier: str) -> list[str]:
             dead = (TEMP_INFIX in n or n.endswith(".part") or n == CLAIM_NAME or n.startswith(RANK_CLAIM_PREFIX)
                     or ((DATA_FILE.match(n) or PART_FILE.match(n)) and n not in keep and "*" not in keep))
             if dead:
-                bad.append(f"{tier}/{d}/{n}: left over after the next save")
+                bad.append(f"{tier}/{d}/{n}: left over after the next save (the directory: "
+                           f"{sorted(os.listdir(os.path.join(run, d)))}){_said_about(run, tier, d)}")
     return bad
+
+
+NEXT_LOG = "next.log"  # what the library logged during the next save (INFO and up)
+
+
+def _said_about(run: str, tier: str, d: str) -> str:
+    """The next save's log lines about ``tier/d``, to tell why a file stayed there."""
+    try:
+        with open(os.path.join(os.path.dirname(run), NEXT_LOG)) as f:
+            lines = [ln.strip() for ln in f if f"{tier}/{d}" in ln]
+    except OSError:
+        return ""
+    return "; the next save logged: " + " | ".join(lines[-8:]) if lines else "; the next save logged nothing about it"
 
 
 # ----------------------------------------------------------------------- the runner
@@ -522,6 +537,12 @@ def point(sc: Scenario, golden: str, work: str, plan: Plan, out: str) -> None:
             err = os.path.join(work, "next.err")
 
             def next_save():
+                handler = logging.FileHandler(os.path.join(work, NEXT_LOG))
+                handler.setLevel(logging.INFO)
+                handler.setFormatter(logging.Formatter("%(relativeCreated)d %(threadName)s %(levelname)s %(message)s"))
+                lib = logging.getLogger("dcp_datastates")
+                lib.addHandler(handler)
+                lib.setLevel(logging.INFO)
                 try:
                     sc.act(work)
                 except BaseException as e:
@@ -532,7 +553,7 @@ def point(sc: Scenario, golden: str, work: str, plan: Plan, out: str) -> None:
             why = open(err).read() if os.path.exists(err) else ""
             res["violations"] = ([] if again == 0 else [f"the next save failed (exit {again}): {why}"]) + \
                 _checked(sc, work, sentinel, leftovers=True)
-    if not KEEP[0]:
+    if not KEEP[0] and not res["violations"]:  # a point that failed keeps its directory
         shutil.rmtree(work, ignore_errors=True)
     with open(out, "w") as f:
         json.dump(res, f)
