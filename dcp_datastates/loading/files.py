@@ -26,8 +26,7 @@ from ..format.checksum import verify_blocks
 from ..format.codec import CodecMissing, decode_block
 from ..format.limits import FormatViolation
 from ..tiers import StorageTier, read_path
-from ..tiers.direct_io import DIRECT_MIN, STAGE_BYTES, StagingBuffer, dio_alignment, read_range
-from ..tiers.local import open_regular
+from ..tiers.direct_io import DIRECT_MIN, STAGE_BYTES, StagingBuffer, read_range
 from .ranges import ByteRange, Piece, Ranged
 from .tasks import ReadTask
 
@@ -60,9 +59,7 @@ class ReadStats:
             self.bytes_direct += nbytes
 
 
-def _same_file(a: int, b: int) -> bool:
-    sa, sb = os.fstat(a), os.fstat(b)
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+_MISSING = -1  # a file a tier does not hold, remembered as such (never a descriptor)
 
 
 class FileSet:
@@ -102,44 +99,33 @@ class FileSet:
             return t
 
     def fd(self, ti: int, name: str) -> int | None:
-        """A buffered descriptor of a local file (None: the tier is not local); raises
-        ``FileNotFoundError`` for a missing one, every time it is asked."""
+        """A buffered descriptor of the file (None: its tier's filesystem reads by path, not
+        through descriptors); raises ``FileNotFoundError`` for a missing one, every time it is
+        asked."""
         tier = self.tier_for(ti, name)
-        if not tier.local:
-            return None
         key = (ti, name)
         with self._lock:
             if key not in self._fds:
                 try:
-                    self._fds[key] = open_regular(tier.path(name), checkpoint=tier.url)
+                    self._fds[key] = tier.backend.open_read(tier.path(name), tier.url)
                 except FileNotFoundError:
-                    self._fds[key] = None
+                    self._fds[key] = _MISSING
             fd = self._fds[key]
-        if fd is None:
+        if fd == _MISSING:
             raise FileNotFoundError(name)
         return fd
 
     def direct_fd(self, ti: int, name: str) -> tuple[int | None, tuple[int, int] | None]:
-        """An O_DIRECT descriptor and its alignment needs; (None, None) where the file system
-        refuses O_DIRECT on the file."""
+        """An O_DIRECT descriptor of the file ``fd`` opened and its alignment needs; (None,
+        None) where its filesystem refuses O_DIRECT on it, or reads by path."""
         tier = self.tier_for(ti, name)
-        if not tier.local or not hasattr(os, "O_DIRECT"):
-            return None, None
         key = (ti, name)
         with self._lock:
             if key not in self._direct:
-                self._direct[key] = (None, None)
-                try:
-                    fd = os.open(tier.path(name), os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)
-                except OSError:  # refused (or missing: the buffered descriptor reports that)
-                    return self._direct[key]
                 buffered = self._fds.get(key)
-                same = buffered is not None and _same_file(fd, buffered)
-                align = dio_alignment(fd) if same else None
-                if align is None:  # refused, or not the file the checked descriptor holds
-                    os.close(fd)
-                else:
-                    self._direct[key] = (fd, align)
+                got = None if buffered is None or buffered == _MISSING else \
+                    tier.backend.open_direct(tier.path(name), buffered)
+                self._direct[key] = (None, None) if got is None else got
             return self._direct[key]
 
     @staticmethod
@@ -162,7 +148,7 @@ class FileSet:
             st.close()
         self._stages.clear()
         for fd in [*self._fds.values(), *(d for d, _a in self._direct.values())]:
-            if fd is not None:
+            if fd is not None and fd != _MISSING:
                 os.close(fd)
 
 

@@ -94,6 +94,18 @@ class Backend(ABC):
     def read_into(self, path: str, offset: int, mv: memoryview, fd: int | None, url: str) -> int:
         """Fill ``mv`` from ``offset``; the bytes read (short only at the end of the file)."""
 
+    def open_read(self, path: str, url: str) -> int | None:
+        """A descriptor to read ``path`` through (``read_into``, ``pread``), held by the caller;
+        None where this filesystem has none (every read then goes by path).
+        ``FileNotFoundError`` where the file is missing."""
+        return None
+
+    def open_direct(self, path: str, buffered: int) -> tuple[int, tuple[int, int]] | None:
+        """An O_DIRECT descriptor of ``path`` and its alignment needs (memory, offsets), where
+        the filesystem takes O_DIRECT on it and it is the file ``buffered`` (from
+        ``open_read``) has open; None otherwise."""
+        return None
+
     @abstractmethod
     def commit(self, root: str, path: str, tmp_name: str, data: bytes, *, sync: bool) -> None:
         """Publish ``data`` at ``path`` atomically: whole or not at all."""

@@ -20,7 +20,7 @@ import uuid
 from ..errors import UnsafeFileError
 from ..format.layout import align_up
 from .backend import Backend, HeldLock, LockUnsupported, Sink
-from .direct_io import pread_full
+from .direct_io import dio_alignment, pread_full
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +268,23 @@ class LocalBackend(Backend):
         finally:
             if own:
                 os.close(fd)
+
+    def open_read(self, path: str, url: str) -> int | None:
+        return open_regular(path, checkpoint=url)
+
+    def open_direct(self, path: str, buffered: int) -> tuple[int, tuple[int, int]] | None:
+        if not hasattr(os, "O_DIRECT"):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)
+        except OSError:  # refused (a missing file is the buffered descriptor's to report)
+            return None
+        a, b = os.fstat(fd), os.fstat(buffered)
+        align = dio_alignment(fd) if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino) else None
+        if align is None:  # refused, or not the file the checked descriptor holds
+            os.close(fd)
+            return None
+        return fd, align
 
     def commit(self, root: str, path: str, tmp_name: str, data: bytes, *, sync: bool) -> None:
         tmp = os.path.join(root, tmp_name)
