@@ -259,9 +259,11 @@ class Checkpointer:
         DCP's thread) and again from ``wait``."""
         committed = committed_save(md)
         if self.node_copies is not None:
-            if committed is not None:
-                self.node_copies.committed(step, committed)
-            self.node_copies.let_go(step)
+            try:
+                if committed is not None:
+                    self.node_copies.committed(step, committed)
+            finally:  # from here on the node's manifest keeps alive what the step references
+                self.node_copies.let_go(step)
         return None if committed is None else committed.manifest
 
     def wait_replicated(self, timeout: float | None = None) -> bool:

@@ -51,7 +51,7 @@ class NodeCopies:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("replicas travel over torch.distributed: call dist.init_process_group first")
             self.replicator = Replicator(replicas, pg, node)  # a collective: every rank
-        self._lock = threading.RLock()  # committed() lets the base locks go under it
+        self._lock = threading.Lock()
         self._done: set[tuple[int, str]] = set()  # (step, save) this node committed
         self._replicating: dict[int, Future] = {}
         self._holds: dict[int, BaseHold] = {}  # step -> its base's locks, until committed here
@@ -59,7 +59,7 @@ class NodeCopies:
     def hold_base(self, step: int, base: int, known: KnownSave | None) -> str | None:
         """Before ``step`` is saved incremental on step ``base``: hold, shared, the base lock
         of this node's directory of ``base`` and of those it references, until this node
-        commits ``step`` (``committed``) or its save fails (``let_go``).  The rank's own hold
+        commits ``step`` or its save fails (the caller's ``let_go``).  The rank's own hold
         ends with its part of the save, before its node commits (``base_lock.py``).  The save
         id held (the writer references no other: ``incremental_base_save_id``); None where
         the base is being changed here or cannot be read: write ``step`` in full.  ``known``:
@@ -99,10 +99,7 @@ class NodeCopies:
             self._done.add((step, committed.save_id))
             t = self.tier_of(step)
             t.makedirs()
-            try:
-                commit_on_node(t, committed)
-            finally:  # from here on the manifest keeps alive what the step references here
-                self.let_go(step)
+            commit_on_node(t, committed)
             if self.replicator is not None:
                 self._replicating[step] = self.replicator.submit(t, step, committed.save_id)
 

@@ -160,7 +160,8 @@ class Tidy:
         stay in this directory) and everything the run references.  Returns what it removed.
         The run's manifests are read only when there is something to remove.  Where a save
         holds this directory's base lock (``base_lock.py``, taken only where data files would
-        go), no data file goes this time and ``deferred`` is set: the caller keeps its claim's record for the next save here."""
+        go), no data file goes this time and ``deferred`` is set: the caller keeps its claim's
+        record for the next save here."""
         t = self.tier
         doomed: set[str] = set()
         for m in self.superseded:
