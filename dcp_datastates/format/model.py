@@ -199,6 +199,12 @@ class ChunkTable(Protocol):
         were given) when it is stored at offsets ``key``, else the one stored at ``key``."""
         ...
 
+    def writer_at(self, t: int, at: object, key: tuple) -> int | None:
+        """The rank whose metadata part holds the record ``record_at`` names, or whose part
+        holds the digests of a record the table holds (a version 4 index), found without
+        reading the part; None where the table holds record and digests itself."""
+        ...
+
     def find(self, t: int, offsets: tuple) -> Chunk | None:
         """The record stored at ``offsets``, else None."""
         ...
@@ -266,6 +272,9 @@ class ChunkList:
             return items[at]
         return self.find(t, key)
 
+    def writer_at(self, t: int, at: object, key: tuple) -> None:
+        return None
+
     def find(self, t: int, offsets: tuple) -> Chunk | None:
         if self._indexed != len(self.items):
             for c in self.items[self._indexed:]:
@@ -315,6 +324,10 @@ class TensorEntry:
     def record_at(self, at: object, key: tuple) -> Chunk | None:
         """See :meth:`ChunkTable.record_at`."""
         return self._table.record_at(self._row, at, key)
+
+    def writer_at(self, at: object, key: tuple) -> int | None:
+        """See :meth:`ChunkTable.writer_at`."""
+        return self._table.writer_at(self._row, at, key)
 
     def find_box(self, offsets: tuple, sizes: tuple) -> Chunk | None:
         """The chunk whose box is exactly (``offsets``, ``sizes``), else None."""

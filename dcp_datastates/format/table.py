@@ -395,6 +395,10 @@ class Table:
                 return chunk
         return self.find(t, key)
 
+    def writer_at(self, t: int, at, key: tuple) -> None:
+        """Records and digests are in the manifest itself."""
+        return None
+
     def find_box(self, t: int, offsets: tuple, sizes: tuple) -> Chunk | None:
         """The record of tensor ``t``'s chunk whose box is exactly (``offsets``, ``sizes``), else
         None (the index's rule says where a chunk is; its part must hold that very box)."""

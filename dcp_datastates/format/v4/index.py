@@ -271,22 +271,29 @@ class IndexTable:
         """The record a read item names: chunk ``at`` when its box starts at ``key`` (DCP's
         planners number the chunks they were given; a narrowed plan numbers its own list),
         else the chunk stored at ``key``; one lookup of the rule for both."""
-        g = self.geom(t)
-        if g is None:  # listed: chunk ``at`` when its box starts at ``key`` (our planner numbers them so)
-            box = self.listed.box_of(t, at) if isinstance(at, int) and 0 <= at < self.listed.count(t) else None
-            if box is None or box[0] != key:
-                return self.find(t, key)
-            self.check(t)
-            return self._record(t, *box, self.listed.owner_of(t, at))
-        if isinstance(at, int) and 0 <= at < g.count():
-            o, z = g.box(at)
-            if o == key:
-                return self._record(t, o, z, g.owner(at), g, at)
-        i = g.index_of(key)
+        i = self._position(t, at, key)
+        return None if i is None else self.chunk_at(t, i)
+
+    def writer_at(self, t: int, at, key: tuple) -> int | None:
+        """The rank whose part holds the record (or, for a replicated box the index holds, its
+        digests); None for a record inline in the index.  No part is read."""
+        i = self._position(t, at, key)
         if i is None:
             return None
-        o, z = g.box(i)
-        return self._record(t, o, z, g.owner(i), g, i)
+        g = self.geom(t)
+        owner = g.owner(i) if g is not None else self.listed.owner_of(t, i)
+        return None if owner == INLINE else int(owner)
+
+    def _position(self, t: int, at, key: tuple) -> int | None:
+        """The position ``record_at`` and ``writer_at`` name (listed boxes checked first)."""
+        g = self.geom(t)
+        if g is None:
+            self.check(t)
+            box = self.listed.box_of(t, at) if isinstance(at, int) and 0 <= at < self.listed.count(t) else None
+            return at if box is not None and box[0] == key else self.listed.position(t, tuple(key))
+        if isinstance(at, int) and 0 <= at < g.count() and g.box(at)[0] == key:
+            return at
+        return g.index_of(key)
 
     def find(self, t: int, offsets: tuple) -> Chunk | None:
         g = self.geom(t)
