@@ -323,16 +323,18 @@ class Checkpointer:
         last_error = None
         for s in order:
             save = self.steps.agreed_save(s)
-            if self.node_copies is not None and not self.node_copies.repair(s, save) \
+            fix = self.node_copies.repair(s, save) if self.node_copies is not None else None
+            if fix is not None and not fix.survey() \
                     and not any(self.steps.is_committed(i, s) for i in range(1, len(self.tiers))):
-                log.warning("step %d: some of its files have no good copy on any node and no slower tier "
-                            "holds it; trying an older step", s)
+                log.warning("step %d: some of its files are on no node and no slower tier holds it; "
+                            "trying an older step", s)
                 continue
             reader = DataStatesReader(
                 self.step_path(0, s), storage_options=self.storage_options[0],
                 fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
                 fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None,
-                save_id=save if save is not None else self.steps.agreed_save(s), process_group=self.pg)
+                save_id=save if save is not None else self.steps.agreed_save(s), process_group=self.pg,
+                _node_repair=fix)
             try:
                 dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
             except BaseException as e:  # CheckpointException is a BaseException

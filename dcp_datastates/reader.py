@@ -46,14 +46,14 @@ from .gcpause import paused_gc
 from .loading.cooperative import Cooperation, cooperative_for, group_for
 from .loading.files import Fetcher, FileSet, ReadStats
 from .loading.metadata import manifest_to_metadata
+from .loading.node_local import NodeLocalLoad
 from .loading.ranges import COALESCE_GAP, batches, coalesce
 from .loading.tasks import ReadTask, SmallTask, is_whole, small_whole
 from .options import url_tuple
 from .planner import deliver_object
 from .tiers import StorageTier, read_path
 from .tiers.manifests import load_manifest
-from .tiers.replica_repair import repair
-from .tiers.replicator import shared_replicator
+from .tiers.replica_repair import NodeRepair
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,10 @@ class DataStatesReader(StorageReader):
             cooperative load sends over it (over a gloo group of its ranks where its backend
             has no gloo).
         node_local: ``path`` is this node's own directory of a checkpoint saved with
-            ``DataStatesWriter(replicas=K)``: before the manifest is read (a collective over
-            ``process_group``), every node's directory is made whole from the other nodes'
-            copies whose bytes match their recorded digests.  ``node``: this rank's node
+            ``DataStatesWriter(replicas=K)``: before the manifest is read, a node that lacks it
+            receives it; before the data is read, each node receives the files its ranks read
+            that it lacks or holds damaged (collectives over ``process_group``), from other
+            nodes' copies whose bytes match their recorded digests.  ``node``: this rank's node
             (default: ``DCP_DATASTATES_NODE``, ``GROUP_RANK`` or the host name).
         _extension_registry: ``FileSystemReader``'s, accepted so that code written for it runs
             unchanged; without effect, since the manifest records how each block is stored.
@@ -108,7 +109,8 @@ class DataStatesReader(StorageReader):
                  fallback: list[str] | str | None = None, fallback_options: dict | None = None,
                  o_direct: bool | str = "auto", save_id: str | None = None,
                  cooperative: bool | str = "auto", process_group=None, node_local: bool = False,
-                 node: str | None = None, _extension_registry: object = None) -> None:
+                 node: str | None = None, _extension_registry: object = None,
+                 _node_repair: NodeRepair | None = None) -> None:
         super().__init__()
         del _extension_registry  # FileSystemReader's: our manifest names how each block is stored
         if o_direct not in (True, False, "auto"):
@@ -127,7 +129,8 @@ class DataStatesReader(StorageReader):
         self.cooperative = cooperative
         self.process_group = process_group
         self.node_local, self.node = node_local, node
-        self._repaired = False
+        self._given_repair = _node_repair  # ``Checkpointer``'s, surveyed before the load
+        self._local: NodeLocalLoad | None = None
         self.manifest: Manifest | None = None
         self.manifest_tier: str | None = None  # the tier the manifest came from
         self.stats = ReadStats()  # the last load's
@@ -154,15 +157,21 @@ class DataStatesReader(StorageReader):
     # --------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id=None) -> None:
         """DCP: start a load; ``checkpoint_id`` (when given) replaces the path."""
-        if checkpoint_id is not None:
+        if checkpoint_id is not None and str(checkpoint_id) != self.path:
             self.path = str(checkpoint_id)
+            self._given_repair = None  # it was of another directory
         self.manifest = None
-        self._repaired = False
+        self._local = None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         """DCP: the committed manifest (fastest tier holding a valid one) as DCP's ``Metadata``;
-        with ``node_local``, once every node's directory was made whole (``_repair``)."""
-        self._repair()
+        with ``node_local``, once every node holds the manifest (``NodeLocalLoad``)."""
+        if self._given_repair is not None:
+            self._local = NodeLocalLoad(self._given_repair)
+        elif self.node_local:
+            self._local = NodeLocalLoad.of(self._tiers(every=True)[0], self.process_group, self.node, self.save_id)
+        if self._local is not None:
+            self._local.before_manifest()
         self.manifest = self._load_manifest()
         with paused_gc():
             return manifest_to_metadata(self.manifest, self.path)
@@ -208,22 +217,6 @@ class DataStatesReader(StorageReader):
         tiers += [StorageTier(u, self.fallback_options) for u in self.fallback]
         return tiers if every else [t for t in tiers if t.url not in self._skip]
 
-    def _repair(self) -> None:
-        """``node_local`` (once per load, every rank, a collective over ``process_group``): copy
-        to this node's directory what it lacks of the save (the manifest, the files it lists),
-        from other nodes' copies whose bytes match the digests recorded when they were
-        replicated (``DataStatesWriter(replicas=K)``, ``tiers/replica_repair.py``)."""
-        if not self.node_local or self._repaired:
-            return
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("node_local=True gathers copies over torch.distributed: call "
-                             "dist.init_process_group first")
-        self._repaired = True
-        tier = self._tiers(every=True)[0]
-        if not repair(shared_replicator(None, self.process_group, self.node), tier, tier.url, self.save_id):
-            log.warning("%s: some files have no good copy on any node; the load reads them from the "
-                        "fallback tiers or fails naming them", tier.url)
-
     def _load_manifest(self) -> Manifest:
         errors: list[Exception] = []
         every = self._tiers(every=True)
@@ -251,6 +244,8 @@ class DataStatesReader(StorageReader):
         m = self.manifest or self._load_manifest()
         self.manifest = m
         stats = self.stats = ReadStats()
+        if self._local is not None:
+            self._local.before_reads(m, plan.items)
         coop = self._cooperation(plan)
         try:
             tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]

@@ -1,7 +1,7 @@
 """``NodeCopies``: what ``Checkpointer`` does per node when its first tier is node-local: the
 manifest the coordinator committed on its own node committed here too, with ``replicas`` this
 rank's files of each step sent on to its peers' nodes (``tiers/replicas.py``), and before a
-restore this node's directory of the step repaired from the others
+restore this node's directory of the step given what its ranks read from the others
 (``tiers/replica_repair.py``)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .tiers import StorageTier
 from .tiers.base_lock import BaseHold
 from .tiers.manifests import load_manifest, manifest_head
 from .tiers.replica_records import read_record
-from .tiers.replica_repair import repair
+from .tiers.replica_repair import NodeRepair
 from .tiers.replicas import CommittedSave, commit_on_node
 from .tiers.replicator import Replicator
 
@@ -148,7 +148,8 @@ class NodeCopies:
                 ok = False
         return ok
 
-    def repair(self, step: int, save_id: str | None) -> bool:
-        """Before restoring ``step``: whether this node (and every other) holds a good copy of
-        each of its files, after the repair (``repair``); True without replicas."""
-        return True if self.replicator is None else repair(self.replicator, self.tier_of(step), f"step {step}", save_id)
+    def repair(self, step: int, save_id: str | None) -> NodeRepair | None:
+        """Before restoring ``step``: the repair of this node's directory of it, which the
+        load's reader finishes once its ranks know what they read (``NodeRepair``); None
+        without replicas."""
+        return None if self.replicator is None else NodeRepair(self.replicator, self.tier_of(step), f"step {step}", save_id)

@@ -1,19 +1,31 @@
-"""Before a restore from node-local copies: every node's directory of the step made whole
-(``repair``), from copies on other nodes whose bytes match the digests recorded when they were
-replicated (``replicas.py``).  A collective over the replicator's group: one rank per node
-hashes what its node holds and receives what it lacks."""
+"""Before a restore from node-local copies: each node's directory of the step given what its
+ranks read, from copies on other nodes whose bytes match the digests recorded when they were
+replicated (``replicas.py``).  Collectives over the replicator's group, in two steps:
+
+1. ``NodeRepair.survey`` (before the manifest is read): one rank per node lists what its node
+   holds of the save (names and sizes, no file read but the manifest); a node without the
+   manifest receives it; the answer is whether every file the manifest lists is held, at its
+   size, on some node.
+2. ``NodeRepair.fetch`` (once each rank knows its load plan, ``loading/node_local.py``): each node
+   hashes the files its ranks read that it holds, checks them against their recorded digests,
+   and receives those it lacks or holds damaged, each from a node that holds it.  A node never
+   receives a file its ranks do not read: a node lost from a large job is given back its share,
+   not the whole checkpoint."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import xxhash
 
 from ..errors import CheckpointError
-from ..format.names import MANIFEST_NAME, data_file_save_id
+from ..format.names import MANIFEST_NAME, data_file_save_id, rank_file_of, replica_record_name
+from ..format.replica_record import ReplicaRecord
 from .manifests import load_manifest, manifest_head
 from .replica_records import records_in
 from .replicas import PIECE, Landing, piece_buffer
@@ -24,23 +36,82 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Holding:
-    """A file one node holds for a step: its size and the xxh3-128 of its bytes, and whether
-    that digest matches the one recorded when the file was replicated."""
+class Listing:
+    """What one node holds of a save: each step file's size, the digests its replica records
+    give (its own files' and those it holds for others), and its manifest's digest."""
 
+    sizes: dict[str, int]
+    recorded: dict[str, str]
+    manifest: str | None
+
+
+_NOTHING = Listing({}, {}, None)
+
+
+@dataclass(frozen=True)
+class Move:
+    """One file sent from one node's first rank to another's (group positions)."""
+
+    name: str
+    src: int
+    dst: int
     size: int
-    digest: str
-    vouched: bool
 
 
-def _inventory(tier: StorageTier, save_id: str) -> dict[str, Holding]:
-    """The step files of ``save_id`` in ``tier`` (data files, parts, the manifest), each hashed
-    and checked against the digests the replica records there give."""
+@dataclass
+class Survey:
+    """What every rank knows after ``NodeRepair.survey``: each node's listing, the files the
+    save's manifest lists (name -> size, earlier checkpoints' left out) and the recorded
+    digests of all nodes."""
+
+    listings: dict[str, Listing]
+    files: dict[str, int]
+    world: int  # the ranks that saved it
+    recorded: dict[str, str] = field(default_factory=dict)
+
+    def writers(self) -> dict[int, set[str]]:
+        """The files each rank wrote (its data files and metadata part)."""
+        out: dict[int, set[str]] = defaultdict(set)
+        for name in self.files:
+            got = rank_file_of(name)
+            if got is not None:
+                out[got[0]].add(name)
+        return out
+
+    def entry(self, name: str) -> list:
+        """``name`` as a replica record lists it: [size, recorded digest or ""]."""
+        return [self.files[name], self.recorded.get(name, "")]
+
+    def holders(self, name: str) -> list[str]:
+        """The nodes holding ``name`` at the size the manifest gives."""
+        size = self.files.get(name)
+        return sorted(n for n, x in self.listings.items() if x.sizes.get(name) == size)
+
+
+def _digest(tier: StorageTier, name: str) -> str | None:
+    """The xxh3-128 of file ``name`` of ``tier``; None where it cannot be read."""
+    h = xxhash.xxh3_128()
+    at = 0
+    buf = bytearray(PIECE)
+    try:
+        while True:
+            n = tier.read_into(name, at, buf)
+            h.update(memoryview(buf)[:n])
+            at += n
+            if n < len(buf):
+                return h.hexdigest()
+    except (OSError, CheckpointError) as e:
+        log.warning("%s/%s cannot be read for the replica check: %s", tier.url, name, e)
+        return None
+
+
+def _listing(tier: StorageTier, save_id: str) -> Listing:
+    """``tier``'s files of ``save_id`` (data files, parts, the manifest) and recorded digests."""
     try:
         names = tier.listdir()
         recs = records_in(tier, save_id)
     except OSError:
-        return {}
+        return _NOTHING
     recorded: dict[str, str] = {}
     for rec in recs:
         for f, v in rec.sent.items():
@@ -48,125 +119,218 @@ def _inventory(tier: StorageTier, save_id: str) -> dict[str, Holding]:
                 recorded[f] = v[1]
         for files in rec.held.values():
             for f, v in files.items():
-                recorded[f] = v[1]
-    out = {}
+                if len(v) > 1 and v[1]:
+                    recorded[f] = v[1]
+    sizes: dict[str, int] = {}
     for name in names:
-        if name != MANIFEST_NAME and data_file_save_id(name) != save_id:
-            continue
-        h = xxhash.xxh3_128()
-        size = 0
-        buf = bytearray(PIECE)
-        try:
-            while True:
-                n = tier.read_into(name, size, buf)
-                h.update(memoryview(buf)[:n])
-                size += n
-                if n < len(buf):
-                    break
-        except (OSError, CheckpointError) as e:
-            log.warning("%s/%s cannot be read for the replica check: %s", tier.url, name, e)
-            continue
-        digest = h.hexdigest()
-        out[name] = Holding(size, digest, recorded.get(name) == digest)
-    return out
-
-
-def repair(rep: Replicator, tier: StorageTier, label: str, save_id: str | None) -> bool:
-    """Before a restore of a step (``label`` in the log; a collective over the replicator's group): make every
-    node's directory ``tier`` of the step hold the manifest and every file it lists, copied from
-    a node whose copy matches its recorded digest.  Returns whether every file the manifest
-    lists is on every node; False when some file has no good copy left (the caller then reads
-    a slower tier or an older step).  ``save_id``: the save to repair (None: the newest any
-    node holds)."""
-    names, ranks = rep.peers.nodes.layout()
-    mine = rep.peers.nodes.nodes[rep.peers.me]
-    leader = ranks[mine][0] == rep.peers.me  # one rank per node hashes and receives
-    inv = {}
-    if save_id is None:
-        heads: list = [None] * len(rep.peers.ranks)
-        local = manifest_head(tier) if leader else None
-        dist.all_gather_object(heads, local, group=rep.group)
-        found = [h for h in heads if h is not None]
-        if not found:
-            return False
-        save_id = max(found, key=lambda h: (h.created_unix, h.save_id)).save_id
-    if leader:
-        inv = _inventory(tier, str(save_id))
-    views: list = [None] * len(rep.peers.ranks)
-    dist.all_gather_object(views, (mine, inv) if leader else None, group=rep.group)
-    per_node = {v[0]: v[1] for v in views if v is not None}
-    manifest = [(n, h) for n, h in per_node.items() if MANIFEST_NAME in h]
-    if not manifest:
-        return False
-    # the manifest: from the node whose copy most nodes share (every node committed the same bytes)
-    counts: dict[str, int] = {}
-    for _n, h in manifest:
-        counts[h[MANIFEST_NAME].digest] = counts.get(h[MANIFEST_NAME].digest, 0) + 1
-    want_manifest = max(counts, key=lambda d: (counts[d], d))
-    # only to nodes that lost theirs: a node's committed manifest of another save is never replaced
-    _transfer(rep, tier, {n: h for n, h in per_node.items()}, ranks, {MANIFEST_NAME: want_manifest}, label,
-              skip=lambda node: MANIFEST_NAME in per_node.get(node, {}))
-    m = None
-    if leader:
-        try:
-            m = load_manifest(tier)
-        except (CheckpointError, OSError) as e:  # none came: this node's ranks will read elsewhere or fail
-            log.warning("%s: no readable manifest on this node after the repair: %s", label, e)
-    need = sorted(n for n in (m.files if m is not None else {}) if n not in m.homes) if m is not None else []
-    lists: list = [None] * len(rep.peers.ranks)
-    dist.all_gather_object(lists, need if leader else None, group=rep.group)
-    need = sorted({n for x in lists if x for n in x})
-    good: dict[str, str] = {}
-    for n in need:
-        vouched = {h[n].digest for h in per_node.values() if n in h and h[n].vouched}
-        if len(vouched) == 1:
-            good[n] = vouched.pop()
-    lost = [n for n in need if n not in good]
-    _transfer(rep, tier, per_node, ranks, good, label)
-    if lost:
-        log.warning("%s: no good copy of %d file(s) on any node (first: %s); reading them from a "
-                    "slower tier if one holds the step", label, len(lost), lost[0])
-    return not lost
-
-
-def _transfer(rep: Replicator, tier: StorageTier, per_node: dict[str, dict[str, Holding]],
-              ranks: dict[str, list[int]], files: dict[str, str], label: str, skip=None) -> None:
-    """Copy each of ``files`` (name -> digest) to every node whose leader lacks a copy with that
-    digest (and that ``skip(node)`` does not exclude), from a node that has one; every rank walks
-    the same list in the same order."""
-    moves = []
-    for name in sorted(files):
-        holders = sorted(n for n, h in per_node.items() if name in h and h[name].digest == files[name])
-        if not holders:
-            continue
-        for i, node in enumerate(sorted(ranks)):
-            h = per_node.get(node, {})
-            if (name in h and h[name].digest == files[name]) or (skip is not None and skip(node)):
+        if name == MANIFEST_NAME or data_file_save_id(name) == save_id:
+            try:
+                sizes[name] = tier.size(name)
+            except OSError:
                 continue
-            src = holders[i % len(holders)]
-            moves.append((name, ranks[src][0], ranks[node][0], per_node[src][name].size))
-    me = rep.peers.me
-    for name, src, dst, size in moves:
-        if me not in (src, dst):
-            continue
-        peer = rep.peers.ranks[dst if me == src else src]
-        if me == src:
-            _send_file(rep.group, tier, name, size, peer)
-        else:
-            ok = _recv_file(rep.group, tier, name, size, peer, files[name])
-            log.log(logging.INFO if ok else logging.WARNING, "%s: %s %s from rank %d", label,
-                    "restored" if ok else "could not restore", name, src)
+    manifest = _digest(tier, MANIFEST_NAME) if MANIFEST_NAME in sizes else None
+    return Listing(sizes, recorded, manifest)
+
+
+class NodeRepair:
+    """The repair of this node's directory ``tier`` of one save before a load (``label`` in the
+    log; ``save_id`` None: the newest save any node holds).  Every rank of the replicator's
+    group calls ``survey`` and then ``fetch``, in that order."""
+
+    def __init__(self, rep: Replicator, tier: StorageTier, label: str, save_id: str | None) -> None:
+        self.rep, self.tier, self.label, self.save_id = rep, tier, label, save_id
+        _names, self.ranks = rep.peers.nodes.layout()
+        self.node = rep.peers.nodes.nodes[rep.peers.me]
+        self.leader = self.ranks[self.node][0] == rep.peers.me  # one rank per node lists, hashes, receives
+        self._survey: Survey | None = None
+        self._complete: bool | None = None
+
+    def _gather(self, obj) -> list:
+        got: list = [None] * len(self.rep.peers.ranks)
+        dist.all_gather_object(got, obj, group=self.rep.group)
+        return got
+
+    def survey(self) -> bool:
+        """Step 1 (once; a collective): the manifest where a node lacks it; whether every file
+        it lists is held at its size on some node (False: the caller reads a slower tier or an
+        older step)."""
+        if self._complete is not None:
+            return self._complete
+        self._complete = False
+        if self.save_id is None:
+            heads = [h for h in self._gather(manifest_head(self.tier) if self.leader else None) if h is not None]
+            if not heads:
+                return False
+            self.save_id = max(heads, key=lambda h: (h.created_unix, h.save_id)).save_id
+        mine = _listing(self.tier, str(self.save_id)) if self.leader else None
+        listings = {v[0]: v[1] for v in self._gather((self.node, mine) if self.leader else None) if v is not None}
+        counts: dict[str, int] = {}
+        for x in listings.values():
+            if x.manifest is not None:
+                counts[x.manifest] = counts.get(x.manifest, 0) + 1
+        if not counts:
+            return False
+        # the manifest: the copy most nodes share (every node committed the same bytes), only to
+        # nodes that lack one: a node's committed manifest of another save is never replaced
+        want = max(counts, key=lambda d: (counts[d], d))
+        holders = sorted(n for n, x in listings.items() if x.manifest == want)
+        moves = [Move(MANIFEST_NAME, self.ranks[holders[i % len(holders)]][0], self.ranks[n][0],
+                      listings[holders[0]].sizes[MANIFEST_NAME])
+                 for i, n in enumerate(sorted(self.ranks)) if MANIFEST_NAME not in listings.get(n, _NOTHING).sizes]
+        self._transfer(moves, {MANIFEST_NAME: want})
+        files = None
+        if self.leader:
+            try:
+                m = load_manifest(self.tier)
+                files = ({n: s for n, s in m.files.items() if n not in m.homes}, m.world_size)
+            except (CheckpointError, OSError) as e:  # none came: this node's ranks read elsewhere or fail
+                log.warning("%s: no readable manifest on this node after the repair: %s", self.label, e)
+        lists = [x for x in self._gather(files) if x is not None]
+        merged = {n: s for x, _w in lists for n, s in x.items()}
+        recorded = {f: d for x in listings.values() for f, d in x.recorded.items()}
+        self._survey = Survey(listings, merged, max((w for _x, w in lists), default=0), recorded)
+        lost = sorted(n for n in merged if not self._survey.holders(n))
+        if lost:
+            log.warning("%s: %d file(s) on no node (first: %s); reading them from a slower tier if one "
+                        "holds the step", self.label, len(lost), lost[0])
+        self._complete = bool(lists) and not lost
+        return self._complete
+
+    def fetch(self, needs: Iterable[str] | None) -> bool:
+        """Step 2 (a collective): this node given the files its ranks read (``needs``: this
+        rank's; None: it reads nothing from this node, or could not tell) and, with replicas,
+        its place among them (``_places``), each checked against its recorded digest.  Returns
+        whether every node holds every file its ranks read."""
+        s = self._survey
+        if s is None:
+            raise RuntimeError("NodeRepair.fetch before survey")
+        per_node: dict[str, set[str]] = self._places(s)
+        for pos, got in enumerate(self._gather(sorted(needs) if needs is not None else None)):
+            if got:
+                per_node[self.rep.peers.nodes.nodes[pos]].update(n for n in got if n in s.files)
+        lacking: list[str] = []
+        if self.leader:  # what this node holds of its needs, hashed; a file no record vouches for stays
+            for name in sorted(per_node[self.node]):
+                if s.listings.get(self.node, _NOTHING).sizes.get(name) != s.files[name]:
+                    lacking.append(name)
+                elif name in s.recorded and _digest(self.tier, name) != s.recorded[name]:
+                    log.warning("%s: this node's copy of %s does not match its recorded digest", self.label, name)
+                    lacking.append(name)
+        tried: dict[tuple[str, str], set[str]] = {}
+        first: dict[str, list[str]] | None = None
+        while True:
+            want = {v[0]: v[1] for v in self._gather((self.node, lacking) if self.leader else None) if v is not None}
+            first = want if first is None else first
+            bad = {(n, f) for n, fs in first.items() for f in fs}  # a node's own copy is no source when bad
+            moves = []
+            for node in sorted(want):
+                for name in want[node]:
+                    seen = tried.setdefault((node, name), set())
+                    src = [h for h in s.holders(name) if (h, name) not in bad and h not in seen]
+                    if name not in s.recorded or not src:
+                        continue
+                    pick = src[len(moves) % len(src)]
+                    seen.add(pick)
+                    moves.append(Move(name, self.ranks[pick][0], self.ranks[node][0], s.files[name]))
+            if not moves:
+                break
+            got = self._transfer(moves, s.recorded)
+            lacking = [f for f in lacking if f not in got]
+        read = {n: {f for f in fs if f in s.files} for n, fs in per_node.items()}
+        missing = sorted(f for n, fs in want.items() for f in fs if f in read[n])
+        if missing:
+            log.warning("%s: %d file(s) have no good copy on any node (first: %s)", self.label, len(missing), missing[0])
+        if self._places_known(s):
+            now = {n: {f for f, z in x.sizes.items() if s.files.get(f) == z} for n, x in s.listings.items()}
+            for n in per_node:
+                now[n] = (now.get(n, set()) - set(first.get(n, ()))) | (per_node[n] - set(want.get(n, ())))
+            self._record(s, now)
+        return not missing
+
+    def _places_known(self, s: Survey) -> bool:
+        """Whether the save was made by this group's ranks with replicas (its places known)."""
+        p = self.rep.peers
+        return bool(p.replicas) and s.world == len(p.ranks)
+
+    def _places(self, s: Survey) -> dict[str, set[str]]:
+        """Each node's files by its place: with replicas, on the save's ranks, those of its own
+        ranks and those it holds for the ranks whose replicas it keeps, so that a replaced node
+        is given back its files and its copies of others', not the whole step."""
+        out: dict[str, set[str]] = {n: set() for n in self.ranks}
+        if not self._places_known(s):
+            return out
+        p = self.rep.peers
+        member = {g: i for i, g in enumerate(p.ranks)}
+        for rank, files in s.writers().items():
+            if rank in member:
+                i = member[rank]
+                out[p.nodes.nodes[i]] |= files
+                for k in range(1, p.replicas + 1):
+                    out[p.nodes.nodes[p.nodes.peer(i, k)]] |= files
+        return out
+
+    def _record(self, s: Survey, now: dict[str, set[str]]) -> None:
+        """A rank whose replica record of the save is gone (its node replaced) writes it anew
+        from what the nodes hold after the repair: its files with their recorded digests, the
+        peers whose nodes hold them all, the files it holds for the ranks it keeps copies of.
+        A file no record vouched for is recorded without a digest (never a source)."""
+        p, save = self.rep.peers, str(self.save_id)
+        name = replica_record_name(p.rank, save)
+        try:
+            if self.tier.exists(name):
+                return
+            of = s.writers()
+            mine = of.get(p.rank, set())
+            confirmed = [p.ranks[q] for k in range(1, p.replicas + 1)
+                         if mine <= now.get(p.nodes.nodes[q := p.nodes.peer(p.me, k)], set())]
+            held = {}
+            for k in range(1, p.replicas + 1):
+                src = p.ranks[p.nodes.sender(p.me, k)]
+                held[src] = {f: s.entry(f) for f in sorted(of.get(src, set()) & now.get(self.node, set()))}
+            rec = ReplicaRecord(p.rank, save, p.wanted, {f: s.entry(f) for f in sorted(mine)}, confirmed, held)
+            self.tier.commit_bytes(name, rec.to_bytes())
+        except (OSError, CheckpointError) as e:  # the copies stay; a later repair vouches for fewer
+            log.warning("%s: rank %d's replica record could not be written again: %s", self.label, p.rank, e)
+
+    def _transfer(self, moves: list[Move], digests: dict[str, str]) -> set[str]:
+        """Send each of ``moves`` (every rank walks the same list in the same order); the names
+        this rank received and kept."""
+        me, kept = self.rep.peers.me, set()
+        for mv in moves:
+            if me not in (mv.src, mv.dst):
+                continue
+            peer = self.rep.peers.ranks[mv.dst if me == mv.src else mv.src]
+            if me == mv.src:
+                _send_file(self.rep.group, self.tier, mv.name, mv.size, peer)
+                continue
+            ok = _recv_file(self.rep.group, self.tier, mv.name, mv.size, peer, digests[mv.name])
+            if ok:
+                kept.add(mv.name)
+            log.log(logging.INFO if ok else logging.WARNING, "%s: %s %s from rank %d", self.label,
+                    "restored" if ok else "could not restore", mv.name, self.rep.peers.ranks[mv.src])
+        return kept
 
 
 def _send_file(group, tier: StorageTier, name: str, size: int, peer: int) -> None:
+    """Send ``size`` bytes of ``name`` and their digest; a file that cannot be read goes as
+    zeros with a digest of zeros, which its receiver drops (and neither side waits)."""
     buf = torch.empty(PIECE, dtype=torch.uint8)
     h = xxhash.xxh3_128()
+    ok = True
     for a in range(0, size, PIECE):
         n = min(PIECE, size - a)
-        tier.read_into(name, a, buf[:n].numpy())
+        if ok:
+            try:
+                tier.read_into(name, a, buf[:n].numpy())
+            except (OSError, CheckpointError) as e:
+                log.warning("%s/%s cannot be read to send to rank %d: %s", tier.url, name, peer, e)
+                ok = False
+        if not ok:
+            buf[:n].zero_()
         h.update(buf[:n].numpy().data)
         dist.send(buf[:n], peer, group=group)
-    dist.send(torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8), peer, group=group)
+    tail = h.digest() if ok else bytes(16)
+    dist.send(torch.frombuffer(bytearray(tail), dtype=torch.uint8), peer, group=group)
 
 
 def _recv_file(group, tier: StorageTier, name: str, size: int, peer: int, digest: str) -> bool:

@@ -1,0 +1,100 @@
+"""A load from a node's own directory (``DataStatesReader(node_local=True)``, and
+``Checkpointer`` with replicas): the repair's two steps (``tiers/replica_repair.py``) around
+DCP's calls, and the stored files a rank's plan reads, which is what its node is given.
+
+A chunk's record may be in a metadata part the node lacks, so the files are found from the
+index alone: a record the manifest holds names its files; one in rank ``w``'s part (the index
+says which rank, ``ChunkTable.writer_at``) stands for ``w``'s part and every data file ``w``
+wrote in the save, the only files that part can name besides earlier checkpoints'."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from ..format.model import Chunk, Manifest
+from ..format.names import rank_file_of
+from ..tiers.replica_repair import NodeRepair
+from ..tiers.replicator import shared_replicator
+from ..tiers.storage import StorageTier
+
+log = logging.getLogger(__name__)
+
+
+class NodeLocalLoad:
+    """One load's repair of this node's directory, as the reader drives it: ``before_manifest``
+    (the survey: a collective in ``read_metadata``), then ``before_reads`` (this node given
+    what its ranks read: a collective at the start of ``read_data``)."""
+
+    def __init__(self, repair: NodeRepair) -> None:
+        self.repair = repair
+
+    @classmethod
+    def of(cls, tier: StorageTier, process_group=None, node: str | None = None,
+           save_id: str | None = None) -> "NodeLocalLoad":
+        """The load of ``tier``, this node's directory, repaired over the replica group of
+        ``process_group``'s ranks (made here if this process has none: a collective)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("node_local=True gathers copies over torch.distributed: call "
+                             "dist.init_process_group first")
+        return cls(NodeRepair(shared_replicator(None, process_group, node), tier, tier.url, save_id))
+
+    def before_manifest(self) -> None:
+        if not self.repair.survey():
+            log.warning("%s: some files are on no node; the load reads them from the fallback tiers or "
+                        "fails naming them", self.repair.tier.url)
+
+    def before_reads(self, m: Manifest, items: Iterable[ReadItem]) -> None:
+        """A rank whose plan names what the manifest lacks asks for nothing and fails when it
+        reads, naming the record; it still takes part."""
+        try:
+            needs: set[str] | None = files_read(m, items)
+        except Exception as e:  # noqa: BLE001 - logged; the collective must not be skipped
+            log.warning("%s: the files this rank reads could not be told before the load (%s)",
+                        self.repair.tier.url, e)
+            needs = None
+        self.repair.fetch(needs)
+
+
+def chunk_files(chunk: Chunk) -> set[str]:
+    """The files a record's bytes are in (its extent, or its provider parts')."""
+    out = set(chunk.extent.files()) if chunk.extent is not None else set()
+    for _path, _size, ext in chunk.parts.values():
+        out.update(ext.files())
+    return out
+
+
+def files_read(m: Manifest, items: Iterable[ReadItem]) -> set[str]:
+    """The files of ``m``'s own save (its ``files`` less its ``homes``) that loading ``items``
+    reads.  A record this rank cannot find adds nothing (the read raises, naming it)."""
+    out: set[str] = set()
+    writers: set[int] = set()
+    for ri in items:
+        fqn = ri.storage_index.fqn
+        if ri.type == LoadItemType.BYTE_IO:
+            v = m.values.get(fqn)
+            if v is not None and v.node is not None:  # a registered type: its parts' files
+                out |= chunk_files(v.node)
+            continue
+        entry = m.tensors.get(fqn)
+        if entry is None:
+            continue
+        key = tuple(ri.storage_index.offset) if ri.storage_index.offset is not None else ()
+        w = entry.writer_at(ri.storage_index.index, key)
+        if w is not None:
+            writers.add(w)
+        elif (chunk := entry.record_at(ri.storage_index.index, key)) is not None:
+            out |= chunk_files(chunk)
+    if writers:
+        by_rank: dict[int, set[str]] = defaultdict(set)
+        for name in m.files:
+            got = rank_file_of(name)
+            if got is not None:
+                by_rank[got[0]].add(name)
+        for w in writers:
+            out |= by_rank.get(w, set())
+    return {n for n in out if n in m.files and n not in m.homes}
