@@ -73,12 +73,12 @@ def _tiers(base: str, node: int, pfs: bool) -> list[str]:
     return [here, os.path.join(base, "pfs")] if pfs else [here]
 
 
-def _train_and_save(rank, world, base, pfs):
+def _train_and_save(rank, world, base, pfs, replicas=1):
     """Train 5 steps with an async save after each; once step 5 is replicated, SIGKILL."""
     node, n_nodes = rank // PER_NODE, world // PER_NODE
     model, opt = _model(world)
     pg = dist.new_group(backend="gloo")  # async saves: a group of their own, apart from training's
-    ckpt = Checkpointer(_tiers(base, node, pfs), node_local=True, persist_every=3, replicas=1,
+    ckpt = Checkpointer(_tiers(base, node, pfs), node_local=True, persist_every=3, replicas=replicas,
                         node=f"n{node}", process_group=pg)
     ckpt.register_step_pre_hook(opt)
     for step in range(1, 6):
@@ -103,7 +103,8 @@ def _train_and_save(rank, world, base, pfs):
     records = {replica_record_of(n)[0] for n in here if replica_record_of(n)}
     assert records == {node * PER_NODE + i for i in range(PER_NODE)}, here
     writers = {int(n[6:11]) for n in here if n.startswith("data-r")}
-    assert writers == {r for r in range(world) if r // PER_NODE in (node, (node - 1) % n_nodes)}, here
+    assert writers == {r for r in range(world)
+                       if r // PER_NODE in {(node - k) % n_nodes for k in range(replicas + 1)}}, here
     if rank == 0 and n_nodes == 2:  # inspect says where the copies are (with more nodes, a node's
         # directory lacks other ranks' parts, which inspect of a format 4 step reads)
         from tests.test_cli import cli
@@ -116,16 +117,19 @@ def _train_and_save(rank, world, base, pfs):
     os.kill(os.getpid(), signal.SIGKILL)  # the job dies: no close, no teardown
 
 
-def _killed(world: int, base: str, pfs: bool) -> None:
+def _killed(world: int, base: str, pfs: bool, replicas: int = 1) -> None:
     with pytest.raises(AssertionError, match=r"exited with codes \[" + ", ".join(["-9"] * world) + r"\]"):
-        run_ranks(world, _train_and_save, base, pfs)
+        run_ranks(world, _train_and_save, base, pfs, replicas)
 
 
-def _restore(rank, world, base, pfs, expect, nodes=None):
-    """Restart on ``world`` ranks, rank ``r`` on node ``nodes[r // 2]`` (default: ``r // 2``)."""
+def _restore(rank, world, base, pfs, expect, nodes=None, replicas=1, setup=None):
+    """Restart on ``world`` ranks, rank ``r`` on node ``nodes[r // 2]`` (default: ``r // 2``);
+    ``setup(node, base)`` first, in the rank's process."""
     node = (nodes or list(range(world // PER_NODE)))[rank // PER_NODE]
+    if setup is not None:
+        setup(node, base)
     model, opt = _model(world)
-    ckpt = Checkpointer(_tiers(base, node, pfs), node_local=True, persist_every=3, replicas=1,
+    ckpt = Checkpointer(_tiers(base, node, pfs), node_local=True, persist_every=3, replicas=replicas,
                         node=f"n{node}", process_group=dist.new_group(backend="gloo"))
     sd = _state(model, opt)
     got = ckpt.load(sd)
@@ -177,6 +181,51 @@ def test_a_corrupt_copy_is_replaced_by_a_good_replica(tmp_path):
     _flip_middle(os.path.join(step, bad))
     run_ranks(4, _restore, base, False, 5)
     with open(os.path.join(step, bad), "rb") as a, open(os.path.join(base, "node1", "step-5", bad), "rb") as b:
+        assert a.read() == b.read()
+
+
+def _second_read_damaged(node: int, base: str) -> None:
+    """Storage on nodes 0 and 2 whose copy of rank 2's data file of step 5 reads back damaged
+    once it was read whole (a device returning other bytes the second time), in the first of
+    their processes to read it again only."""
+    if node not in (0, 2):
+        return
+    real, whole, mine = StorageTier.read_into, set(), []
+
+    def read_into(self, name, offset, buf, **kw):
+        got = real(self, name, offset, buf, **kw)
+        if not (name.startswith("data-r00002-") and self.url.endswith("step-5")):
+            return got
+        if self.url in whole and got and (mine or _first(os.path.join(base, "damaged"))):
+            mine.append(name)
+            buf[0] ^= 0xFF
+        elif got < len(buf):
+            whole.add(self.url)
+        return got
+
+    StorageTier.read_into = read_into
+
+
+def _first(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def test_a_replica_that_arrives_damaged_is_fetched_again_from_another_node(tmp_path):
+    """3 nodes, 2 replicas: node 1 is lost, and the first node asked for rank 2's data file
+    sends it damaged (its checks passed a moment before); the replacement drops that copy
+    and asks the other holder, then loads step 5 bit-exact."""
+    base = str(tmp_path)
+    _killed(3 * PER_NODE, base, False, replicas=2)
+    shutil.rmtree(os.path.join(base, "node1"))
+    run_ranks(3 * PER_NODE, _restore, base, False, 5, None, 2, _second_read_damaged)
+    assert os.path.exists(os.path.join(base, "damaged"))  # a damaged copy was sent
+    step = os.path.join(base, "node1", "step-5")
+    name = next(n for n in os.listdir(step) if n.startswith("data-r00002-"))
+    with open(os.path.join(step, name), "rb") as a, open(os.path.join(base, "node2", "step-5", name), "rb") as b:
         assert a.read() == b.read()
 
 
