@@ -405,6 +405,46 @@ def test_retention_removes_old_steps_with_their_replicas(tmp_path):
     run_ranks(4, _kept, str(tmp_path))
 
 
+def _neighbour_purges(rank, world, base):
+    """Rank 1's replication of step 1 is slow (its storage holds the reads of its data file
+    until rank 0 says go); meanwhile rank 0, on the same node, saves step 2 and its retention
+    (``keep=1``) passes over step 1.  Step 1 stays until rank 1 is done with it, its replicas
+    are complete, and a later pass removes it."""
+    os.environ[SENDER_ENV] = "thread"  # the wrapped storage below lives in this process
+    go = os.path.join(base, "go")
+    if rank == 1:
+        real = StorageTier.read_into
+
+        def read_into(self, name, offset, buf, **kw):
+            if name.startswith("data-r00001-") and self.url.endswith("node0/step-1"):
+                deadline = time.monotonic() + 30
+                while not os.path.exists(go) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            return real(self, name, offset, buf, **kw)
+        StorageTier.read_into = read_into
+    mesh = init_device_mesh("cpu", (world,))
+    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1, keep=1,
+                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
+                        async_mode=None)
+    for step in (1, 2):
+        ckpt.save(step, {"w": distribute_tensor(torch.full((64, 8), float(step)), mesh, [Shard(0)])})
+    if rank == 0:
+        ckpt.retention.join()  # its pass after step 2 is over
+        open(go, "w").close()
+    assert ckpt.wait_replicated(60)  # step 1 too: nothing removed it under rank 1's sends
+    dist.barrier()
+    ckpt.save(3, {"w": distribute_tensor(torch.full((64, 8), 3.0), mesh, [Shard(0)])})
+    ckpt.wait_replicated(60)
+    ckpt.close()
+    dist.barrier()
+    here = os.path.join(base, f"node{rank // PER_NODE}")
+    assert "step-1" not in os.listdir(here), os.listdir(here)  # a later pass removed it
+
+
+def test_a_step_a_neighbour_rank_still_replicates_is_not_purged_under_it(tmp_path):
+    run_ranks(4, _neighbour_purges, str(tmp_path))
+
+
 def _faulty_receiver(rank, world, base):
     """Rank 2 cannot store what it receives (a wrapped sink that fails, as a full disk would):
     it drops rank 0's copy and keeps receiving, so rank 0's step is degraded at once, not after

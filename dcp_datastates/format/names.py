@@ -14,6 +14,7 @@ MANIFEST_NAME = ".metadata"  # torchtitan discovers step-N/.metadata; this file 
 RANK_MANIFEST_PREFIX = ".manifest.rank-"  # use_collectives=False: one manifest per rank
 CLAIM_NAME = ".claim"  # held by the save writing this directory (tiers/claim.py)
 BASE_LOCK = ".base-lock"  # shared by saves that reference this step, exclusive to remove from it (tiers/base_lock.py)
+REPLICA_LOCK = ".replica-lock"  # shared by ranks replicating this step, exclusive to purge it (tiers/base_lock.py)
 RANK_CLAIM_PREFIX = ".claim.rank-"  # use_collectives=False: one claim per rank
 PURGED_MARK = ".purged"  # retention uncommitted this step (tiers/retention.py)
 PERSISTED_RECORD = ".persisted"  # which slower tiers committed their copy (for `inspect`)
@@ -164,5 +165,5 @@ def is_ours(name: str) -> bool:
     base = name.partition(TEMP_INFIX)[0]
     return (is_manifest_name(base) or data_file_save_id(base) is not None
             or marker_save_id(base) is not None or replica_record_of(base) is not None
-            or base in (PURGED_MARK, PERSISTED_RECORD, CLAIM_NAME, BASE_LOCK)
+            or base in (PURGED_MARK, PERSISTED_RECORD, CLAIM_NAME, BASE_LOCK, REPLICA_LOCK)
             or (base.startswith(RANK_CLAIM_PREFIX) and base[len(RANK_CLAIM_PREFIX):].isdigit()))

@@ -20,6 +20,12 @@ used by every path that removes a committed save's files (``tidy.py``, ``retenti
   node_local=True)``) the locks are let go by whoever commits the manifest on that node, once
   it did (``Replicator``, ``NodeCopies.hold_base``).
 
+* **Replicating.**  A purge (retention) also holds the step's replica lock (``.replica-lock``)
+  exclusive; every rank replicating the step holds it shared from the step's commit on its node
+  until its replication ends (``Replicator.submit``), so no rank of the node purges a step
+  another still sends or receives.  Replacing a save (``tidy``) does not take it: the
+  replaced save's replication is then cut short, as a superseded save's is.
+
 So a removal either comes before the save's reads (which then see what is left) or after its
 claim exists and then its commit (which protect what it references).  Nobody waits: the kernel
 lock is tried, not queued for.  A save that finds a removal under way writes in full; a removal
@@ -51,9 +57,11 @@ _PAUSE_S = 0.02
 
 
 class BaseHold:
-    """The shared base locks one rank's save holds on the directories it may reference."""
+    """The shared base locks one rank's save holds on the directories it may reference (or,
+    with ``name=REPLICA_LOCK``, the replica locks a rank holds on the steps it replicates)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = BASE_LOCK) -> None:
+        self.name = name
         self._held: dict[str, HeldLock] = {}
         self._lock = threading.Lock()  # uploads to several slower tiers take locks at once
 
@@ -66,7 +74,7 @@ class BaseHold:
                 return True
         if _foreign(tier):
             return True
-        path = tier.path(BASE_LOCK)
+        path = tier.path(self.name)
         for attempt in range(_TRIES):
             try:
                 held = tier.backend.try_lock(path, shared=True)
@@ -100,8 +108,8 @@ class BaseHold:
 
 
 @contextlib.contextmanager
-def removing(tier: StorageTier) -> Iterator[bool]:
-    """Hold ``tier``'s base lock exclusive while removing from it.  Yields False where a save
+def removing(tier: StorageTier, name: str = BASE_LOCK) -> Iterator[bool]:
+    """Hold ``tier``'s base lock (or lock ``name``) exclusive while removing from it.  Yields False where a save
     holds it shared now (it may reference any committed file there: remove none of them this
     time); True where held, and where the filesystem keeps no locks or the directory holds
     another format's checkpoint (which no removal of ours touches)."""
@@ -109,7 +117,7 @@ def removing(tier: StorageTier) -> Iterator[bool]:
         yield True
         return
     try:
-        held = tier.backend.try_lock(tier.path(BASE_LOCK))
+        held = tier.backend.try_lock(tier.path(name))
     except (LockUnsupported, FileNotFoundError):  # no locks kept; or no directory, nothing in it
         yield True
         return

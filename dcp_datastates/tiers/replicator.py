@@ -23,6 +23,7 @@ from typing import cast
 import torch.distributed as dist
 from torch.futures import Future as TorchFuture
 
+from ..format.names import REPLICA_LOCK
 from ..format.replica_record import ReplicaRecord
 from .base_lock import BaseHold
 from .replica_helper import HelperProcess, helper_possible
@@ -91,8 +92,20 @@ class Replicator:
 
     def submit(self, tier: StorageTier, step: int, save_id: str) -> Future:
         """Replicate this rank's files of ``save_id`` in ``tier`` (the step's node-local
-        directory, committed on every node); the future resolves to its ``ReplicaRecord``."""
-        return self._queue(lambda: self._work.replicate(tier, f"step {step}", save_id))
+        directory, committed on every node); the future resolves to its ``ReplicaRecord``.
+        From now until its replication ends the rank holds ``tier``'s replica lock shared, so
+        no purge of the node's directory, whichever rank runs it, removes the files it sends
+        and the copies it receives (``base_lock.py``: a purge skips a directory so held)."""
+        hold = BaseHold(REPLICA_LOCK)
+        if not hold.take(tier):
+            log.info("%s is being removed; its replicas may be cut short", tier.url)
+
+        def work() -> ReplicaRecord:
+            try:
+                return self._work.replicate(tier, f"step {step}", save_id)
+            finally:
+                hold.release()
+        return self._queue(work)
 
     def submit_save(self, save: SaveToReplicate) -> Future:
         """A plain writer's save (``SaveToReplicate``), queued when DCP asks this rank for its

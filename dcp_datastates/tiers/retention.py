@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 from ..errors import CheckpointError
 from ..format.model import Manifest
-from ..format.names import PURGED_MARK, STEP_DIR, is_manifest_name, is_ours
+from ..format.names import PURGED_MARK, REPLICA_LOCK, STEP_DIR, is_manifest_name, is_ours
 from .base_lock import removing
 from .claim import bases_in_flight, claimed
 from .manifests import manifest_is_ours
@@ -96,15 +96,19 @@ def purge_steps(run: StorageTier, drop: list[str], *,
 
 
 def _locked(run: StorageTier, name: str, held: contextlib.ExitStack) -> bool:
-    """Hold ``run/name``'s base lock exclusive for this pass; False where a save holds it
-    shared (it reads that step as its incremental base now)."""
+    """Hold ``run/name``'s base lock and replica lock exclusive for this pass; False where a
+    save holds the first shared (it reads that step as its incremental base now) or a rank
+    the second (it replicates that step now)."""
     t = _inside(run, name)
     if t is None:
         return True  # left alone below, with the reason
-    if held.enter_context(removing(t)):
-        return True
-    log.info("retention: %s is being read as the base of an incremental save; not purging it this pass", t.url)
-    return False
+    if not held.enter_context(removing(t)):
+        log.info("retention: %s is being read as the base of an incremental save; not purging it this pass", t.url)
+        return False
+    if not held.enter_context(removing(t, REPLICA_LOCK)):
+        log.info("retention: %s is being replicated; not purging it this pass", t.url)
+        return False
+    return True
 
 
 def _uncommit(run: StorageTier, drop: list[str], kinds: dict[str, str]) -> set[str]:
