@@ -15,6 +15,7 @@ replicated (``replicas.py``).  Collectives over the replicator's group, in two s
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -199,51 +200,68 @@ class NodeRepair:
     def fetch(self, needs: Iterable[str] | None) -> bool:
         """Step 2 (a collective): this node given the files its ranks read (``needs``: this
         rank's; None: it reads nothing from this node, or could not tell) and, with replicas,
-        its place among them (``_places``), each checked against its recorded digest.  Returns
-        whether every node holds every file its ranks read."""
+        its place among them (``_places``).  What its ranks read is hashed first and checked
+        against its recorded digest; a copy it keeps only for others is checked by size (a
+        node that receives it checks its digest).  The ranks of a node share the hashing and
+        the transfers (the ``i``-th file or move of a
+        node to its ``i``-th rank, modulo their number).  Returns whether every node holds
+        every file it was to hold."""
         s = self._survey
         if s is None:
             raise RuntimeError("NodeRepair.fetch before survey")
-        per_node: dict[str, set[str]] = self._places(s)
+        t0, hashed, received = time.perf_counter(), 0, 0
+        reads: dict[str, set[str]] = {n: set() for n in self.ranks}
         for pos, got in enumerate(self._gather(sorted(needs) if needs is not None else None)):
             if got:
-                per_node[self.rep.peers.nodes.nodes[pos]].update(n for n in got if n in s.files)
-        lacking: list[str] = []
-        if self.leader:  # what this node holds of its needs, hashed; a file no record vouches for stays
-            for name in sorted(per_node[self.node]):
-                if s.listings.get(self.node, _NOTHING).sizes.get(name) != s.files[name]:
-                    lacking.append(name)
-                elif name in s.recorded and _digest(self.tier, name) != s.recorded[name]:
-                    log.warning("%s: this node's copy of %s does not match its recorded digest", self.label, name)
-                    lacking.append(name)
+                reads[self.rep.peers.nodes.nodes[pos]].update(n for n in got if n in s.files)
+        places = self._places(s)
+        per_node = {n: reads[n] | places[n] for n in self.ranks}
+        mates = self.ranks[self.node]
+
+        def _hashed(name: str) -> str | None:
+            nonlocal hashed
+            hashed += s.files[name]
+            return _digest(self.tier, name)
+        lacking: list[str] = []  # of this rank's share of the node's list; what its ranks read, hashed
+        for name in sorted(per_node[self.node])[mates.index(self.rep.peers.me)::len(mates)]:
+            if s.listings.get(self.node, _NOTHING).sizes.get(name) != s.files[name]:
+                lacking.append(name)
+            elif name in reads[self.node] and name in s.recorded and _hashed(name) != s.recorded[name]:
+                log.warning("%s: this node's copy of %s does not match its recorded digest", self.label, name)
+                lacking.append(name)
+        want: dict[str, set[str]] = {n: set() for n in self.ranks}
+        for node, names in self._gather((self.node, lacking)):
+            want[node].update(names)
+        first = {n: set(fs) for n, fs in want.items()}  # a node's own copy is no source when bad
         tried: dict[tuple[str, str], set[str]] = {}
-        first: dict[str, list[str]] | None = None
         while True:
-            want = {v[0]: v[1] for v in self._gather((self.node, lacking) if self.leader else None) if v is not None}
-            first = want if first is None else first
-            bad = {(n, f) for n, fs in first.items() for f in fs}  # a node's own copy is no source when bad
             moves = []
             for node in sorted(want):
-                for name in want[node]:
+                for name in sorted(want[node]):
                     seen = tried.setdefault((node, name), set())
-                    src = [h for h in s.holders(name) if (h, name) not in bad and h not in seen]
+                    src = [h for h in s.holders(name) if name not in first[h] and h not in seen]
                     if name not in s.recorded or not src:
                         continue
-                    pick = src[len(moves) % len(src)]
+                    i = len(moves)
+                    pick = src[i % len(src)]
                     seen.add(pick)
-                    moves.append(Move(name, self.ranks[pick][0], self.ranks[node][0], s.files[name]))
+                    moves.append(Move(name, self.ranks[pick][i % len(self.ranks[pick])],
+                                      self.ranks[node][i % len(self.ranks[node])], s.files[name]))
             if not moves:
                 break
-            got = self._transfer(moves, s.recorded)
-            lacking = [f for f in lacking if f not in got]
-        read = {n: {f for f in fs if f in s.files} for n, fs in per_node.items()}
-        missing = sorted(f for n, fs in want.items() for f in fs if f in read[n])
+            kept = self._transfer(moves, s.recorded)
+            received += sum(s.files[n] for n in kept)
+            for node, names in self._gather((self.node, sorted(kept))):
+                want[node].difference_update(names)
+        missing = sorted(f for fs in want.values() for f in fs)
+        log.info("%s: rank %d hashed %.1f MiB and received %.1f MiB for this node in %.2f s", self.label,
+                 self.rep.peers.rank, hashed / 2**20, received / 2**20, time.perf_counter() - t0)
         if missing:
             log.warning("%s: %d file(s) have no good copy on any node (first: %s)", self.label, len(missing), missing[0])
         if self._places_known(s):
             now = {n: {f for f, z in x.sizes.items() if s.files.get(f) == z} for n, x in s.listings.items()}
             for n in per_node:
-                now[n] = (now.get(n, set()) - set(first.get(n, ()))) | (per_node[n] - set(want.get(n, ())))
+                now[n] = (now.get(n, set()) - first[n]) | (per_node[n] - want[n])
             self._record(s, now)
         return not missing
 
