@@ -163,6 +163,29 @@ def test_a_lost_node_is_restored_from_its_replicas_at_the_newest_step(tmp_path, 
         run_ranks((nodes - 1) * PER_NODE, _restore, base, pfs, 5, [n for n in range(nodes) if n != 2])
 
 
+def test_every_node_lost_restores_the_persisted_step(tmp_path):
+    """No node-local copy left anywhere: the repair finds nothing to repair and the restore
+    reads the persisted step (4) from the persistent tier."""
+    base = str(tmp_path)
+    _killed(4, base, True)
+    for node in (0, 1):
+        shutil.rmtree(os.path.join(base, f"node{node}"))
+    want = os.path.join(base, "want.pt")
+    os.remove(want)  # step 5's state: step 4 is what comes back, checked by its step value
+    run_ranks(4, _restore_persisted, base)
+
+
+def _restore_persisted(rank, world, base):
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    ckpt = Checkpointer(_tiers(base, node, True), node_local=True, persist_every=3, replicas=1,
+                        node=f"n{node}", process_group=dist.new_group(backend="gloo"))
+    sd = _state(model, opt)
+    assert ckpt.load(sd) == 4
+    assert sd["extra"]["step"] == 4
+    ckpt.close()
+
+
 def _flip_middle(path: str) -> None:
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)

@@ -203,12 +203,13 @@ class NodeRepair:
         its place among them (``_places``).  What its ranks read is hashed first and checked
         against its recorded digest; a copy it keeps only for others is checked by size (a
         node that receives it checks its digest).  The ranks of a node share the hashing and
-        the transfers (the ``i``-th file or move of a
-        node to its ``i``-th rank, modulo their number).  Returns whether every node holds
-        every file it was to hold."""
+        the transfers (the ``i``-th file or move of a node to its ``i``-th rank, modulo their
+        number).  Returns whether every node holds every file it was to hold; False at once
+        where the survey found no manifest on any node (every rank knows it alike: the load
+        then reads a slower tier)."""
         s = self._survey
         if s is None:
-            raise RuntimeError("NodeRepair.fetch before survey")
+            return False
         t0, hashed, received = time.perf_counter(), 0, 0
         reads: dict[str, set[str]] = {n: set() for n in self.ranks}
         for pos, got in enumerate(self._gather(sorted(needs) if needs is not None else None)):
