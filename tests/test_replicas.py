@@ -156,6 +156,10 @@ def test_a_lost_node_is_restored_from_its_replicas_at_the_newest_step(tmp_path, 
     # the tensors DCP's dedup gave it, which every rank reads)
     got = {n for n in os.listdir(os.path.join(base, "node1", "step-5")) if data_file_save_id(n)}
     assert {int(n[6:11]) for n in got} == {0, 1, 2, 3}, got
+    if nodes > 2:  # every node's copy still checks out: a node holds all the files of a rank or none
+        from tests.test_cli import cli
+        for n in range(nodes):
+            cli("verify", "--node-local", os.path.join(base, f"node{n}", "step-5"))
     if nodes > 2:  # its ranks' records again: a second node lost before the next save is restored too
         assert {replica_record_of(n)[0] for n in os.listdir(os.path.join(base, "node1", "step-5"))
                 if replica_record_of(n)} == {2, 3}

@@ -5,7 +5,8 @@ DCP's calls, and the stored files a rank's plan reads, which is what its node is
 A chunk's record may be in a metadata part the node lacks, so the files are found from the
 index alone: a record the manifest holds names its files; one in rank ``w``'s part (the index
 says which rank, ``ChunkTable.writer_at``) stands for ``w``'s part and every data file ``w``
-wrote in the save, the only files that part can name besides earlier checkpoints'."""
+wrote in the save, the only files that part can name besides earlier checkpoints'.  A node is
+given every file of each rank it reads from, never part of a rank's."""
 
 from __future__ import annotations
 
@@ -70,15 +71,18 @@ def chunk_files(chunk: Chunk) -> set[str]:
 
 def files_read(m: Manifest, items: Iterable[ReadItem]) -> set[str]:
     """The files of ``m``'s own save (its ``files`` less its ``homes``) that loading ``items``
-    reads.  A record this rank cannot find adds nothing (the read raises, naming it)."""
-    out: set[str] = set()
+    reads, by whole ranks: every file of each rank whose part or data a record the plan reads
+    is in (a node holds all the files of a rank or none, as replication leaves them and as
+    ``verify --node-local`` expects).  A record this rank cannot find adds nothing (the read
+    raises, naming it)."""
+    named: set[str] = set()  # files records name directly
     writers: set[int] = set()
     for ri in items:
         fqn = ri.storage_index.fqn
         if ri.type == LoadItemType.BYTE_IO:
             v = m.values.get(fqn)
             if v is not None and v.node is not None:  # a registered type: its parts' files
-                out |= chunk_files(v.node)
+                named |= chunk_files(v.node)
             continue
         entry = m.tensors.get(fqn)
         if entry is None:
@@ -88,13 +92,13 @@ def files_read(m: Manifest, items: Iterable[ReadItem]) -> set[str]:
         if w is not None:
             writers.add(w)
         elif (chunk := entry.record_at(ri.storage_index.index, key)) is not None:
-            out |= chunk_files(chunk)
-    if writers:
-        by_rank: dict[int, set[str]] = defaultdict(set)
-        for name in m.files:
-            got = rank_file_of(name)
-            if got is not None:
-                by_rank[got[0]].add(name)
-        for w in writers:
-            out |= by_rank.get(w, set())
-    return {n for n in out if n in m.files and n not in m.homes}
+            named |= chunk_files(chunk)
+    by_rank: dict[int, set[str]] = defaultdict(set)
+    for name in m.files:
+        if name not in m.homes and (got := rank_file_of(name)) is not None:
+            by_rank[got[0]].add(name)
+    writers |= {got[0] for name in named if (got := rank_file_of(name)) is not None}
+    out = {n for n in named if n in m.files and n not in m.homes}
+    for w in writers:
+        out |= by_rank.get(w, set())
+    return out
