@@ -40,8 +40,8 @@ class NodeCopies:
     """This node's copy of each step of a run whose first tier is node-local: the manifest the
     coordinator committed on its own node, committed here too; with ``replicas``, this rank's
     files of the step sent on to its peers' nodes (``Replicator``); before a restore, this
-    node's directory of the step repaired from the others (``repair``).  ``tier_of(step)``: the
-    step's node-local directory."""
+    node's directory of the step given what its ranks read (``repair``, ``NodeRepair``).
+    ``tier_of(step)``: the step's node-local directory."""
 
     def __init__(self, tier_of: Callable[[int], StorageTier], replicas: int = 0, pg=None,
                  node: str | None = None) -> None:

@@ -142,7 +142,7 @@ class NodeRepair:
         self.rep, self.tier, self.label, self.save_id = rep, tier, label, save_id
         _names, self.ranks = rep.peers.nodes.layout()
         self.node = rep.peers.nodes.nodes[rep.peers.me]
-        self.leader = self.ranks[self.node][0] == rep.peers.me  # one rank per node lists, hashes, receives
+        self.leader = self.ranks[self.node][0] == rep.peers.me  # lists the node and receives its manifest
         self._survey: Survey | None = None
         self._complete: bool | None = None
 
@@ -218,18 +218,15 @@ class NodeRepair:
         places = self._places(s)
         per_node = {n: reads[n] | places[n] for n in self.ranks}
         mates = self.ranks[self.node]
-
-        def _hashed(name: str) -> str | None:
-            nonlocal hashed
-            hashed += s.files[name]
-            return _digest(self.tier, name)
         lacking: list[str] = []  # of this rank's share of the node's list; what its ranks read, hashed
         for name in sorted(per_node[self.node])[mates.index(self.rep.peers.me)::len(mates)]:
             if s.listings.get(self.node, _NOTHING).sizes.get(name) != s.files[name]:
                 lacking.append(name)
-            elif name in reads[self.node] and name in s.recorded and _hashed(name) != s.recorded[name]:
-                log.warning("%s: this node's copy of %s does not match its recorded digest", self.label, name)
-                lacking.append(name)
+            elif name in reads[self.node] and name in s.recorded:
+                hashed += s.files[name]
+                if _digest(self.tier, name) != s.recorded[name]:
+                    log.warning("%s: this node's copy of %s does not match its recorded digest", self.label, name)
+                    lacking.append(name)
         want: dict[str, set[str]] = {n: set() for n in self.ranks}
         for node, names in self._gather((self.node, lacking)):
             want[node].update(names)
