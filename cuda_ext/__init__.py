@@ -119,28 +119,47 @@ def _set_device(device: int) -> None:
         _tls.device = device
 
 
-def _numa_cpus(device: int) -> set[int] | None:
-    """CPUs of the NUMA node the GPU hangs off, from sysfs (None when unknown)."""
+def _sysfs_pci_name(raw: object) -> str:
+    """The sysfs name (``dddd:bb:dd.f``, lower case) of the PCI address the CUDA runtime gives
+    (bytes or str, NUL-padded, with a 4- or 8-digit domain)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    if not isinstance(text, str):
+        raise ValueError(f"not a PCI address: {raw!r}")
+    name = text.strip("\0").strip().lower()
+    domain, _, rest = name.partition(":")
+    if len(domain) == 8:
+        domain = domain[4:]
+    if len(domain) != 4 or rest.count(":") != 1 or "." not in rest:
+        raise ValueError(f"not a PCI address: {raw!r}")
+    return f"{domain}:{rest}"
+
+
+def _cpus_of_pci_device(name: str, sysfs: str = "/sys") -> set[int] | None:
+    """CPUs of the NUMA node PCI device ``name`` hangs off (None when sysfs does not say)."""
     try:
-        bus = torch.cuda.get_device_properties(device).pci_bus_id if hasattr(
-            torch.cuda.get_device_properties(device), "pci_bus_id") else None
-        if bus is None:
-            rt = _runtime()
-            bus = check(rt.cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
-            bus = bus.decode() if isinstance(bus, bytes) else str(bus)
-        bus = bus.strip("\0").lower()
-        if bus.count(":") == 2 and len(bus.split(":")[0]) == 8:
-            bus = bus[4:]
-        node = int(open(f"/sys/bus/pci/devices/{bus}/numa_node").read())
+        with open(f"{sysfs}/bus/pci/devices/{name}/numa_node") as f:
+            node = int(f.read())
         if node < 0:
             return None
-        cpus = set()
-        for part in open(f"/sys/devices/system/node/node{node}/cpulist").read().strip().split(","):
-            a, _, b = part.partition("-")
-            cpus.update(range(int(a), int(b or a) + 1))
-        return cpus
-    except (OSError, ValueError) as e:  # no NUMA information: no affinity hint
-        log.debug("no NUMA node for the GPU (%s)", e)
+        with open(f"{sysfs}/devices/system/node/node{node}/cpulist") as f:
+            parts = f.read().strip().split(",")
+    except (OSError, ValueError) as e:
+        log.debug("no NUMA node for PCI device %s (%s)", name, e)
+        return None
+    cpus: set[int] = set()
+    for part in parts:
+        a, _, b = part.partition("-")
+        cpus.update(range(int(a), int(b or a) + 1))
+    return cpus
+
+
+def _numa_cpus(device: int) -> set[int] | None:
+    """CPUs of the NUMA node the GPU hangs off (None when unknown: pinning then has no hint)."""
+    try:
+        raw = check(_runtime().cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
+        return _cpus_of_pci_device(_sysfs_pci_name(raw))
+    except (RuntimeError, ValueError) as e:
+        log.debug("no PCI address for GPU %d (%s): no NUMA hint", device, e)
         return None
 
 
