@@ -69,3 +69,25 @@ def test_host_tensors_reuse_a_pinned_cache_of_the_same_size():
     finally:
         with hc._shared_lock:
             hc._shared.pop((hc.align_up(cap), True), None)
+
+
+class _BrokenOnceCache(hc.HostCache):
+    """A cache whose background allocation fails with an error nobody anticipated (as a
+    NUMA lookup once failed on an H200 with an ``AttributeError``), then works."""
+
+    def _allocate(self):
+        if self.allocations == 0:
+            self.allocations += 1
+            raise AttributeError("'int' object has no attribute 'strip'")
+        return super()._allocate()
+
+
+def test_a_preparation_that_fails_unexpectedly_never_hangs_the_first_save():
+    cache = _BrokenOnceCache(1 << 20)
+    cache.prepare()
+    got = []
+    user = threading.Thread(target=lambda: got.append(cache.buffer()), daemon=True)
+    user.start()
+    user.join(timeout=30)
+    assert not user.is_alive(), "buffer() waited forever on a preparation that had failed"
+    assert len(got) == 1 and got[0].numel() == cache.capacity  # the first use allocated instead

@@ -76,10 +76,10 @@ class HostCache:
     def _prepare(self, fut: Future) -> None:
         try:
             buf = self._allocate()
-        except (RuntimeError, MemoryError, OSError) as e:  # the first save allocates instead
-            log.warning("host cache of %d MiB could not be prepared in the background: %s",
-                        self.capacity >> 20, e)
-            fut.set_result(None)
+        except Exception as e:  # noqa: BLE001 - logged; the first use allocates again and raises there
+            log.warning("host cache of %d MiB could not be prepared in the background: %s: %s",
+                        self.capacity >> 20, type(e).__name__, e)
+            fut.set_result(None)  # never left pending: buffer() waits on it
             return
         with self._cv:
             if self._buf is None:
