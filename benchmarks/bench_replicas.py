@@ -1,7 +1,7 @@
 """What peer replicas cost a training loop (issue 36), against no replication, in one run.
 
     python benchmarks/bench_replicas.py [--steps 12] [--every 3] [--reps 2] [--device-wait S] [--batch B]
-                                        [--host-idle] [--helper] [--quiet N] [--json OUT]
+                                        [--host-idle] [--helper] [--quiet N] [--budget S] [--json OUT]
 
 Four gloo ranks on this machine simulate two nodes of two ranks, each node its own node-local
 directory.  An MLP sharded with FSDP2 and trained with Adam checkpoints through ``Checkpointer``
@@ -214,11 +214,17 @@ def main() -> int:
     ap.add_argument("--helper", action="store_true", help="also replicas=1 sent from a helper process")
     ap.add_argument("--quiet", type=int, default=0,
                     help="the last N steps of each checkpoint cycle are the run's own baseline (see within_run)")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds: start no new round after this many (0: no limit); at least one round runs")
     ap.add_argument("--json")
     a = ap.parse_args()
+    t0 = time.monotonic()
     methods = ["none", "replicas0", "replicas1"] + (["replicas1_helper"] if a.helper else [])
     runs: dict[str, list] = {m: [] for m in methods}
     for rep in range(a.reps):
+        if rep and a.budget and time.monotonic() - t0 > a.budget:
+            print(f"budget of {a.budget:.0f}s spent: {rep} rounds", flush=True)
+            break
         for m in methods:
             got = run(m, a.steps, a.every, a.dir, a.device_wait, a.batch, a.host_idle)
             runs[m].append(got)

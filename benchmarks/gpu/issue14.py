@@ -1,7 +1,8 @@
 """Issue 14 on a GPU machine, in one run: the device cache level, the first-save stall, loads
 onto the GPU, D2H against the pinned peak, and bit-exact round trips.
 
-    PYTHONPATH=. python3 benchmarks/gpu/issue14.py --out DIR [--budget 420]
+    PYTHONPATH=. python3 benchmarks/gpu/issue14.py --out DIR [--budget 420] [--steps 60] [--load-reps 2]
+                                                   [--only SECTIONS] [--plans PLANS]
     PYTHONPATH=. python3 benchmarks/gpu/issue14.py --out DIR --dry-run   # CPU, tiny sizes: checks the script
 
 Sections (each independent: a failure is recorded and the next runs), results in
@@ -140,6 +141,9 @@ def main() -> int:
     ap.add_argument("--scratch", default=None)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script itself")
     ap.add_argument("--only", default=None, help="comma-separated sections (env always runs)")
+    ap.add_argument("--plans", default=None, help="comma-separated workload plans (default: all)")
+    ap.add_argument("--steps", type=int, default=60, help="workload steps (a checkpoint every steps/3)")
+    ap.add_argument("--load-reps", type=int, default=2)
     global ARGS
     ARGS = ap.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
@@ -299,7 +303,7 @@ def main() -> int:
     init_pg()
     width = 512 if small else 8192
     depth = 6
-    steps, every = (6, 2) if small else (60, 20)
+    steps, every = (6, 2) if small else (ARGS.steps, max(1, ARGS.steps // 3))
     batch = 64 if small else int(os.environ.get("I14_BATCH", "4096"))
     keep: dict = {}
 
@@ -360,7 +364,8 @@ def main() -> int:
                 commits.append(time.perf_counter() - pending[1])
             del prepared
             res = {"stall_s": [round(v, 3) for v in stalls], "commit_s": [round(v, 2) for v in commits],
-                   "rss_growth_GB": round((mem.peak - mem.start) / 1e9, 2)}
+                   "rss_growth_GB": round((mem.peak - mem.start) / 1e9, 2),
+                   "rss_start_GB": round(mem.start / 1e9, 2), "rss_end_GB": round(rss() / 1e9, 2)}
             if len(stalls) > 1:
                 steady = sum(stalls[1:]) / len(stalls[1:])
                 res["first_vs_steady"] = round(stalls[0] / max(steady, 1e-9), 2)
@@ -399,6 +404,8 @@ def main() -> int:
                  ("ours_device_full_host_quarter", ours(q, full), lambda h: h[1].wait_snapshot(), True),
                  ("ours_host_quarter", ours(q, 0), lambda h: h[1].wait_snapshot(), False),
                  ("ours_host_full", ours(full, 0), lambda h: h[1].wait_snapshot(), False)]
+        if ARGS.plans:
+            plans = [p for p in plans if p[0] in ARGS.plans.split(",")]
         for name, fn, wait, check in plans:
             if time.monotonic() - T0 > ARGS.budget - 60:
                 out[name] = "skipped: budget"
@@ -467,7 +474,7 @@ def main() -> int:
                 list(pool.map(one, files))
             return time.perf_counter() - t
 
-        for rep in range(2):
+        for rep in range(ARGS.load_reps):
             for name, fn in (("raw_odirect", lambda: raw(True)), ("raw_buffered", lambda: raw(False)),
                              ("ours", lambda: timed_load(DataStatesReader(ours_path),
                                                          keep["ours_device_full_host_quarter"])),
