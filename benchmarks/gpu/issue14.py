@@ -21,14 +21,19 @@ DIR/issue14.json and on stdout:
              with host cache = 1/4 (RSS growth, restore bit-exact)
   load       cold load of the last checkpoint onto the GPU (page cache dropped) against
              FileSystemReader of the same state and raw O_DIRECT / buffered reads of our files
+  load_split the same kind of cold load taken apart: raw reads in the reader's pattern, plus the
+             copy into a pinned slab, plus the upload; the reader into GPU tensors with and
+             without digests, buffered, and into host tensors (a negative time: not bit-exact)
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
+import queue
 import shutil
 import socket
 import sys
@@ -36,6 +41,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -496,6 +502,92 @@ def main() -> int:
         return out
     if wanted("load"):
         section(load)
+
+    def load_split():
+        """Where a cold load onto the GPU loses against the raw read: the same bytes read cold
+        in steps that add one part of the reader's GPU path at a time (the 16 MiB pieces and
+        4 MiB O_DIRECT requests of the reader, the copy from the O_DIRECT stage into a pinned
+        slab, the upload and its wait), and the reader itself into GPU tensors, into GPU tensors
+        without digests, buffered, and into host tensors."""
+        n_t = 4 if small else 18
+        side = 512 if small else 8192
+        path = os.path.join(scratch, "split")
+        g = torch.Generator(device=dev()).manual_seed(1)
+        sd = {f"w{i}": torch.randn(side, side, generator=g, device=dev()) for i in range(n_t)}
+        dcp.save(sd, storage_writer=DataStatesWriter(path, host_cache_bytes=(16 if small else 1024) * MiB))
+        files = [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.startswith("data-")]
+        piece, req = 16 * MiB, 4 * MiB
+        pieces = [(f, o) for f in files for o in range(0, os.path.getsize(f), piece)]
+        cuda = dev().type == "cuda"
+        up_stream = torch.cuda.Stream() if cuda else None
+        kits: queue.SimpleQueue = queue.SimpleQueue()  # one (stage, pinned slab, device piece) a thread
+        for _ in range(8):
+            kits.put(types.SimpleNamespace(
+                stage=StagingBuffer(req), dst=torch.empty(piece, dtype=torch.uint8, device=dev()),
+                slab=cuda_ext.pinned_buffer(piece, 0)[1] if cuda else torch.empty(piece, dtype=torch.uint8)))
+
+        def raw_pieces(memmove: bool, upload: bool):
+            def one(job):
+                f, off = job
+                local = kits.get()
+                try:
+                    read_one(f, off, local)
+                finally:
+                    kits.put(local)
+
+            def read_one(f, off, local):
+                fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+                try:
+                    got = 0
+                    while got < piece:
+                        r = pread_full(fd, local.stage.view, off + got)
+                        if memmove and r:
+                            ctypes.memmove(local.slab.data_ptr() + got, local.stage.address, r)
+                        got += r
+                        if r < req:
+                            break
+                finally:
+                    os.close(fd)
+                if upload and cuda:
+                    with torch.cuda.stream(up_stream):
+                        local.dst[:got].copy_(local.slab[:got], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(up_stream)
+                    ev.synchronize()
+            t = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(one, pieces))
+            return time.perf_counter() - t
+
+        def ours(device, **kw):
+            tmpl = {k: torch.empty(v.shape, dtype=v.dtype, device=device) for k, v in sd.items()}
+            sync()
+            t = time.perf_counter()
+            dcp.load(tmpl, storage_reader=DataStatesReader(path, **kw))
+            sync()
+            dt = time.perf_counter() - t
+            ok = all(torch.equal(tmpl[k].to(dev()), sd[k]) for k in ("w0", f"w{n_t - 1}"))
+            return dt if ok else -dt
+
+        steps = (("raw_pieces", lambda: raw_pieces(False, False)),
+                 ("raw_pieces_memmove", lambda: raw_pieces(True, False)),
+                 ("raw_pieces_memmove_upload", lambda: raw_pieces(True, True)),
+                 ("ours_gpu", lambda: ours(dev())),
+                 ("ours_gpu_noverify", lambda: ours(dev(), verify=False)),
+                 ("ours_gpu_buffered", lambda: ours(dev(), o_direct=False)),
+                 ("ours_host", lambda: ours("cpu")))
+        out: dict = {"bytes": sum(os.path.getsize(f) for f in files), "files": len(files)}
+        for _rep in range(2):
+            for name, fn in steps:
+                drop_page_cache([path])
+                read_path.forget()
+                out.setdefault(name, []).append(round(fn(), 3))
+        shutil.rmtree(path, ignore_errors=True)
+        out["GBps_best"] = {k: round(out["bytes"] / min(v) / 1e9, 2) for k, v in out.items()
+                            if isinstance(v, list) and min(v) > 0}
+        return out
+    if wanted("load_split"):
+        section(load_split)
 
     shutil.rmtree(scratch, ignore_errors=True)
     RESULTS["total_seconds"] = round(time.monotonic() - T0, 1)
