@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
+import sys
 import time
 
 import pytest
@@ -25,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from dcp_datastates import Checkpointer, DataStatesWriter
 from dcp_datastates.format.names import data_file_save_id, replica_record_of
 from dcp_datastates.tiers import StorageTier
-from dcp_datastates.tiers.manifests import manifest_head
+from dcp_datastates.tiers.manifests import load_manifest, manifest_head
 from dcp_datastates.tiers.replica_helper import SENDER_ENV
 from tests.dist import run_ranks
 
@@ -144,13 +146,50 @@ def _restore(rank, world, base, pfs, expect, nodes=None, replicas=1, setup=None)
     ckpt.close()
 
 
+def _count_repair_traffic(node: int, base: str) -> None:
+    """Tally the bytes this rank receives through the repair's object collectives (an
+    all-gather brings every rank's object, each padded to the largest), into base/traffic-PID."""
+    real_gather, real_bcast = dist.all_gather_object, dist.broadcast_object_list
+    total = [0]
+    path = os.path.join(base, f"traffic-{os.getpid()}")
+
+    def from_repair() -> bool:
+        return sys._getframe(2).f_globals.get("__name__", "").endswith("replica_repair")
+
+    def note(n: int) -> None:
+        total[0] += n
+        with open(path, "w") as f:
+            f.write(str(total[0]))
+
+    def gather(*args, **kw):
+        real_gather(*args, **kw)
+        if from_repair():
+            out = kw.get("object_list", args[0] if args else None)
+            note(len(out) * max(len(pickle.dumps(x)) for x in out))
+
+    def bcast(*args, **kw):
+        real_bcast(*args, **kw)
+        if from_repair():
+            note(sum(len(pickle.dumps(x)) for x in kw.get("object_list", args[0] if args else [])))
+    dist.all_gather_object, dist.broadcast_object_list = gather, bcast
+
+
 @pytest.mark.parametrize("nodes,pfs", [(2, True), (2, False), (4, False)],
                          ids=["2-nodes-with-pfs", "2-nodes-node-local-only", "4-nodes-node-local-only"])
 def test_a_lost_node_is_restored_from_its_replicas_at_the_newest_step(tmp_path, nodes, pfs):
     base = str(tmp_path)
     _killed(nodes * PER_NODE, base, pfs)
     shutil.rmtree(os.path.join(base, "node1"))  # the node is gone, its NVMe with it
-    run_ranks(nodes * PER_NODE, _restore, base, pfs, 5)  # step 5, not the persisted step 4
+    run_ranks(nodes * PER_NODE, _restore, base, pfs, 5, None, 1, _count_repair_traffic)  # step 5, not 4
+    # what a rank receives to plan the repair grows with the step's file list, not with the
+    # number of ranks times it: every node's listing (each file on 2 nodes, with its digest)
+    # and what each rank reads and lacks come to about 7.5 lists on 4 nodes; each node's
+    # leader sending its node's listing and the whole list, as before, came to 15 and grew
+    # with every node added
+    files = load_manifest(StorageTier(os.path.join(base, "node0", "step-5"))).files
+    listed = len(pickle.dumps(files))
+    traffic = [int(open(os.path.join(base, n)).read()) for n in os.listdir(base) if n.startswith("traffic-")]
+    assert len(traffic) == nodes * PER_NODE and max(traffic) <= 10 * listed, (traffic, listed)
     # the replacement node got back its place, checked against the recorded digests: its own
     # ranks' files and its replicas of node 0's, not the whole step (rank 0's file also holds
     # the tensors DCP's dedup gave it, which every rank reads)

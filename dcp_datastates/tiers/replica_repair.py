@@ -2,10 +2,11 @@
 ranks read, from copies on other nodes whose bytes match the digests recorded when they were
 replicated (``replicas.py``).  Collectives over the replicator's group, in two steps:
 
-1. ``NodeRepair.survey`` (before the manifest is read): one rank per node lists what its node
-   holds of the save (names and sizes, no file read but the manifest); a node without the
-   manifest receives it; the answer is whether every file the manifest lists is held, at its
-   size, on some node.
+1. ``NodeRepair.survey`` (before the manifest is read): the ranks of each node list what it
+   holds of the save (names, sizes and recorded digests, each rank a share of the directory;
+   no file read but the manifest); a node without the manifest receives it, and every rank
+   reads the file list from its own node's copy (sent only where a node has none); the answer
+   is whether every file the manifest lists is held, at its size, on some node.
 2. ``NodeRepair.fetch`` (once each rank knows its load plan, ``loading/node_local.py``): each node
    hashes the files its ranks read that it holds, checks them against their recorded digests,
    and receives those it lacks or holds damaged, each from a node that holds it.  A node never
@@ -25,10 +26,16 @@ import torch.distributed as dist
 import xxhash
 
 from ..errors import CheckpointError
-from ..format.names import MANIFEST_NAME, data_file_save_id, rank_file_of, replica_record_name
+from ..format.names import (
+    MANIFEST_NAME,
+    data_file_save_id,
+    rank_file_of,
+    replica_record_name,
+    replica_record_of,
+)
 from ..format.replica_record import ReplicaRecord
 from .manifests import load_manifest, manifest_head
-from .replica_records import records_in
+from .replica_records import read_record
 from .replicas import PIECE, Landing, piece_buffer
 from .replicator import Replicator
 from .storage import StorageTier
@@ -106,30 +113,51 @@ def _digest(tier: StorageTier, name: str) -> str | None:
         return None
 
 
-def _listing(tier: StorageTier, save_id: str) -> Listing:
-    """``tier``'s files of ``save_id`` (data files, parts, the manifest) and recorded digests."""
+def _listing(tier: StorageTier, save_id: str, share: int = 0, shares: int = 1) -> Listing:
+    """Share ``share`` of ``shares`` of ``tier``'s entries of ``save_id``: the sizes of its
+    files (data files, parts, the manifest) and the digests its replica records give; the
+    manifest's digest in share 0.  The shares of a node's ranks together are its listing."""
     try:
-        names = tier.listdir()
-        recs = records_in(tier, save_id)
+        names = sorted(tier.listdir())
     except OSError:
         return _NOTHING
     recorded: dict[str, str] = {}
-    for rec in recs:
-        for f, v in rec.sent.items():
-            if len(v) > 1 and v[1]:
-                recorded[f] = v[1]
-        for files in rec.held.values():
-            for f, v in files.items():
-                if len(v) > 1 and v[1]:
-                    recorded[f] = v[1]
     sizes: dict[str, int] = {}
-    for name in names:
-        if name == MANIFEST_NAME or data_file_save_id(name) == save_id:
+    for name in names[share::shares]:
+        rec_of = replica_record_of(name)
+        if rec_of is not None:
+            rec = read_record(tier, rec_of[0], save_id) if rec_of[1] == save_id else None
+            for f, v in _digests_in(rec):
+                recorded[f] = v
+        elif name == MANIFEST_NAME or data_file_save_id(name) == save_id:
             try:
                 sizes[name] = tier.size(name)
             except OSError:
                 continue
-    manifest = _digest(tier, MANIFEST_NAME) if MANIFEST_NAME in sizes else None
+    manifest = _digest(tier, MANIFEST_NAME) if share == 0 and MANIFEST_NAME in names else None
+    return Listing(sizes, recorded, manifest)
+
+
+def _digests_in(rec: ReplicaRecord | None) -> Iterable[tuple[str, str]]:
+    """The (file, digest) pairs replica record ``rec`` vouches for: its own files and those it
+    holds for others."""
+    if rec is None:
+        return
+    for files in (rec.sent, *rec.held.values()):
+        for f, v in files.items():
+            if len(v) > 1 and v[1]:
+                yield f, v[1]
+
+
+def _merged(parts: Iterable[Listing]) -> Listing:
+    """One node's listing from its ranks' shares."""
+    sizes: dict[str, int] = {}
+    recorded: dict[str, str] = {}
+    manifest = None
+    for x in parts:
+        sizes.update(x.sizes)
+        recorded.update(x.recorded)
+        manifest = manifest or x.manifest
     return Listing(sizes, recorded, manifest)
 
 
@@ -142,7 +170,7 @@ class NodeRepair:
         self.rep, self.tier, self.label, self.save_id = rep, tier, label, save_id
         _names, self.ranks = rep.peers.nodes.layout()
         self.node = rep.peers.nodes.nodes[rep.peers.me]
-        self.leader = self.ranks[self.node][0] == rep.peers.me  # lists the node and receives its manifest
+        self.leader = self.ranks[self.node][0] == rep.peers.me  # hashes and receives its node's manifest
         self._survey: Survey | None = None
         self._complete: bool | None = None
 
@@ -163,8 +191,12 @@ class NodeRepair:
             if not heads:
                 return False
             self.save_id = max(heads, key=lambda h: (h.created_unix, h.save_id)).save_id
-        mine = _listing(self.tier, str(self.save_id)) if self.leader else None
-        listings = {v[0]: v[1] for v in self._gather((self.node, mine) if self.leader else None) if v is not None}
+        mates = self.ranks[self.node]
+        mine = _listing(self.tier, str(self.save_id), mates.index(self.rep.peers.me), len(mates))
+        shares: dict[str, list[Listing]] = defaultdict(list)
+        for node, part in self._gather((self.node, mine)):
+            shares[node].append(part)
+        listings = {n: _merged(parts) for n, parts in shares.items()}
         counts: dict[str, int] = {}
         for x in listings.values():
             if x.manifest is not None:
@@ -179,23 +211,47 @@ class NodeRepair:
                       listings[holders[0]].sizes[MANIFEST_NAME])
                  for i, n in enumerate(sorted(self.ranks)) if MANIFEST_NAME not in listings.get(n, _NOTHING).sizes]
         self._transfer(moves, {MANIFEST_NAME: want})
-        files = None
-        if self.leader:
-            try:
-                m = load_manifest(self.tier)
-                files = ({n: s for n, s in m.files.items() if n not in m.homes}, m.world_size)
-            except (CheckpointError, OSError) as e:  # none came: this node's ranks read elsewhere or fail
-                log.warning("%s: no readable manifest on this node after the repair: %s", self.label, e)
-        lists = [x for x in self._gather(files) if x is not None]
-        merged = {n: s for x, _w in lists for n, s in x.items()}
+        dist.barrier(group=self.rep.group)  # every manifest received is committed before it is read
+        had = listings.get(self.node, _NOTHING).manifest
+        # a manifest received was kept only with the digest wanted; one of another save stays
+        got = self._file_list() if had == want or (had is None and self.tier.exists(MANIFEST_NAME)) else None
+        files = self._agree_file_list(got)
+        if files is None:
+            return False
         recorded = {f: d for x in listings.values() for f, d in x.recorded.items()}
-        self._survey = Survey(listings, merged, max((w for _x, w in lists), default=0), recorded)
-        lost = sorted(n for n in merged if not self._survey.holders(n))
+        self._survey = Survey(listings, files[0], files[1], recorded)
+        lost = sorted(n for n in files[0] if not self._survey.holders(n))
         if lost:
             log.warning("%s: %d file(s) on no node (first: %s); reading them from a slower tier if one "
                         "holds the step", self.label, len(lost), lost[0])
-        self._complete = bool(lists) and not lost
+        self._complete = not lost
         return self._complete
+
+    def _file_list(self) -> tuple[dict[str, int], int] | None:
+        """The files this node's copy of the manifest lists (name -> size, earlier checkpoints'
+        left out) and the save's world size; None where it cannot be read."""
+        try:
+            m = load_manifest(self.tier)
+        except (CheckpointError, OSError) as e:  # this node's ranks read elsewhere or fail
+            log.warning("%s: no readable manifest on this node after the repair: %s", self.label, e)
+            return None
+        return {n: s for n, s in m.files.items() if n not in m.homes}, m.world_size
+
+    def _agree_file_list(self, got: tuple[dict[str, int], int] | None) -> tuple[dict[str, int], int] | None:
+        """Every rank's file list, the same on all: each read its own node's manifest; only
+        where a rank could not is the list sent, once, from the first rank that could (None:
+        no rank could).  What a rank receives grows with the list, not with the ranks."""
+        me, ranks = self.rep.peers.me, self.rep.peers.ranks
+        flags = torch.tensor([int(got is not None), me if got is not None else len(ranks)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.rep.group)
+        everyone, first = bool(flags[0]), int(flags[1])
+        if everyone:
+            return got
+        if first == len(ranks):
+            return None
+        box = [got]
+        dist.broadcast_object_list(box, src=ranks[first], group=self.rep.group)
+        return box[0]
 
     def fetch(self, needs: Iterable[str] | None) -> bool:
         """Step 2 (a collective): this node given the files its ranks read (``needs``: this
