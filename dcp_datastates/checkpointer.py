@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .engine.device_cache import prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
+from .errors import CheckpointError
 from .format import decode_manifest
 from .format.model import Manifest
 from .guard import async_save
@@ -301,10 +302,13 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- restore
     def load(self, state: dict, step: int | None = None) -> int | None:
-        """Load ``step`` (default: the newest committed) into ``state``; return the step loaded.
+        """Load ``step`` (default: the newest committed) into ``state``; return the step loaded,
+        or None where the run has no committed step (a fresh start).
 
         Every rank reads each byte from the fastest tier holding a valid copy; a step that no
-        tier can serve completely is skipped for the next older one."""
+        tier can serve completely is skipped for the next older one.  Where committed steps
+        exist and none can be restored, ``CheckpointError`` (never None: a trainer would start
+        afresh and its saves and retention would replace the run)."""
         self.wait()
         candidates = set()
         for i in range(len(self.tiers)):
@@ -320,7 +324,7 @@ class Checkpointer:
             log.warning("%s holds step(s) %s in DCP's own format, which Checkpointer does not restore "
                         "(load one with dcp.load and FileSystemReader, or `dcp-datastates convert` it)",
                         self.tiers[0], foreign)
-        last_error = None
+        failed: list[tuple[int, BaseException]] = []  # newest first
         for s in order:
             save = self.steps.agreed_save(s)
             fix = self.node_copies.repair(s, save) if self.node_copies is not None else None
@@ -328,6 +332,8 @@ class Checkpointer:
                     and not any(self.steps.is_committed(i, s) for i in range(1, len(self.tiers))):
                 log.warning("step %d: some of its files are on no node and no slower tier holds it; "
                             "trying an older step", s)
+                failed.append((s, CheckpointError(f"step {s}: some of its files are on no node and no "
+                                                  "slower tier holds it", checkpoint=self.step_path(0, s))))
                 continue
             reader = DataStatesReader(
                 self.step_path(0, s), storage_options=self.storage_options[0],
@@ -342,15 +348,21 @@ class Checkpointer:
                     raise
                 log.warning("step %d could not be restored from any tier (%s); trying an older one",
                             s, str(e).splitlines()[0][:300])
-                last_error = e
+                failed.append((s, e))
                 continue
             log.info("restored step %d (manifest from %s; %s)", s, reader.manifest_tier,
                      ", ".join(f"{n / 2**20:.1f} MiB from {u}" for u, n in reader.served.items()))
             self.last_restore = {"step": s, "manifest_tier": reader.manifest_tier, "served": dict(reader.served)}
             return s
-        if last_error is not None and step is not None:
-            raise last_error
-        return None
+        if not failed:
+            return None
+        if step is not None:
+            raise failed[0][1]
+        newest, why = failed[0]
+        raise CheckpointError(
+            f"none of the committed steps {[f for f, _e in failed]} of this run could be restored, so "
+            f"nothing was loaded (a fresh start would replace the run); step {newest} failed with: "
+            f"{(str(why).splitlines() or [type(why).__name__])[0][:300]}", checkpoint=self.tiers[0]) from why
 
     # ---------------------------------------------------------------- retention
     def _protected(self) -> Protected:

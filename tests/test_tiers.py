@@ -5,10 +5,12 @@ import shutil
 import time
 
 import msgpack
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.errors import CheckpointError
 from dcp_datastates.format.names import PERSISTED_RECORD, TEMP_INFIX
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest
@@ -92,6 +94,22 @@ def test_fallback_when_fast_copy_corrupt(tmp_path):
     step, out, info = _load(c)
     assert step == 1 and _equal(out, _state(1))
     assert info["served"].get(c.step_path(1, 1), 0) > 0  # the damaged range came from the slow tier
+
+
+def test_a_run_whose_every_step_fails_to_load_raises_rather_than_start_afresh(tmp_path):
+    """``load`` returning None means "nothing to restore": the trainer starts from scratch and
+    its next saves and retention replace the run.  Committed steps that all fail to load (here
+    a state of another shape; a damaged step has an older one to fall back to) raise, naming
+    the steps tried and why the newest failed."""
+    c = Checkpointer([str(tmp_path / "run")], async_mode=None)
+    for step in (1, 2):
+        c.save(step, {"w": torch.randn(64)})
+    with pytest.raises(CheckpointError, match=r"none of the committed steps \[2, 1\] .*could be restored.*step 2") as e:
+        c.load({"w": torch.zeros(32)})
+    assert "\n" not in str(e.value)
+    out = {"w": torch.zeros(64)}
+    assert c.load(out, step=1) == 1  # the run is still there
+    c.close()
 
 
 def test_fallback_when_fast_copy_partial(tmp_path):
