@@ -7,6 +7,7 @@ newest step, not the older one on the persistent tier (or from nothing else at a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -25,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_datastates import Checkpointer, DataStatesWriter
-from dcp_datastates.format.names import data_file_save_id, replica_record_of
+from dcp_datastates.format.names import MANIFEST_NAME, TEMP_INFIX, data_file_save_id, replica_record_of
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest, manifest_head
 from dcp_datastates.tiers.replica_helper import SENDER_ENV
@@ -218,8 +219,10 @@ def test_every_node_lost_restores_the_persisted_step(tmp_path):
     run_ranks(4, _restore_persisted, base)
 
 
-def _restore_persisted(rank, world, base):
+def _restore_persisted(rank, world, base, setup=None):
     node = rank // PER_NODE
+    if setup is not None:
+        setup(node, base)
     model, opt = _model(world)
     ckpt = Checkpointer(_tiers(base, node, True), node_local=True, persist_every=3, replicas=1,
                         node=f"n{node}", process_group=dist.new_group(backend="gloo"))
@@ -227,6 +230,33 @@ def _restore_persisted(rank, world, base):
     assert ckpt.load(sd) == 4
     assert sd["extra"]["step"] == 4
     ckpt.close()
+
+
+def _cannot_store_the_manifest(node: int, base: str) -> None:
+    """Node 1's disk fails every write of a manifest sent to it (an I/O error)."""
+    if node != 1:
+        return
+    real = StorageTier.open_sink
+
+    def open_sink(self, name, *args, **kw):
+        if name.startswith(MANIFEST_NAME + TEMP_INFIX):
+            raise OSError(errno.EIO, "Input/output error", name)
+        return real(self, name, *args, **kw)
+    StorageTier.open_sink = open_sink
+
+
+def test_a_node_that_cannot_store_the_manifest_sent_to_it_leaves_no_rank_waiting(tmp_path):
+    """Node 1 is replaced and its disk fails the manifest the repair sends it: the node still
+    receives the bytes (its sender, and every move after, stays in step), its ranks are sent
+    the step's file list instead of reading it from their node, step 5 cannot be read there
+    (its manifest is nowhere they can read), and the restore comes from the persisted step 4
+    on every rank, without waiting out the group's timeout."""
+    base = str(tmp_path)
+    _killed(4, base, True)
+    shutil.rmtree(os.path.join(base, "node1"))
+    os.remove(os.path.join(base, "want.pt"))  # step 5's state: step 4 comes back
+    run_ranks(4, _restore_persisted, base, _cannot_store_the_manifest)
+    assert not os.path.exists(os.path.join(base, "node1", "step-5", MANIFEST_NAME))
 
 
 def _flip_middle(path: str) -> None:

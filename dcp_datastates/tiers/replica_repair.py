@@ -212,9 +212,11 @@ class NodeRepair:
                  for i, n in enumerate(sorted(self.ranks)) if MANIFEST_NAME not in listings.get(n, _NOTHING).sizes]
         self._transfer(moves, {MANIFEST_NAME: want})
         dist.barrier(group=self.rep.group)  # every manifest received is committed before it is read
-        had = listings.get(self.node, _NOTHING).manifest
-        # a manifest received was kept only with the digest wanted; one of another save stays
-        got = self._file_list() if had == want or (had is None and self.tier.exists(MANIFEST_NAME)) else None
+        here = listings.get(self.node, _NOTHING)
+        # a manifest received (none was here) was kept only with the digest wanted; one of
+        # another save, or one whose digest could not be taken, is not this save's list
+        received = MANIFEST_NAME not in here.sizes and self.tier.exists(MANIFEST_NAME)
+        got = self._file_list() if here.manifest == want or received else None
         files = self._agree_file_list(got)
         if files is None:
             return False
@@ -406,18 +408,37 @@ def _send_file(group, tier: StorageTier, name: str, size: int, peer: int) -> Non
 
 
 def _recv_file(group, tier: StorageTier, name: str, size: int, peer: int, digest: str) -> bool:
-    """Receive ``name`` into ``tier``; keep it only when its bytes match ``digest``."""
+    """Receive ``name`` into ``tier``; keep it only when its bytes match ``digest``.  Where this
+    node's storage cannot take it, the bytes are still received (the sender, and every rank
+    after it in the moves, stays in step) and dropped: False."""
     buf = piece_buffer()
-    tier.makedirs()
-    landing = Landing(tier, name)
+    landing: Landing | None = None
+    try:
+        tier.makedirs()
+        landing = Landing(tier, name)
+    except OSError as e:
+        log.warning("%s/%s cannot be stored here (%s): received and dropped", tier.url, name, e)
     try:
         for a in range(0, size, PIECE):
             n = min(PIECE, size - a)
             dist.recv(buf[:n], peer, group=group)
-            landing.write(buf, n, a)
+            if landing is not None:
+                try:
+                    landing.write(buf, n, a)
+                except OSError as e:
+                    log.warning("%s/%s cannot be stored here (%s): received and dropped", tier.url, name, e)
+                    landing.abort()
+                    landing = None
+        tail = torch.empty(16, dtype=torch.uint8)
+        dist.recv(tail, peer, group=group)
     except BaseException:
-        landing.abort()
+        if landing is not None:
+            landing.abort()
         raise
-    tail = torch.empty(16, dtype=torch.uint8)
-    dist.recv(tail, peer, group=group)
-    return landing.keep(tail.numpy().tobytes() if landing.hash.hexdigest() == digest else b"")
+    if landing is None:
+        return False
+    try:
+        return landing.keep(tail.numpy().tobytes() if landing.hash.hexdigest() == digest else b"")
+    except OSError as e:
+        log.warning("%s/%s cannot be stored here (%s): dropped", tier.url, name, e)
+        return False
