@@ -23,7 +23,8 @@ DIR/issue14.json and on stdout:
              FileSystemReader of the same state and raw O_DIRECT / buffered reads of our files
   load_split the same kind of cold load taken apart: raw reads in the reader's pattern, plus the
              copy into a pinned slab, plus the upload; the reader into GPU tensors with and
-             without digests, buffered, and into host tensors (a negative time: not bit-exact)
+             without digests, buffered, and into host tensors, fresh and already written (a
+             negative time: not bit-exact)
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def main() -> int:
     ap.add_argument("--plans", default=None, help="comma-separated workload plans (default: all)")
     ap.add_argument("--steps", type=int, default=60, help="workload steps (a checkpoint every steps/3)")
     ap.add_argument("--load-reps", type=int, default=2)
+    ap.add_argument("--split-tensors", type=int, default=None,
+                    help="load_split's state: this many 8192 x 8192 fp32 tensors (default 18; a dry run 4 small)")
     global ARGS
     ARGS = ap.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
@@ -509,8 +512,8 @@ def main() -> int:
         4 MiB O_DIRECT requests of the reader, the copy from the O_DIRECT stage into a pinned
         slab, the upload and its wait), and the reader itself into GPU tensors, into GPU tensors
         without digests, buffered, and into host tensors."""
-        n_t = 4 if small else 18
-        side = 512 if small else 8192
+        n_t = ARGS.split_tensors or (4 if small else 18)
+        side = 512 if small and not ARGS.split_tensors else 8192
         path = os.path.join(scratch, "split")
         g = torch.Generator(device=dev()).manual_seed(1)
         sd = {f"w{i}": torch.randn(side, side, generator=g, device=dev()) for i in range(n_t)}
@@ -559,8 +562,9 @@ def main() -> int:
                 list(pool.map(one, pieces))
             return time.perf_counter() - t
 
-        def ours(device, **kw):
-            tmpl = {k: torch.empty(v.shape, dtype=v.dtype, device=device) for k, v in sd.items()}
+        def ours(device, touched=False, **kw):
+            new = torch.zeros if touched else torch.empty  # touched: no page faults on the first write
+            tmpl = {k: new(v.shape, dtype=v.dtype, device=device) for k, v in sd.items()}
             sync()
             t = time.perf_counter()
             dcp.load(tmpl, storage_reader=DataStatesReader(path, **kw))
@@ -575,7 +579,8 @@ def main() -> int:
                  ("ours_gpu", lambda: ours(dev())),
                  ("ours_gpu_noverify", lambda: ours(dev(), verify=False)),
                  ("ours_gpu_buffered", lambda: ours(dev(), o_direct=False)),
-                 ("ours_host", lambda: ours("cpu")))
+                 ("ours_host", lambda: ours("cpu")),
+                 ("ours_host_touched", lambda: ours("cpu", touched=True)))
         out: dict = {"bytes": sum(os.path.getsize(f) for f in files), "files": len(files)}
         for _rep in range(2):
             for name, fn in steps:
