@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from .engine.device_cache import prepare_device_cache
 from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 from .format import decode_manifest
 from .format.model import Manifest
 from .guard import async_save
@@ -347,7 +347,7 @@ class Checkpointer:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 log.warning("step %d could not be restored from any tier (%s); trying an older one",
-                            s, str(e).splitlines()[0][:300])
+                            s, first_line(e, 300))
                 failed.append((s, e))
                 continue
             log.info("restored step %d (manifest from %s; %s)", s, reader.manifest_tier,
@@ -362,7 +362,7 @@ class Checkpointer:
         raise CheckpointError(
             f"none of the committed steps {[f for f, _e in failed]} of this run could be restored, so "
             f"nothing was loaded (a fresh start would replace the run); step {newest} failed with: "
-            f"{(str(why).splitlines() or [type(why).__name__])[0][:300]}", checkpoint=self.tiers[0]) from why
+            f"{first_line(why, 300)}", checkpoint=self.tiers[0]) from why
 
     # ---------------------------------------------------------------- retention
     def _protected(self) -> Protected:

@@ -32,6 +32,7 @@ from .errors import (
     NotACheckpointError,
     PickleNotAllowedError,
     UnsupportedFormatVersion,
+    first_line,
 )
 from .format import MANIFEST_NAME
 from .format.dtypes import dtype_from_name
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         return _exit_code(e, path)
     except CheckpointException as e:  # DCP wraps each rank's error: report ours, in one line
         inner = _unwrap(e)
-        print(f"error: {str(inner).splitlines()[0] if str(inner) else type(inner).__name__}", file=sys.stderr)
+        print(f"error: {first_line(inner)}", file=sys.stderr)
         return _exit_code(inner, path) if isinstance(inner, CheckpointError) else EXIT_ERROR
     except FileNotFoundError as e:
         print(f"error: {e.filename or path}: no such file or directory", file=sys.stderr)

@@ -35,6 +35,14 @@ class CheckpointError(Exception):
         return (_rebuild, (type(self), self.args[0]))
 
 
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """The first line of ``e``'s message (its type's name where it has none), cut to ``limit``
+    characters: for a one-line log record or error that quotes another error."""
+    lines = str(e).splitlines()
+    text = lines[0] if lines and lines[0] else type(e).__name__
+    return text if limit is None else text[:limit]
+
+
 def _rebuild(cls, text):
     obj = cls.__new__(cls)
     Exception.__init__(obj, text)

@@ -351,3 +351,10 @@ def test_newer_dtypes_round_trip(tmp_path, name):
     out = {"t": torch.zeros(64 * k, dtype=torch.uint8).view(dt), "v": torch.zeros(19 * k, dtype=torch.uint8).view(dt)}
     dcp.load(out, storage_reader=DataStatesReader(d), no_dist=True)
     assert out["t"].view(torch.uint8).equal(raw) and out["v"].view(torch.uint8).equal(raw.view(dt)[3:40:2].contiguous().view(torch.uint8))
+
+
+def test_an_error_quoted_in_one_line_is_its_first_line_or_its_type():
+    from dcp_datastates.errors import first_line
+    assert first_line(ValueError("bad shape\nmore detail")) == "bad shape"
+    assert first_line(RuntimeError()) == "RuntimeError"  # nothing to quote: never an IndexError
+    assert first_line(OSError("x" * 500), 300) == "x" * 300

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ..errors import PeerLoadError
+from ..errors import PeerLoadError, first_line
 from ..format.checksum import verify_blocks
 from ..format.values import pack_plain
 from .files import Fetcher, ReadStats
@@ -391,8 +391,7 @@ class Cooperation:
             raise self._error(e, what) from None
 
     def _error(self, e: BaseException, what: str) -> PeerLoadError:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        err = PeerLoadError(f"cooperative load: exchanging {what} with the other ranks failed ({first}); a "
+        err = PeerLoadError(f"cooperative load: exchanging {what} with the other ranks failed ({first_line(e)}); a "
                             "peer died or stopped answering", checkpoint=self.checkpoint)
         log.error("%s", err)
         return err

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from ..format.model import Chunk, Extent, Manifest
 from .base_lock import BaseHold
 from .manifests import load_manifest
@@ -67,7 +67,7 @@ def load_base(tier: StorageTier, incremental_base: str | None, storage_options: 
         m = load_manifest(base_tier)
     except (CheckpointError, OSError) as e:
         log.warning("incremental base %s is not usable (%s); writing %s in full",
-                    base_tier.url, str(e).splitlines()[0][:200], tier.url)
+                    base_tier.url, first_line(e, 200), tier.url)
         return None
     if save_id is not None and m.save_id != save_id:
         log.info("incremental base %s holds save %s, not %s; writing %s in full", base_tier.url, m.save_id,
