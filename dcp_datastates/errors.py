@@ -37,7 +37,17 @@ class CheckpointError(Exception):
 
 def first_line(e: BaseException, limit: int | None = None) -> str:
     """The first line of ``e``'s message (its type's name where it has none), cut to ``limit``
-    characters: for a one-line log record or error that quotes another error."""
+    characters: for a one-line log record or error that quotes another error.  DCP's
+    ``CheckpointException``, whose text names only the ranks that failed, is quoted by the
+    cause of its lowest rank's failure."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(cause, BaseException):
+            more = len(failures) - 1
+            tail = f" (and {more} other rank{'s' if more > 1 else ''})" if more else ""
+            return f"rank {rank}: {first_line(cause, limit)}{tail}"
     lines = str(e).splitlines()
     text = lines[0] if lines and lines[0] else type(e).__name__
     return text if limit is None else text[:limit]

@@ -358,3 +358,21 @@ def test_an_error_quoted_in_one_line_is_its_first_line_or_its_type():
     assert first_line(ValueError("bad shape\nmore detail")) == "bad shape"
     assert first_line(RuntimeError()) == "RuntimeError"  # nothing to quote: never an IndexError
     assert first_line(OSError("x" * 500), 300) == "x" * 300
+
+
+def test_dcps_error_of_many_ranks_is_quoted_by_its_first_ranks_cause():
+    """DCP wraps each rank's failure in a ``CheckpointException`` whose text is only the ranks
+    that failed ("CheckpointException ranks:dict_keys([2, 3])"): a log line quoting it must
+    give the cause, naming the file and tensor."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcp_datastates.errors import DataFileError, first_line
+    cause = DataFileError("data file is missing", checkpoint="/ck/step-5", file="data-r00002-x-00.dsd",
+                          key="extra.frozen")
+    e = CheckpointException("read_data", {3: (cause, traceback.extract_stack()),
+                                          2: (cause, traceback.extract_stack())})
+    text = first_line(e)
+    assert text.startswith("rank 2: data file is missing [checkpoint=/ck/step-5, file=data-r00002-x-00.dsd"), text
+    assert text.endswith("(and 1 other rank)"), text
