@@ -120,9 +120,12 @@ def _train_and_save(rank, world, base, pfs, replicas=1):
     os.kill(os.getpid(), signal.SIGKILL)  # the job dies: no close, no teardown
 
 
-def _killed(world: int, base: str, pfs: bool, replicas: int = 1) -> None:
+def _killed(world: int, base: str, pfs: bool, replicas: int = 1, fn=None) -> None:
     with pytest.raises(AssertionError, match=r"exited with codes \[" + ", ".join(["-9"] * world) + r"\]"):
-        run_ranks(world, _train_and_save, base, pfs, replicas)
+        if fn is None:
+            run_ranks(world, _train_and_save, base, pfs, replicas)
+        else:
+            run_ranks(world, fn, base)
 
 
 def _restore(rank, world, base, pfs, expect, nodes=None, replicas=1, setup=None):
@@ -330,6 +333,72 @@ def test_one_node_fewer_restores_from_the_survivors_replicas(tmp_path, nodes):
     shutil.rmtree(os.path.join(base, "node1"))
     survivors = [n for n in range(nodes) if n != 1]
     run_ranks(len(survivors) * PER_NODE, _restore, base, False, 5, survivors)
+
+
+def _frozen_state(model, opt, world: int, step: int) -> dict:
+    """The state with a tensor that never changes (a frozen embedding, sharded over the ranks):
+    every incremental step after the first references step 1's copy of it."""
+    sd = _state(model, opt)
+    torch.manual_seed(7)
+    sd["extra"] = {"step": step, "frozen": distribute_tensor(torch.randn(24576, 8),
+                                                             init_device_mesh("cpu", (world,)), [Shard(0)])}
+    return sd
+
+
+def _incremental_then_die(rank, world, base):
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    ckpt = Checkpointer(_tiers(base, node, False), node_local=True, incremental=True, keep=2, replicas=1,
+                        node=f"n{node}", process_group=dist.new_group(backend="gloo"))
+    ckpt.register_step_pre_hook(opt)
+    for step in range(1, 6):
+        _train(model, opt, step)
+        fut = ckpt.save(step, _frozen_state(model, opt, world, step))
+    fut.result()
+    assert ckpt.wait_replicated(120)
+    want = _flat(_frozen_state(model, opt, world, 5))  # collectives: every rank
+    if rank == 0:
+        torch.save(want, os.path.join(base, "want.pt"))
+        referenced = load_manifest(StorageTier(os.path.join(base, "node0", "step-5"))).homes
+        assert set(referenced.values()) == {"step-1"}, referenced  # the frozen shards, kept there
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _restore_incremental(rank, world, base, nodes):
+    node = nodes[rank // PER_NODE]
+    model, opt = _model(world)
+    ckpt = Checkpointer(_tiers(base, node, False), node_local=True, incremental=True, keep=2, replicas=1,
+                        node=f"n{node}", process_group=dist.new_group(backend="gloo"))
+    sd = _frozen_state(model, opt, world, 0)
+    sd["extra"]["frozen"] = torch.zeros_like(sd["extra"]["frozen"])
+    assert ckpt.load(sd) == 5
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    have = _flat(sd)
+    for k, v in torch.load(os.path.join(base, "want.pt"), weights_only=True).items():
+        assert torch.equal(have[k], v) if isinstance(v, torch.Tensor) else have[k] == v, k
+    ckpt.close()
+
+
+@pytest.mark.parametrize("nodes,survivors", [(2, [0, 1]), (3, [0, 2])], ids=["replaced", "one-node-fewer"])
+def test_a_lost_node_restores_an_incremental_step_with_the_files_it_references(tmp_path, nodes, survivors):
+    """An incremental step reads the tensors it did not rewrite from an earlier step's files:
+    the repair gives the lost node those too, not only the step's own, and the newest step
+    comes back (before, every step after the first failed on the missing base files and the
+    restore walked back to step 1)."""
+    base = str(tmp_path)
+    _killed(nodes * PER_NODE, base, False, fn=_incremental_then_die)
+    shutil.rmtree(os.path.join(base, "node1"))
+    run_ranks(len(survivors) * PER_NODE, _restore_incremental, base, survivors)
+    if survivors == [0, 1]:  # the new node holds its place of step 1's referenced files again:
+        # its ranks' and its copies of node 0's, each checked against a replica record that
+        # retention kept with them when it purged step 1
+        husk = os.listdir(os.path.join(base, "node1", "step-1"))
+        assert {int(n[6:11]) for n in husk if data_file_save_id(n)} == {0, 1, 2, 3}, husk
+        # and vouched for there by its ranks' records: node 0 lost next, node 1's copies serve
+        assert {replica_record_of(n)[0] for n in husk if replica_record_of(n)} == {2, 3}, husk
+        shutil.rmtree(os.path.join(base, "node0"))
+        run_ranks(len(survivors) * PER_NODE, _restore_incremental, base, survivors)
 
 
 def _faulty_sender(rank, world, base):

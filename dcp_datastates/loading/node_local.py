@@ -70,11 +70,12 @@ def chunk_files(chunk: Chunk) -> set[str]:
 
 
 def files_read(m: Manifest, items: Iterable[ReadItem]) -> set[str]:
-    """The files of ``m``'s own save (its ``files`` less its ``homes``) that loading ``items``
-    reads, by whole ranks: every file of each rank whose part or data a record the plan reads
-    is in (a node holds all the files of a rank or none, as replication leaves them and as
-    ``verify --node-local`` expects).  A record this rank cannot find adds nothing (the read
-    raises, naming it)."""
+    """The files of ``m`` that loading ``items`` reads, by whole ranks: every file of each rank
+    whose part or data a record the plan reads is in (a node holds all the files of a rank or
+    none, as replication leaves them and as ``verify --node-local`` expects), with those of an
+    earlier checkpoint an incremental save took from it (its ``homes``) under the name of the
+    rank that wrote them there.  A record this rank cannot find adds nothing (the read raises,
+    naming it)."""
     named: set[str] = set()  # files records name directly
     writers: set[int] = set()
     for ri in items:
@@ -95,10 +96,10 @@ def files_read(m: Manifest, items: Iterable[ReadItem]) -> set[str]:
             named |= chunk_files(chunk)
     by_rank: dict[int, set[str]] = defaultdict(set)
     for name in m.files:
-        if name not in m.homes and (got := rank_file_of(name)) is not None:
+        if (got := rank_file_of(name)) is not None:
             by_rank[got[0]].add(name)
     writers |= {got[0] for name in named if (got := rank_file_of(name)) is not None}
-    out = {n for n in named if n in m.files and n not in m.homes}
+    out = {n for n in named if n in m.files}
     for w in writers:
         out |= by_rank.get(w, set())
     return out

@@ -66,6 +66,17 @@ class Move:
     size: int
 
 
+@dataclass(frozen=True)
+class FileList:
+    """What a save's manifest lists: its own files (name -> size), the ranks that saved it, and
+    the files it reads from earlier checkpoints of the run (an incremental save), by the
+    directory and save that hold them: (directory, save id) -> {name: size}."""
+
+    files: dict[str, int]
+    world: int
+    referenced: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+
+
 @dataclass
 class Survey:
     """What every rank knows after ``NodeRepair.survey``: each node's listing, the files the
@@ -164,10 +175,20 @@ def _merged(parts: Iterable[Listing]) -> Listing:
 class NodeRepair:
     """The repair of this node's directory ``tier`` of one save before a load (``label`` in the
     log; ``save_id`` None: the newest save any node holds).  Every rank of the replicator's
-    group calls ``survey`` and then ``fetch``, in that order."""
+    group calls ``survey`` and then ``fetch``, in that order.
 
-    def __init__(self, rep: Replicator, tier: StorageTier, label: str, save_id: str | None) -> None:
+    An incremental save reads some files from earlier checkpoints of the run (its manifest's
+    ``homes``): each such directory is repaired alongside (``_earlier``), limited to the files
+    the save references there (``given``), so a node lost since is given those too."""
+
+    def __init__(self, rep: Replicator, tier: StorageTier, label: str, save_id: str | None,
+                 given: FileList | None = None) -> None:
         self.rep, self.tier, self.label, self.save_id = rep, tier, label, save_id
+        # an earlier checkpoint's directory: the files a later save references there, from its
+        # manifest (the directory's own manifest may be gone: retention keeps a purged step's
+        # referenced files, and their replica records, as a husk)
+        self.given = given
+        self._earlier: list[NodeRepair] = []
         _names, self.ranks = rep.peers.nodes.layout()
         self.node = rep.peers.nodes.nodes[rep.peers.me]
         self.leader = self.ranks[self.node][0] == rep.peers.me  # hashes and receives its node's manifest
@@ -186,7 +207,7 @@ class NodeRepair:
         if self._complete is not None:
             return self._complete
         self._complete = False
-        if self.save_id is None:
+        if self.given is None and self.save_id is None:
             heads = [h for h in self._gather(manifest_head(self.tier) if self.leader else None) if h is not None]
             if not heads:
                 return False
@@ -197,12 +218,34 @@ class NodeRepair:
         for node, part in self._gather((self.node, mine)):
             shares[node].append(part)
         listings = {n: _merged(parts) for n, parts in shares.items()}
+        files = self.given if self.given is not None else self._manifest_everywhere(listings)
+        if files is None:
+            return False
+        recorded = {f: d for x in listings.values() for f, d in x.recorded.items()}
+        self._survey = Survey(listings, files.files, files.world, recorded)
+        lost = sorted(n for n in files.files if not self._survey.holders(n))
+        if lost:
+            log.warning("%s: %d file(s) on no node (first: %s); reading them from a slower tier if one "
+                        "holds the step", self.label, len(lost), lost[0])
+        # the files it reads from earlier checkpoints, each directory surveyed in turn: every
+        # rank walks the same ones in the same order (the file list is the same on all)
+        self._earlier = [] if self.given is not None else [
+            NodeRepair(self.rep, self.tier.sibling(home), f"{self.label} (its files in {home})", save_id,
+                       FileList(names, files.world))
+            for (home, save_id), names in sorted(files.referenced.items())]
+        earlier_ok = [e.survey() for e in self._earlier]  # each a collective: none skipped
+        self._complete = not lost and all(earlier_ok)
+        return self._complete
+
+    def _manifest_everywhere(self, listings: dict[str, Listing]) -> FileList | None:
+        """The manifest sent to every node that lacks it (a collective); the file list it gives,
+        the same on every rank (None: no node holds a manifest of the save)."""
         counts: dict[str, int] = {}
         for x in listings.values():
             if x.manifest is not None:
                 counts[x.manifest] = counts.get(x.manifest, 0) + 1
         if not counts:
-            return False
+            return None
         # the manifest: the copy most nodes share (every node committed the same bytes), only to
         # nodes that lack one: a node's committed manifest of another save is never replaced
         want = max(counts, key=lambda d: (counts[d], d))
@@ -216,30 +259,23 @@ class NodeRepair:
         # a manifest received (none was here) was kept only with the digest wanted; one of
         # another save, or one whose digest could not be taken, is not this save's list
         received = MANIFEST_NAME not in here.sizes and self.tier.exists(MANIFEST_NAME)
-        got = self._file_list() if here.manifest == want or received else None
-        files = self._agree_file_list(got)
-        if files is None:
-            return False
-        recorded = {f: d for x in listings.values() for f, d in x.recorded.items()}
-        self._survey = Survey(listings, files[0], files[1], recorded)
-        lost = sorted(n for n in files[0] if not self._survey.holders(n))
-        if lost:
-            log.warning("%s: %d file(s) on no node (first: %s); reading them from a slower tier if one "
-                        "holds the step", self.label, len(lost), lost[0])
-        self._complete = not lost
-        return self._complete
+        return self._agree_file_list(self._file_list() if here.manifest == want or received else None)
 
-    def _file_list(self) -> tuple[dict[str, int], int] | None:
-        """The files this node's copy of the manifest lists (name -> size, earlier checkpoints'
-        left out) and the save's world size; None where it cannot be read."""
+    def _file_list(self) -> FileList | None:
+        """What this node's copy of the manifest lists; None where it cannot be read."""
         try:
             m = load_manifest(self.tier)
         except (CheckpointError, OSError) as e:  # this node's ranks read elsewhere or fail
             log.warning("%s: no readable manifest on this node after the repair: %s", self.label, e)
             return None
-        return {n: s for n, s in m.files.items() if n not in m.homes}, m.world_size
+        referenced: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
+        for name, home in m.homes.items():
+            save_id = data_file_save_id(name)
+            if save_id is not None and name in m.files:
+                referenced[(home, save_id)][name] = m.files[name]
+        return FileList({n: s for n, s in m.files.items() if n not in m.homes}, m.world_size, dict(referenced))
 
-    def _agree_file_list(self, got: tuple[dict[str, int], int] | None) -> tuple[dict[str, int], int] | None:
+    def _agree_file_list(self, got: FileList | None) -> FileList | None:
         """Every rank's file list, the same on all: each read its own node's manifest; only
         where a rank could not is the list sent, once, from the first rank that could (None:
         no rank could).  What a rank receives grows with the list, not with the ranks."""
@@ -268,9 +304,17 @@ class NodeRepair:
         s = self._survey
         if s is None:
             return False
+        needs = set(needs) if needs is not None else None
+        ok = self._fetch(s, needs)
+        for e in self._earlier:  # the same on every rank (``survey``)
+            ok = e.fetch(needs) and ok
+        return ok
+
+    def _fetch(self, s: Survey, needs: Iterable[str] | None) -> bool:
         t0, hashed, received = time.perf_counter(), 0, 0
         reads: dict[str, set[str]] = {n: set() for n in self.ranks}
-        for pos, got in enumerate(self._gather(sorted(needs) if needs is not None else None)):
+        mine = sorted(n for n in needs if n in s.files) if needs is not None else None
+        for pos, got in enumerate(self._gather(mine)):
             if got:
                 reads[self.rep.peers.nodes.nodes[pos]].update(n for n in got if n in s.files)
         places = self._places(s)
@@ -310,8 +354,9 @@ class NodeRepair:
             for node, names in self._gather((self.node, sorted(kept))):
                 want[node].difference_update(names)
         missing = sorted(f for fs in want.values() for f in fs)
-        log.info("%s: rank %d hashed %.1f MiB and received %.1f MiB for this node in %.2f s", self.label,
-                 self.rep.peers.rank, hashed / 2**20, received / 2**20, time.perf_counter() - t0)
+        if hashed or received or self.given is None:
+            log.info("%s: rank %d hashed %.1f MiB and received %.1f MiB for this node in %.2f s", self.label,
+                     self.rep.peers.rank, hashed / 2**20, received / 2**20, time.perf_counter() - t0)
         if missing:
             log.warning("%s: %d file(s) have no good copy on any node (first: %s)", self.label, len(missing), missing[0])
         if self._places_known(s):
@@ -346,7 +391,8 @@ class NodeRepair:
     def _record(self, s: Survey, now: dict[str, set[str]]) -> None:
         """A rank whose replica record of the save is gone (its node replaced) writes it anew
         from what the nodes hold after the repair: its files with their recorded digests, the
-        peers whose nodes hold them all, the files it holds for the ranks it keeps copies of.
+        peers whose nodes hold them all, the files it holds for the ranks it keeps copies of
+        (in an earlier checkpoint's directory, of the files a later save references there).
         A file no record vouched for is recorded without a digest (never a source)."""
         p, save = self.rep.peers, str(self.save_id)
         name = replica_record_name(p.rank, save)

@@ -12,7 +12,9 @@ Purging ``drop`` steps of a run directory on one tier goes:
 3. **Sweep.** In each dropped directory, and in every directory still carrying a
    ``.purged`` mark from an interrupted purge, every file of ours that is not live is removed;
    a directory left empty disappears.  A directory that still holds live files stays as a
-   *husk* until the steps referencing it are purged too.
+   *husk* until the steps referencing it are purged too; it keeps the step's replica records,
+   which vouch for those files' digests when a lost node is given them again
+   (``replica_repair.py``).
 
 What retention never does: follow a symbolic link (a step that is a link is skipped and
 reported, so is a link inside a step), leave the run directory (each step's real path must
@@ -30,7 +32,7 @@ from collections.abc import Sequence
 
 from ..errors import CheckpointError
 from ..format.model import Manifest
-from ..format.names import PURGED_MARK, REPLICA_LOCK, STEP_DIR, is_manifest_name, is_ours
+from ..format.names import PURGED_MARK, REPLICA_LOCK, STEP_DIR, is_manifest_name, is_ours, replica_record_of
 from .base_lock import removing
 from .claim import bases_in_flight, claimed
 from .manifests import manifest_is_ours
@@ -168,8 +170,8 @@ def _sweep(t: StorageTier, keep: set[str]) -> bool:
         if kind != "file" or not is_ours(n):
             foreign.append(f"{n} ({kind})" if kind != "file" else n)
             continue
-        if n in keep or n == PURGED_MARK:
-            continue
+        if n in keep or n == PURGED_MARK or (keep and replica_record_of(n) is not None):
+            continue  # a husk keeps the replica records that vouch for its files' digests
         try:
             t.remove(n)
         except OSError as e:
