@@ -66,6 +66,7 @@ class Plan:
     k: int = 0
     err: str = "EIO"  # "EIO", "ENOSPC", "short"
     log: list[str] = dataclasses.field(default_factory=list)
+    thread: str | None = None  # count only the operations of the thread of this name
 
 
 PLAN = Plan()
@@ -74,6 +75,8 @@ _lock = threading.Lock()
 
 def _op(name: str, path: str) -> int:
     """Count one operation; fail it where the plan says (before it runs)."""
+    if PLAN.thread is not None and threading.current_thread().name != PLAN.thread:
+        return 0  # not counted: never a crash or fault point
     with _lock:
         PLAN.log.append(f"{name} {os.path.basename(path)}")
         k = len(PLAN.log)
@@ -216,6 +219,11 @@ class RecBackend(Backend):
                 f.write(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, f"injected short write at operation {k}")
         self.inner.commit(root, path, tmp_name, data, sync=sync)
+        _after(k)
+
+    def rename(self, root, tmp_path, path):
+        k = _op("rename", path)
+        self.inner.rename(root, tmp_path, path)
         _after(k)
 
     def sync_dir(self, root):

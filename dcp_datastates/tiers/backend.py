@@ -111,6 +111,11 @@ class Backend(ABC):
         """Publish ``data`` at ``path`` atomically: whole or not at all."""
 
     @abstractmethod
+    def rename(self, root: str, tmp_path: str, path: str) -> None:
+        """Publish the whole, durable file ``tmp_path`` at ``path`` in the same directory
+        ``root``, replacing what is there, and make that durable."""
+
+    @abstractmethod
     def sync_dir(self, root: str) -> None:
         """Make the directory's entries durable (a rename in it, a file created)."""
 

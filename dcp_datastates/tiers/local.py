@@ -302,6 +302,10 @@ class LocalBackend(Backend):
         if sync:
             self.sync_dir(root)
 
+    def rename(self, root: str, tmp_path: str, path: str) -> None:
+        os.replace(tmp_path, path)
+        self.sync_dir(root)
+
     def sync_dir(self, root: str) -> None:
         _sync_dir(root)
 

@@ -150,6 +150,9 @@ class FsspecBackend(Backend):
     def commit(self, root: str, path: str, tmp_name: str, data: bytes, *, sync: bool) -> None:
         self.fs.pipe_file(path, data)
 
+    def rename(self, root: str, tmp_path: str, path: str) -> None:
+        self.fs.mv(tmp_path, path)
+
     def sync_dir(self, root: str) -> None:
         """Nothing: an object store has no directory entries to make durable."""
 

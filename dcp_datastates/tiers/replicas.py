@@ -160,7 +160,7 @@ class Landing:
         if digest != self.hash.digest():
             self.tier.remove(self.tmp)
             return False
-        os.replace(self.tier.path(self.tmp), self.tier.path(self.name))
+        self.tier.publish(self.tmp, self.name)
         return True
 
     def abort(self) -> None:

@@ -117,6 +117,11 @@ class StorageTier:
         a single PUT of the final object (object stores, where that PUT is the commit)."""
         self.backend.commit(self.root, self.path(name), temp_name(name, TEMP_INFIX), data, sync=sync)
 
+    def publish(self, tmp: str, name: str) -> None:
+        """Put the whole, durable file ``tmp`` of this directory in place as ``name``,
+        replacing what is there (a rename, made durable)."""
+        self.backend.rename(self.root, self.path(tmp), self.path(name))
+
     def sync_dir(self) -> None:
         self.backend.sync_dir(self.root)
 
