@@ -38,19 +38,23 @@ THREAD = "dcpds-replicas"
 
 def _state(rank: int, step: int) -> dict:
     """Rank ``rank``'s state at ``step``: 6 MiB in two tensors (its replica is sent as two
-    messages), and a value."""
+    messages), a tensor that never changes (an incremental step references its first copy),
+    and a value."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     return {f"w{rank}": torch.randn(1 << 20, generator=g), f"v{rank}": torch.randn(1 << 19, generator=g),
-            "step": step}
+            f"c{rank}": torch.arange(1 << 14, dtype=torch.float32) + rank, "step": step}
 
 
 def _template(rank: int) -> dict:
     return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in _state(rank, 0).items()}
 
 
-def _ckpt(base: str, node: int) -> Checkpointer:
+def _ckpt(base: str, node: int, incremental: bool = False) -> Checkpointer:
+    """``incremental``: each step after the first references the unchanged tensor's bytes in
+    step 1's directory, which ``keep=1`` purges into a husk kept for them."""
+    more = {"incremental": True, "keep": 1} if incremental else {}
     return Checkpointer([os.path.join(base, f"node{node}")], node_local=True, replicas=1, node=f"n{node}",
-                        async_mode=None, process_group=dist.new_group(backend="gloo"))
+                        async_mode=None, process_group=dist.new_group(backend="gloo"), **more)
 
 
 class _Plain:
@@ -83,7 +87,7 @@ class _Plain:
 
 
 def _job(kind: str, base: str, node: int):
-    return _ckpt(base, node) if kind == "checkpointer" else _Plain(base, node)
+    return _Plain(base, node) if kind == "plain" else _ckpt(base, node, kind == "incremental")
 
 
 def _act(rank, world, base, kind, mode, k, err):
@@ -97,7 +101,12 @@ def _act(rank, world, base, kind, mode, k, err):
     if rank == TARGET:
         crashsim.PLAN.log.clear()
         crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = mode, k, err, THREAD
-    job.save(2, _state(rank, 2))
+    try:
+        job.save(2, _state(rank, 2))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - rank 2 may die before DCP's
+        # last broadcast of the save reached every rank (its replication starts at the commit):
+        # dcp.save then raises here although the step committed; the restores tell
+        logging.getLogger(__name__).warning("step 2's save raised on rank %d: %s", rank, first_line(e, 200))
     ok = job.wait_replicated(120)
     with open(os.path.join(base, f"replicated-{rank}"), "w") as f:
         f.write(json.dumps(ok))
@@ -207,28 +216,29 @@ def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_ste
     assert not bad, "\n".join([f"{len(ops)} operations: {ops}", *bad])
 
 
-def _saved_twice(rank, world, base):
-    job = _ckpt(base, rank // PER_NODE)
+def _saved_twice(rank, world, base, kind):
+    job = _job(kind, base, rank // PER_NODE)
     for step in (1, 2):
         job.save(step, _state(rank, step))
-    assert job.wait_replicated(60)
+        assert job.wait_replicated(60), f"step {step} must replicate in full"
     dist.barrier()
     os._exit(0)
 
 
-def _repair(rank, world, base, mode, k, err):
+def _repair(rank, world, base, kind, mode, k, err):
     """A restart on a replaced node 1: rank 2's repair of it (the main thread's storage
     operations: the manifest received, its ranks' files and its replicas of node 0's, the
     records) under the plan.  This restore may fail at a fault point; the next one may not."""
     if rank == TARGET:
         crashsim.install()
-    job = _ckpt(base, rank // PER_NODE)
+    job = _job(kind, base, rank // PER_NODE)
     if rank == TARGET:
         crashsim.PLAN.log.clear()
         crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = mode, k, err, "MainThread"
     try:
         job.load(_template(rank))
-    except Exception as e:  # noqa: BLE001 - allowed at a fault point: the check is the next restore
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - allowed at a fault point: the
+        # check is the next restore
         logging.getLogger(__name__).warning("the restore under the plan failed: %s", first_line(e, 300))
     if rank == TARGET and mode == "record":
         crashsim.PLAN.mode = "off"
@@ -237,30 +247,41 @@ def _repair(rank, world, base, mode, k, err):
     os._exit(0)
 
 
-@pytest.mark.parametrize("mode", ["crash", pytest.param("fault", marks=pytest.mark.slow)])
-def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_path, mode):
-    """Node 1 is replaced; its repair dies (or fails: ``make test-long``) at each of rank 2's
-    storage operations; a fresh job then restores step 2 bit-exactly from what is left (node 0
-    holds it all)."""
+# the incremental repair's operations are the other's and then those of the directory it
+# references: it runs in CI, the rest in ``make test-long``
+@pytest.mark.parametrize("kind,mode", [pytest.param("checkpointer", "crash", marks=pytest.mark.slow),
+                                       pytest.param("checkpointer", "fault", marks=pytest.mark.slow),
+                                       ("incremental", "crash"),
+                                       pytest.param("incremental", "fault", marks=pytest.mark.slow)])
+def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_path, kind, mode):
+    """Node 1 is replaced; its repair dies (or fails) at each of rank 2's storage operations;
+    a fresh job then restores step 2 bit-exactly from what is left (node 0 holds it all).
+    ``incremental``: step 2 reads its unchanged tensor from step 1's directory, which the
+    repair fills too."""
     golden = str(tmp_path / "golden")
     os.makedirs(golden)
-    _run(_saved_twice, golden)
+    _run(_saved_twice, golden, kind)
     shutil.rmtree(os.path.join(golden, "node1"))
     record = str(tmp_path / "record")
     shutil.copytree(golden, record)
-    _run(_repair, record, "record", 0, "EIO")
+    _run(_repair, record, kind, "record", 0, "EIO")
     ops = json.load(open(os.path.join(record, "ops.json")))
     assert len(ops) >= 8, ops  # the manifest, node 1's ranks' files and node 0's, the records
     bad = []
     for k in range(1, len(ops) + 1):
         base = str(tmp_path / f"{mode}-{k}")
         shutil.copytree(golden, base)
-        codes = _run(_repair, base, mode, k, "EIO")
+        try:
+            codes = _run(_repair, base, kind, mode, k, "EIO")
+        except AssertionError as e:  # a rank that failed or hung under the plan, not at its point
+            bad.append(f"{mode} at operation {k} ({ops[k - 1]}): the restore under it: "
+                       f"{str(e).strip().splitlines()[-1][:300]}")
+            continue
         if mode == "crash" and codes != [crashsim.CRASHED]:
             bad.append(f"{mode} at operation {k}: rank {TARGET} never reached it")
             continue
         try:
-            run_ranks(WORLD, _restore, base, "checkpointer", 2, timeout=180)
+            run_ranks(WORLD, _restore, base, kind, 2, timeout=180)
         except AssertionError as e:
             bad.append(f"{mode} at operation {k} ({ops[k - 1]}): {str(e).strip().splitlines()[-1][:300]}")
     assert not bad, "\n".join([f"{len(ops)} operations: {ops}", *bad])
