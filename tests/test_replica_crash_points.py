@@ -278,7 +278,10 @@ def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_
                        f"{str(e).strip().splitlines()[-1][:300]}")
             continue
         if mode == "crash" and codes != [crashsim.CRASHED]:
-            bad.append(f"{mode} at operation {k}: rank {TARGET} never reached it")
+            # a directory both ranks of node 1 write into is made by whichever comes first: the
+            # count may be one short of the recording's, every operation still a point
+            if k <= len(ops) - sum(op.startswith("mkdir ") for op in ops):
+                bad.append(f"{mode} at operation {k}: rank {TARGET} never reached it")
             continue
         try:
             run_ranks(WORLD, _restore, base, kind, 2, timeout=180)
