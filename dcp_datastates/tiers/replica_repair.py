@@ -73,7 +73,7 @@ class FileList:
     directory and save that hold them: (directory, save id) -> {name: size}."""
 
     files: dict[str, int]
-    world: int
+    world: int  # of an earlier directory's list (``NodeRepair.given``): the referencing save's
     referenced: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
 
 
