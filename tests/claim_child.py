@@ -3,8 +3,8 @@
 ``python -m tests.claim_child hold DIR SAVE_ID READY``: claim DIR, write READY, sleep until
 killed.
 
-``python -m tests.claim_child contend DIR READY_DIR START_AT N``: at time START_AT, try to
-claim DIR; write ``READY_DIR/tried-<pid>`` (``owner`` or ``busy``), and while it owns the
+``python -m tests.claim_child contend DIR READY_DIR GATE_DIR N``: once N contenders have
+imported everything (each marks ``GATE_DIR``), try to claim DIR; write ``READY_DIR/tried-<pid>`` (``owner`` or ``busy``), and while it owns the
 claim, hold it until N contenders have tried.  Every read of a claim file pauses 50 ms after
 it returns (wrapping the storage interface), which opens any window between reading a stale
 claim and taking it over.
@@ -43,9 +43,14 @@ def main() -> int:
         open(sys.argv[4], "w").write("held")
         while True:
             time.sleep(1)
-    ready_dir, start_at, n = sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
+    ready_dir, gate, n = sys.argv[3], sys.argv[4], int(sys.argv[5])
     _slow_claim_reads()
-    time.sleep(max(0.0, start_at - time.time()))
+    open(os.path.join(gate, f"arrived-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(gate)) < n:  # every contender starts within a few ms of the others
+        if time.monotonic() > deadline:
+            return 1
+        time.sleep(0.002)
     try:
         claim = acquire(tier, CLAIM_NAME, f"{os.getpid():012x}"[-12:])
     except CheckpointBusyError:

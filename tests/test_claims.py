@@ -149,12 +149,12 @@ def test_one_stale_claim_gets_exactly_one_new_owner(tmp_path, trial):
     """Six processes find one stale claim at once, each pausing 50 ms after reading a claim
     file.  Before, each renamed ``.claim`` aside after reading the stale record, by then often
     another contender's fresh claim: two owners every time with the pause."""
-    path, ready = str(tmp_path / "ck"), str(tmp_path / "tried")
+    path, ready, gate = str(tmp_path / "ck"), str(tmp_path / "tried"), str(tmp_path / "gate")
     _stale_claim(path)
     os.makedirs(ready)
-    start_at = time.time() + 12  # every contender has imported torch by then
+    os.makedirs(gate)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.claim_child", "contend", path, ready,
-                               str(start_at), "6"], env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                               gate, "6"], env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(6)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
