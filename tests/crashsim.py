@@ -67,10 +67,41 @@ class Plan:
     err: str = "EIO"  # "EIO", "ENOSPC", "short"
     log: list[str] = dataclasses.field(default_factory=list)
     thread: str | None = None  # count only the operations of the thread of this name
+    # a process the test does not start itself (a replica helper): the file its plan will be
+    # written to, taken at the first operation after it appears, and the file each operation it
+    # counts from then on is appended to (``install_armed``)
+    arm: str | None = None
+    log_file: str | None = None
 
 
 PLAN = Plan()
 _lock = threading.Lock()
+ARM_ENV = "DCPDS_CRASHSIM_ARM"  # read by ``tests/crashsim_site/sitecustomize.py``
+
+
+def _take_armed() -> None:
+    """Take the plan written to ``PLAN.arm``, once it is there (under ``_lock``)."""
+    if PLAN.arm is None or not os.path.exists(PLAN.arm):
+        return
+    with open(PLAN.arm) as f:
+        spec = json.load(f)
+    PLAN.arm = None
+    PLAN.log.clear()
+    PLAN.mode, PLAN.k, PLAN.err, PLAN.log_file = spec["mode"], spec["k"], spec["err"], spec["log_file"]
+
+
+def arm(path: str, mode: str, k: int, log_file: str, err: str = "EIO") -> None:
+    """Write the plan an armed process takes at its next storage operation (atomically)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump({"mode": mode, "k": k, "err": err, "log_file": log_file}, f)
+    os.replace(path + ".tmp", path)
+
+
+def install_armed(path: str) -> None:
+    """In a process started by the library (a replica helper): wrap its local tiers, counting
+    nothing until the plan appears at ``path``."""
+    install()
+    PLAN.arm = path
 
 
 def _op(name: str, path: str) -> int:
@@ -78,8 +109,12 @@ def _op(name: str, path: str) -> int:
     if PLAN.thread is not None and threading.current_thread().name != PLAN.thread:
         return 0  # not counted: never a crash or fault point
     with _lock:
+        _take_armed()
         PLAN.log.append(f"{name} {os.path.basename(path)}")
         k = len(PLAN.log)
+        if PLAN.log_file is not None:
+            with open(PLAN.log_file, "a") as f:
+                f.write(PLAN.log[-1] + "\n")
     if PLAN.mode == "fault" and k == PLAN.k and (PLAN.err == "EIO" or name in WRITES):
         code = errno.EIO if PLAN.err == "EIO" else errno.ENOSPC
         raise OSError(code, f"injected {os.strerror(code)} at operation {k} ({name} {path})")

@@ -29,11 +29,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.errors import first_line
+from dcp_datastates.tiers.replica_helper import SENDER_ENV
 from tests import crashsim
 from tests.dist import run_ranks
 
 PER_NODE, WORLD, TARGET = 2, 4, 2
 THREAD = "dcpds-replicas"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SITE = os.path.join(ROOT, "tests", "crashsim_site")  # wraps the storage of rank 2's helper
 
 
 def _state(rank: int, step: int) -> dict:
@@ -91,14 +94,25 @@ def _job(kind: str, base: str, node: int):
 
 
 def _act(rank, world, base, kind, mode, k, err):
+    """``kind`` "helper": every rank's replicas are sent from a helper process
+    (``DCP_DATASTATES_REPLICA_SENDER=process``), and rank 2's helper, started with the plan's
+    hook, is the one that dies or fails; rank 2 itself goes on."""
     node = rank // PER_NODE
-    if rank == TARGET:
+    helper = kind == "helper"
+    if helper:
+        os.environ[SENDER_ENV] = "process"
+        if rank == TARGET:  # the helper it starts takes the plan from the file written below
+            os.environ["PYTHONPATH"] = os.pathsep.join([SITE, ROOT])
+            os.environ[crashsim.ARM_ENV] = os.path.join(base, "plan.json")
+    elif rank == TARGET:
         crashsim.install()  # every local tier made from now on is counted
     job = _job(kind, base, node)
     job.save(1, _state(rank, 1))
     assert job.wait_replicated(60), "step 1 must replicate in full"
     dist.barrier()
-    if rank == TARGET:
+    if rank == TARGET and helper:
+        crashsim.arm(os.path.join(base, "plan.json"), mode, k, os.path.join(base, "helper-ops"), err)
+    elif rank == TARGET:
         crashsim.PLAN.log.clear()
         crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = mode, k, err, THREAD
     try:
@@ -112,8 +126,14 @@ def _act(rank, world, base, kind, mode, k, err):
         f.write(json.dumps(ok))
     if rank == TARGET and mode == "record":
         with open(os.path.join(base, "ops.json"), "w") as f:
-            json.dump(crashsim.PLAN.log, f)
+            json.dump(_helper_ops(base) if helper else crashsim.PLAN.log, f)
     os._exit(0)  # rank 2 may be dead: no teardown collectives
+
+
+def _helper_ops(base: str) -> list[str]:
+    """The storage operations rank 2's helper made under its plan (to the one it died after)."""
+    path = os.path.join(base, "helper-ops")
+    return open(path).read().splitlines() if os.path.exists(path) else []
 
 
 def _restore(rank, world, base, kind, lowest):
@@ -165,7 +185,9 @@ def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO") -> list[st
     os.makedirs(base)
     codes = _run(_act, base, kind, mode, k, err)
     where = f"{mode} at operation {k}"
-    if mode == "crash" and codes != [crashsim.CRASHED]:
+    # a helper's death ends the helper, not its rank: the helper's own count tells
+    reached = len(_helper_ops(base)) >= k if kind == "helper" else codes == [crashsim.CRASHED]
+    if mode == "crash" and not reached:
         return [f"{where}: rank {TARGET} never reached it"]
     reports = {r: json.load(open(path)) for r in range(WORLD)
                if os.path.exists(path := os.path.join(base, f"replicated-{r}"))}
@@ -203,19 +225,24 @@ def _operations(base: str, kind: str) -> list[str]:
     return json.load(open(os.path.join(base, "ops.json")))
 
 
-@pytest.mark.parametrize("kind", ["checkpointer", pytest.param("plain", marks=pytest.mark.slow)])
-def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_step(tmp_path, kind):
+# the Checkpointer's crash points run in CI, the rest in ``make test-long``
+@pytest.mark.parametrize("kind,mode", [("checkpointer", "crash"),
+                                       pytest.param("checkpointer", "fault", marks=pytest.mark.slow),
+                                       pytest.param("plain", "crash", marks=pytest.mark.slow),
+                                       pytest.param("plain", "fault", marks=pytest.mark.slow),
+                                       pytest.param("helper", "crash", marks=pytest.mark.slow),
+                                       pytest.param("helper", "fault", marks=pytest.mark.slow)])
+def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_step(tmp_path, kind, mode):
     ops = _operations(str(tmp_path / "record"), kind)
     assert len(ops) >= 6, ops  # receive, keep and publish rank 0's files, and the record
     # each received file is put in place through the storage seam, so its rename is a point
     assert sum(op.startswith("rename data-r00000-") for op in ops) == 1, ops
     bad = []
     for k in range(1, len(ops) + 1):
-        for mode in ("crash", "fault"):
-            found = _point(base := str(tmp_path / f"{mode}-{k}"), kind, mode, k)
-            bad += found
-            if not found:  # tens of MB a point: only those that broke something are kept
-                shutil.rmtree(base)
+        found = _point(base := str(tmp_path / f"{mode}-{k}"), kind, mode, k)
+        bad += found
+        if not found:  # tens of MB a point: only those that broke something are kept
+            shutil.rmtree(base)
     assert not bad, "\n".join([f"{len(ops)} operations: {ops}", *bad])
 
 
