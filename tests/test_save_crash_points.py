@@ -1,0 +1,204 @@
+"""Every crash point and every fault point of one rank in a collective save, across ranks: the
+multi-rank counterpart of ``tests/crashsim.py``, whose storage wrapper it uses.
+
+Two gloo ranks save into one shared directory (a parallel file system's, as both ranks see it).
+A first save is committed; then, while every rank saves again, one rank (the coordinator, rank
+0, which also commits the manifest and runs retention, or rank 1) dies right after its k-th
+storage operation (any of its threads: a crash point), or that operation fails with EIO (a
+fault point), for every k it makes.  Then a fresh 2-rank job checks:
+
+* every directory with a committed manifest loads bit-exactly as a state saved there;
+* the newest loadable state is never older than the one committed before, and is the new one
+  wherever every rank's save returned;
+* once the fresh job saves again, nothing of the dead or failed attempt is left (a data file
+  or part no manifest references, a temp file, a claim).
+
+``checkpointer``: ``Checkpointer([run], keep=1, async_mode=None)`` saves step 2 after step 1
+(retention removes step 1 once step 2 committed); the fresh job saves step 3.  ``overwrite``:
+plain ``dcp.save`` with ``DataStatesWriter(path, overwrite=True)`` and DCP's default planner
+replaces a committed checkpoint in place; the fresh job overwrites it once more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.errors import first_line
+from tests import crashsim
+from tests.dist import run_ranks
+
+WORLD = 2
+log = logging.getLogger(__name__)
+
+
+def _state(rank: int, seed: int) -> dict:
+    """Rank ``rank``'s state of save ``seed``: its own tensor (two write buffers' worth), a
+    tensor every rank holds alike (DCP's planner has one rank write it) and a value."""
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    return {f"w{rank}": torch.randn(3 << 18, generator=g), "shared": torch.arange(4096.0) * seed,
+            "seed": seed}
+
+
+def _template(rank: int) -> dict:
+    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in _state(rank, 0).items()}
+
+
+def _same(rank: int, got: dict, seed: int) -> bool:
+    want = _state(rank, seed)
+    return got["seed"] == seed and all(torch.equal(got[k], v) for k, v in want.items() if k != "seed")
+
+
+class _Job:
+    """One kind of save: ``save(seed)`` makes the next save, ``dirs()`` the directories whose
+    committed copies are checked, with the seeds each may hold."""
+
+    def __init__(self, kind: str, run: str) -> None:
+        self.kind, self.run = kind, run
+        self.ckpt = Checkpointer([run], keep=1, async_mode=None) if kind == "checkpointer" else None
+
+    def save(self, seed: int) -> None:
+        rank = torch.distributed.get_rank()
+        if self.ckpt is not None:
+            self.ckpt.save(seed, _state(rank, seed))
+            assert self.ckpt.wait_persisted(60)  # and its retention pass
+        else:
+            dcp.save(_state(rank, seed), storage_writer=DataStatesWriter(os.path.join(self.run, "step-1"),
+                                                                         overwrite=True))
+
+    def allowed(self, name: str) -> set[int]:
+        """The seeds a committed ``name`` of the run may hold."""
+        step = int(name.split("-")[1])
+        return {step} if self.kind == "checkpointer" else {1, 2, 3}
+
+
+def _setup(rank, world, run, kind):
+    _Job(kind, run).save(1)
+    os._exit(0)
+
+
+def _act(rank, world, run, kind, target, mode, k):
+    if rank == target:
+        crashsim.install()  # every local tier made from now on is counted
+        crashsim.PLAN.mode, crashsim.PLAN.k = mode, k
+    job = _Job(kind, run)
+    try:
+        job.save(2)
+        said = "returned"
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - an outcome: the checks decide
+        said = f"raised: {first_line(e, 200)}"
+    with open(os.path.join(os.path.dirname(run), f"said-{rank}"), "w") as f:
+        f.write(said)
+    if rank == target and mode == "record":
+        with open(os.path.join(os.path.dirname(run), "ops.json"), "w") as f:
+            json.dump(crashsim.PLAN.log, f)
+    os._exit(0)  # the target may be dead: no teardown collectives
+
+
+def _check(rank, world, run, kind, newest_at_least):
+    """Every committed directory loads as a state saved there; the newest is new enough; then
+    the next save.  What went wrong is written beside the run, one file a rank."""
+    bad = []
+    job = _Job(kind, run)
+    newest = 0
+    for name in sorted(os.listdir(run)):
+        path = os.path.join(run, name)
+        if not crashsim._committed(path):
+            continue
+        sd = _template(rank)
+        try:
+            dcp.load(sd, storage_reader=DataStatesReader(path))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported
+            bad.append(f"{name}: committed but does not load: {first_line(e, 300)}")
+            continue
+        if not any(_same(rank, sd, s) for s in job.allowed(name)):
+            bad.append(f"{name}: loads a state never saved there (seed {sd['seed']})")
+            continue
+        newest = max(newest, sd["seed"])
+    if newest < newest_at_least:
+        bad.append(f"the newest loadable state is save {newest}, wanted at least save {newest_at_least}")
+    try:
+        job.save(3)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported
+        bad.append(f"the next save failed: {first_line(e, 300)}")
+    if bad:
+        with open(os.path.join(os.path.dirname(run), f"violation-{rank}"), "w") as f:
+            f.write("; ".join(bad))
+    os._exit(0)
+
+
+def _run(fn, *args) -> bool:
+    """Whether a rank died at its crash point (exit code ``crashsim.CRASHED``)."""
+    try:
+        run_ranks(WORLD, fn, *args, timeout=180)
+    except AssertionError as e:
+        if f"{crashsim.CRASHED}" not in str(e) or "exited with codes" not in str(e):
+            raise
+        return True
+    return False
+
+
+def _point(golden: str, base: str, kind: str, target: int, mode: str, k: int, reachable: int) -> list[str]:
+    """One point; the invariants it broke.  A point past ``reachable`` may not be reached."""
+    shutil.copytree(golden, base)
+    run = os.path.join(base, "run")
+    where = f"{mode} of rank {target} at operation {k}"
+    try:
+        crashed = _run(_act, run, kind, target, mode, k)
+    except AssertionError as e:  # a rank failed or hung under the plan, not at its point
+        return [f"{where}: the save under it: {str(e).strip().splitlines()[-1][:300]}"]
+    if mode == "crash" and not crashed:
+        return [] if k > reachable else [f"{where}: never reached"]
+    said = {r: open(p).read() for r in range(WORLD) if os.path.exists(p := os.path.join(base, f"said-{r}"))}
+    bad = []
+    if mode == "fault" and len(said) < WORLD:
+        bad.append(f"{where}: ranks {sorted(set(range(WORLD)) - set(said))} never finished the save")
+    returned = len(said) == WORLD and all(v == "returned" for v in said.values())
+    try:
+        run_ranks(WORLD, _check, run, kind, 2 if returned else 1, timeout=180)
+    except AssertionError as e:
+        bad.append(f"{where}: the checks did not end: {str(e).strip().splitlines()[-1][:300]}")
+    for r in range(WORLD):
+        if os.path.exists(v := os.path.join(base, f"violation-{r}")):
+            bad.append(f"{where} (the save: {said}), rank {r}: {open(v).read()}")
+    bad += [f"{where} (the save: {said}): {x}" for x in crashsim._leftovers(run, "run")]
+    return bad
+
+
+# the coordinator's crash points run in CI, the rest in ``make test-long``
+@pytest.mark.parametrize("kind,target,mode", [
+    ("checkpointer", 0, "crash"),
+    pytest.param("checkpointer", 0, "fault", marks=pytest.mark.slow),
+    pytest.param("checkpointer", 1, "crash", marks=pytest.mark.slow),
+    pytest.param("checkpointer", 1, "fault", marks=pytest.mark.slow),
+    ("overwrite", 0, "crash"),
+    pytest.param("overwrite", 0, "fault", marks=pytest.mark.slow),
+    pytest.param("overwrite", 1, "crash", marks=pytest.mark.slow),
+    pytest.param("overwrite", 1, "fault", marks=pytest.mark.slow)])
+def test_every_crash_and_fault_point_of_a_rank_in_a_collective_save_keeps_what_committed(
+        tmp_path, kind, target, mode):
+    golden = str(tmp_path / "golden")
+    os.makedirs(golden)
+    run_ranks(WORLD, _setup, os.path.join(golden, "run"), kind, timeout=180)
+    record = str(tmp_path / "record")
+    shutil.copytree(golden, record)
+    _run(_act, os.path.join(record, "run"), kind, target, "record", 0)
+    ops = json.load(open(os.path.join(record, "ops.json")))
+    assert len(ops) >= 3, ops  # its data file: create, write, close
+    # the step's directory is made by whichever rank comes first: the count may be one short
+    reachable = len(ops) - sum(op.startswith("mkdir ") for op in ops)
+    bad = []
+    for k in range(1, len(ops) + 1):
+        found = _point(golden, base := str(tmp_path / f"{mode}-{k}"), kind, target, mode, k, reachable)
+        bad += found
+        if not found:
+            shutil.rmtree(base)
+    assert not bad, "\n".join([f"{len(ops)} operations of rank {target}: {ops}", *bad])
