@@ -10,11 +10,17 @@ fault point), for every k it makes.  Then a fresh 2-rank job checks:
 * every directory with a committed manifest loads bit-exactly as a state saved there;
 * the newest loadable state is never older than the one committed before, and is the new one
   wherever every rank's save returned;
-* once the fresh job saves again, nothing of the dead or failed attempt is left (a data file
-  or part no manifest references, a temp file, a claim).
+* a ``Checkpointer`` restores a step at least that new, bit-exactly;
+* once the fresh job saved again (and, with a ``Checkpointer``, ran a retention pass once that
+  save is durable everywhere: until then a node keeps its files of the newest durable step,
+  committed there or not, for that step's restore), nothing of the dead or failed attempt is
+  left (a data file or part no manifest references, a temp file, a claim).
 
 ``checkpointer``: ``Checkpointer([run], keep=1, async_mode=None)`` saves step 2 after step 1
-(retention removes step 1 once step 2 committed); the fresh job saves step 3.  ``overwrite``:
+(retention removes step 1 once step 2 committed); the fresh job saves step 3.  ``async``: the
+same with ``async_mode="thread"``.  ``two-tier``: each rank's node its own node-local
+directory, then the shared run (``Checkpointer([node, run], node_local=True, keep=[1, 1])``).
+``overwrite``:
 plain ``dcp.save`` with ``DataStatesWriter(path, overwrite=True)`` and DCP's default planner
 replaces a committed checkpoint in place; the fresh job overwrites it once more.
 """
@@ -58,26 +64,46 @@ def _same(rank: int, got: dict, seed: int) -> bool:
 
 
 class _Job:
-    """One kind of save: ``save(seed)`` makes the next save, ``dirs()`` the directories whose
-    committed copies are checked, with the seeds each may hold."""
+    """One kind of save: ``save(seed)`` makes the next save, ``allowed(name)`` the seeds a
+    committed directory of the shared run may hold, ``load`` a ``Checkpointer``'s restore."""
 
     def __init__(self, kind: str, run: str) -> None:
         self.kind, self.run = kind, run
-        self.ckpt = Checkpointer([run], keep=1, async_mode=None) if kind == "checkpointer" else None
+        rank = torch.distributed.get_rank()
+        if kind == "overwrite":
+            self.ckpt = None
+        elif kind == "two-tier":  # each rank its own node's directory, then the shared run
+            self.ckpt = Checkpointer([_node_dir(run, rank), run], node_local=True, node=f"n{rank}",
+                                     keep=[1, 1], async_mode=None)
+        else:
+            self.ckpt = Checkpointer([run], keep=1, async_mode="thread" if kind == "async" else None)
 
-    def save(self, seed: int) -> None:
+    def save(self, seed: int, timeout: float = 60) -> None:
         rank = torch.distributed.get_rank()
         if self.ckpt is not None:
             self.ckpt.save(seed, _state(rank, seed))
-            assert self.ckpt.wait_persisted(60)  # and its retention pass
+            assert self.ckpt.wait_persisted(timeout)  # and its retention pass
         else:
             dcp.save(_state(rank, seed), storage_writer=DataStatesWriter(os.path.join(self.run, "step-1"),
                                                                          overwrite=True))
 
     def allowed(self, name: str) -> set[int]:
-        """The seeds a committed ``name`` of the run may hold."""
         step = int(name.split("-")[1])
-        return {step} if self.kind == "checkpointer" else {1, 2, 3}
+        return {1, 2, 3} if self.kind == "overwrite" else {step}
+
+    def load(self) -> str | int:
+        """The step a ``Checkpointer`` restores (bit-exactly), else what went wrong."""
+        assert self.ckpt is not None
+        rank = torch.distributed.get_rank()
+        sd = _template(rank)
+        step = self.ckpt.load(sd)
+        if step is None or not _same(rank, sd, step):
+            return f"Checkpointer.load restored step {step}, not bit-exactly"
+        return step
+
+
+def _node_dir(run: str, node: int) -> str:
+    return os.path.join(os.path.dirname(run), f"node{node}")
 
 
 def _setup(rank, world, run, kind):
@@ -91,7 +117,7 @@ def _act(rank, world, run, kind, target, mode, k):
         crashsim.PLAN.mode, crashsim.PLAN.k = mode, k
     job = _Job(kind, run)
     try:
-        job.save(2)
+        job.save(2, timeout=20)  # the coordinator waits that long for a dead rank's upload
         said = "returned"
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - an outcome: the checks decide
         said = f"raised: {first_line(e, 200)}"
@@ -123,12 +149,25 @@ def _check(rank, world, run, kind, newest_at_least):
             bad.append(f"{name}: loads a state never saved there (seed {sd['seed']})")
             continue
         newest = max(newest, sd["seed"])
-    if newest < newest_at_least:
+    if newest < newest_at_least and kind != "two-tier":  # there: the node's copy may be newer
         bad.append(f"the newest loadable state is save {newest}, wanted at least save {newest_at_least}")
+    if job.ckpt is not None:
+        got = job.load()
+        if isinstance(got, str) or got < newest_at_least:
+            bad.append(f"Checkpointer.load: {got}, wanted at least step {newest_at_least}")
+    said = logging.FileHandler(os.path.join(os.path.dirname(run), crashsim.NEXT_LOG))  # why a file stayed
+    said.setFormatter(logging.Formatter(f"rank {rank}: %(levelname)s %(message)s"))
+    lib = logging.getLogger("dcp_datastates")
+    lib.setLevel(logging.INFO)
+    lib.addHandler(said)
     try:
         job.save(3)
+        torch.distributed.barrier()
+        if job.ckpt is not None:  # a pass once step 3 is durable: until then a node's files of
+            job.ckpt.wait_persisted(60)  # step 2, the newest durable step, serve its restore
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported
         bad.append(f"the next save failed: {first_line(e, 300)}")
+    said.close()
     if bad:
         with open(os.path.join(os.path.dirname(run), f"violation-{rank}"), "w") as f:
             f.write("; ".join(bad))
@@ -169,20 +208,28 @@ def _point(golden: str, base: str, kind: str, target: int, mode: str, k: int, re
     for r in range(WORLD):
         if os.path.exists(v := os.path.join(base, f"violation-{r}")):
             bad.append(f"{where} (the save: {said}), rank {r}: {open(v).read()}")
-    bad += [f"{where} (the save: {said}): {x}" for x in crashsim._leftovers(run, "run")]
+    dirs = [run] + [_node_dir(run, n) for n in range(WORLD) if kind == "two-tier"]
+    bad += [f"{where} (the save: {said}): {x}" for d in dirs for x in crashsim._leftovers(d, os.path.basename(d))]
     return bad
 
 
-# the coordinator's crash points run in CI, the rest in ``make test-long``
+# the coordinator's crash points with two tiers and in place run in CI, the rest in
+# ``make test-long``
 @pytest.mark.parametrize("kind,target,mode", [
-    ("checkpointer", 0, "crash"),
+    pytest.param("checkpointer", 0, "crash", marks=pytest.mark.slow),
     pytest.param("checkpointer", 0, "fault", marks=pytest.mark.slow),
     pytest.param("checkpointer", 1, "crash", marks=pytest.mark.slow),
     pytest.param("checkpointer", 1, "fault", marks=pytest.mark.slow),
     ("overwrite", 0, "crash"),
     pytest.param("overwrite", 0, "fault", marks=pytest.mark.slow),
     pytest.param("overwrite", 1, "crash", marks=pytest.mark.slow),
-    pytest.param("overwrite", 1, "fault", marks=pytest.mark.slow)])
+    pytest.param("overwrite", 1, "fault", marks=pytest.mark.slow),
+    pytest.param("async", 0, "crash", marks=pytest.mark.slow),
+    pytest.param("async", 0, "fault", marks=pytest.mark.slow),
+    ("two-tier", 0, "crash"),
+    pytest.param("two-tier", 0, "fault", marks=pytest.mark.slow),
+    pytest.param("two-tier", 1, "crash", marks=pytest.mark.slow),
+    pytest.param("two-tier", 1, "fault", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_rank_in_a_collective_save_keeps_what_committed(
         tmp_path, kind, target, mode):
     golden = str(tmp_path / "golden")
