@@ -120,6 +120,7 @@ class Checkpointer:
         self._inflight: SaveInFlight | None = None
         self._persisting: dict[int, DataStatesWriter] = {}
         self._lock = threading.Lock()
+        self._failed: list[str] = []  # directories of failed saves whose claims the next save lets go
         self.retention = RunRetention(self.steps, self.keep, self._protected, lambda: self.rank)
         self.last_timings: dict[str, float] = {}  # stage timings of the newest save (seconds)
         # bytes of the newest committed save, all ranks: written anew, and reused from earlier steps
@@ -170,8 +171,16 @@ class Checkpointer:
             overwrite=True, async_mode=self.async_mode,
             incremental_base=None if base is None else f"step-{base}", incremental_base_save_id=base_id,
             **self.writer_options)
+        with self._lock:
+            failed, self._failed = self._failed, []
+        writer.release_failed(failed)  # their claims, where DCP's checkpoint process holds them
         if self.async_mode is None:
-            md = dcp.save(state, storage_writer=writer, process_group=self.pg, planner=DataStatesSavePlanner())
+            try:
+                md = dcp.save(state, storage_writer=writer, process_group=self.pg, planner=DataStatesSavePlanner())
+            except BaseException:
+                with self._lock:
+                    self._failed.append(self.step_path(0, step))
+                raise
             self._inflight = SaveInFlight(step, writer, None, persist, base)
             self._on_committed(md)
             return None
@@ -216,7 +225,14 @@ class Checkpointer:
         if cur is None or cur.future is None:
             return
         fut = cast(Future, getattr(cur.future, "upload_completion", cur.future))
-        md = fut.result()
+        try:
+            md = fut.result()
+        except BaseException:  # raised once: the next save starts afresh
+            if self._inflight is cur:
+                self._inflight = None
+            with self._lock:
+                self._failed.append(self.step_path(0, cur.step))
+            raise
         self._on_committed(md)
 
     def wait_persisted(self, timeout: float | None = None) -> bool:

@@ -44,6 +44,7 @@ from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
 from .saving import PlannedSave, RankSave, committed_save
 from .tiers import StorageTier
+from .tiers.claim import release_idle
 from .tiers.replicator import Replicator, SaveToReplicate, shared_replicator
 from .writer_sessions import SAVE_IDS, WriterSessions
 
@@ -145,6 +146,7 @@ class DataStatesWriter(StorageWriter):
         self._replicator: Replicator | None = None  # replicas: this process's (made in the process that saves)
         self._manifest: concurrent.futures.Future | None = None  # coordinator: its CommittedSave, or None
         self._replicated: concurrent.futures.Future | None = None  # the last save's ReplicaRecord (or None)
+        self._release_first: tuple[str, ...] = ()  # failed saves' directories (``release_failed``)
         if replicas:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("replicas travel over torch.distributed: call dist.init_process_group "
@@ -195,6 +197,14 @@ class DataStatesWriter(StorageWriter):
     def close(self) -> None:
         """Nothing to release: the engine and cache are per process and reused."""
 
+    def release_failed(self, paths: Sequence[str]) -> None:
+        """Before this writer's save, let go the claims that the process running it (this one,
+        or DCP's checkpoint process, where the writer is unpickled) still holds on ``paths``
+        for saves that no longer run: saves whose future the caller saw fail.  DCP tells a
+        writer nothing when a save fails on another rank, so its coordinator would otherwise
+        hold the directory, which retention then leaves alone, until the process ends."""
+        self._release_first = tuple(str(p) for p in paths)
+
     def attach(self, future) -> None:
         """Let :meth:`wait_snapshot` see failures that happen before ``write_data``."""
         self.sessions.attach(future)
@@ -231,6 +241,7 @@ class DataStatesWriter(StorageWriter):
         self.use_collectives = bool(kwargs.get("use_collectives", True))
         if self._save is not None:
             self._save.release()  # a previous save through this writer that DCP abandoned
+        release_idle(self._release_first)  # in the process that held them (DCP's checkpoint process)
         self.save_id = uuid.uuid4().hex[:12]
         if not self.use_collectives:
             self.save_id = SAVE_IDS.agree(self.save_id)

@@ -72,6 +72,7 @@ class Plan:
     # counts from then on is appended to (``install_armed``)
     arm: str | None = None
     log_file: str | None = None
+    match: str | None = None  # count only the operations whose "name file" starts with this
 
 
 PLAN = Plan()
@@ -88,12 +89,13 @@ def _take_armed() -> None:
     PLAN.arm = None
     PLAN.log.clear()
     PLAN.mode, PLAN.k, PLAN.err, PLAN.log_file = spec["mode"], spec["k"], spec["err"], spec["log_file"]
+    PLAN.match = spec.get("match")
 
 
-def arm(path: str, mode: str, k: int, log_file: str, err: str = "EIO") -> None:
+def arm(path: str, mode: str, k: int, log_file: str, err: str = "EIO", match: str | None = None) -> None:
     """Write the plan an armed process takes at its next storage operation (atomically)."""
     with open(path + ".tmp", "w") as f:
-        json.dump({"mode": mode, "k": k, "err": err, "log_file": log_file}, f)
+        json.dump({"mode": mode, "k": k, "err": err, "log_file": log_file, "match": match}, f)
     os.replace(path + ".tmp", path)
 
 
@@ -110,7 +112,10 @@ def _op(name: str, path: str) -> int:
         return 0  # not counted: never a crash or fault point
     with _lock:
         _take_armed()
-        PLAN.log.append(f"{name} {os.path.basename(path)}")
+        line = f"{name} {os.path.basename(path)}"
+        if PLAN.match is not None and not line.startswith(PLAN.match):
+            return 0
+        PLAN.log.append(line)
         k = len(PLAN.log)
         if PLAN.log_file is not None:
             with open(PLAN.log_file, "a") as f:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -66,3 +67,67 @@ def test_a_save_failed_by_the_coordinator_releases_every_rank(tmp_path):
         holder.kill()
         holder.wait()
     assert sorted(os.listdir(out)) == ["rank0", "rank1"]
+
+
+# ------------------------------------------------ a Checkpointer goes on after a failed save
+def _checkpointer_fails_once(rank, world, base, amode):
+    """Step 2's save fails on rank 1 (its data file cannot be created: EIO, in the process
+    that writes: this one, or DCP's checkpoint process).  The failure is raised once (by the
+    save when it is sync, else by the next call that waits); the saves after it commit, and
+    the failed step's directory goes with retention like any other."""
+    import json
+
+    import torch.distributed as dist
+
+    from dcp_datastates import Checkpointer
+    from tests import crashsim
+    from tests.test_save_crash_points import ROOT, SITE, _same, _state, _template
+    run, plan = os.path.join(base, "run"), os.path.join(base, "plan.json")
+    if rank == 1:
+        if amode == "process":  # DCP starts its checkpoint process at the first save
+            os.environ["PYTHONPATH"] = os.pathsep.join([SITE, ROOT])
+            os.environ[crashsim.ARM_ENV] = plan
+        else:
+            crashsim.install()
+    ckpt = Checkpointer([run], keep=1, async_mode=amode)
+    ckpt.save(1, _state(rank, 1))
+    assert ckpt.wait_persisted(60)
+    dist.barrier()
+    if rank == 1 and amode == "process":
+        crashsim.arm(plan, "fault", 1, os.path.join(base, "ops"), match="create data-")
+    elif rank == 1:
+        crashsim.PLAN.match, crashsim.PLAN.mode, crashsim.PLAN.k = "create data-", "fault", 1
+        crashsim.PLAN.log.clear()
+    raised = None
+    try:
+        ckpt.save(2, _state(rank, 2))  # a sync save raises here
+        ckpt.wait()
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raised = repr(e)
+    assert raised is not None and "injected" in raised, f"rank {rank}: step 2's failure was not raised: {raised}"
+    got = {}
+    for step in (3, 4):
+        ckpt.save(step, _state(rank, step))
+        got[step] = ckpt.wait_persisted(60)
+    dist.barrier()
+    ckpt.wait_persisted(60)  # a pass once step 4 is durable on every rank
+    dirs = sorted(os.listdir(run))
+    sd = _template(rank)
+    loaded = ckpt.load(sd)
+    ckpt.close()
+    with open(os.path.join(base, f"rank{rank}.json"), "w") as f:
+        json.dump({"persisted": got, "dirs": dirs, "loaded": loaded, "exact": _same(rank, sd, 4)}, f)
+    for child in __import__("multiprocessing").active_children():
+        child.kill()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("amode", [None, "thread", "process"])
+def test_a_checkpointer_saves_again_after_a_save_failed(tmp_path, amode):
+    import json
+    run_ranks(2, _checkpointer_fails_once, str(tmp_path), amode, timeout=240)
+    for rank in (0, 1):
+        got = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert got["persisted"] == {"3": True, "4": True}, got
+        assert got["loaded"] == 4 and got["exact"], got
+        assert got["dirs"] == ["step-4"], got  # the failed step's directory went with step 3

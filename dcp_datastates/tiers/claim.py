@@ -36,7 +36,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import msgpack
 
@@ -289,6 +289,26 @@ class Claim:
             _forget(self)
 
 
+def release_idle(urls: Iterable[str]) -> None:
+    """Let go the claims this process holds on ``urls`` for saves that no longer run, keeping
+    their records (the next save there, or retention, removes those attempts' files).  For a
+    caller that saw those saves fail: DCP tells a writer nothing when a save fails on another
+    rank, so the coordinator's claim would otherwise stay held until the process ends."""
+    want = set(urls)
+    if not want:
+        return
+    with _live_lock:
+        holders = list(_live.values())
+    for h in holders:
+        if h.busy():
+            continue
+        for c in list(h.claims):
+            if c.tier.url in want:
+                log.info("releasing the claim of %s left by save %s of this process, which failed",
+                         c.tier.url, c.record.save_id)
+                c.release(keep_record=True)
+
+
 def _read(tier: StorageTier, name: str) -> ClaimRecord | None:
     return ClaimRecord.from_bytes(tier.read_bytes(name, max_bytes=_MAX_CLAIM_BYTES))
 
@@ -532,4 +552,5 @@ def holds_live_claim(tier: StorageTier, name: str) -> bool:
     return _lease_stale(tier, name, cur, DEFAULT_LEASE_S) is None
 
 
-__all__ = ["BasesInFlight", "Claim", "ClaimRecord", "acquire", "bases_in_flight", "claimed", "holds_live_claim", "live_claims"]
+__all__ = ["BasesInFlight", "Claim", "ClaimRecord", "acquire", "bases_in_flight", "claimed", "holds_live_claim",
+           "live_claims", "release_idle"]
