@@ -80,20 +80,33 @@ _lock = threading.Lock()
 ARM_ENV = "DCPDS_CRASHSIM_ARM"  # read by ``tests/crashsim_site/sitecustomize.py``
 
 
+_armed_at = [0]  # the plan file's mtime when last taken
+
+
 def _take_armed() -> None:
-    """Take the plan written to ``PLAN.arm``, once it is there (under ``_lock``)."""
-    if PLAN.arm is None or not os.path.exists(PLAN.arm):
+    """Take the plan written to ``PLAN.arm`` whenever it is written anew (under ``_lock``):
+    the first one starts the count; a later one (say, mode "off") changes only the plan."""
+    if PLAN.arm is None:
+        return
+    try:
+        at = os.stat(PLAN.arm).st_mtime_ns
+    except FileNotFoundError:
+        return
+    if at == _armed_at[0]:
         return
     with open(PLAN.arm) as f:
         spec = json.load(f)
-    PLAN.arm = None
-    PLAN.log.clear()
+    if not _armed_at[0]:
+        PLAN.log.clear()
+    _armed_at[0] = at
     PLAN.mode, PLAN.k, PLAN.err, PLAN.log_file = spec["mode"], spec["k"], spec["err"], spec["log_file"]
     PLAN.match = spec.get("match")
 
 
 def arm(path: str, mode: str, k: int, log_file: str, err: str = "EIO", match: str | None = None) -> None:
     """Write the plan an armed process takes at its next storage operation (atomically)."""
+    if os.path.exists(path):  # a new plan: a new modification time, whatever the clock's step
+        time.sleep(0.01)
     with open(path + ".tmp", "w") as f:
         json.dump({"mode": mode, "k": k, "err": err, "log_file": log_file, "match": match}, f)
     os.replace(path + ".tmp", path)
