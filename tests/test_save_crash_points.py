@@ -276,27 +276,16 @@ def _point(golden: str, base: str, kind: str, target: int, mode: str, k: int, re
     return bad
 
 
-# the coordinator's crash points with two tiers and in place run in CI, the rest in
-# ``make test-long``
-@pytest.mark.parametrize("kind,target,mode", [
-    pytest.param("checkpointer", 0, "crash", marks=pytest.mark.slow),
-    pytest.param("checkpointer", 0, "fault", marks=pytest.mark.slow),
-    pytest.param("checkpointer", 1, "crash", marks=pytest.mark.slow),
-    pytest.param("checkpointer", 1, "fault", marks=pytest.mark.slow),
-    ("overwrite", 0, "crash"),
-    pytest.param("overwrite", 0, "fault", marks=pytest.mark.slow),
-    pytest.param("overwrite", 1, "crash", marks=pytest.mark.slow),
-    pytest.param("overwrite", 1, "fault", marks=pytest.mark.slow),
-    pytest.param("async", 0, "crash", marks=pytest.mark.slow),
-    pytest.param("async", 0, "fault", marks=pytest.mark.slow),
-    ("two-tier", 0, "crash"),
-    pytest.param("two-tier", 0, "fault", marks=pytest.mark.slow),
-    pytest.param("two-tier", 1, "crash", marks=pytest.mark.slow),
-    pytest.param("two-tier", 1, "fault", marks=pytest.mark.slow),
-    pytest.param("process", 0, "crash", marks=pytest.mark.slow),
-    pytest.param("process", 0, "fault", marks=pytest.mark.slow),
-    pytest.param("process", 1, "crash", marks=pytest.mark.slow),
-    pytest.param("process", 1, "fault", marks=pytest.mark.slow)])
+# every kind, the ranks targeted in it, both modes; the coordinator's crash points with two
+# tiers and in place run in CI, the rest in ``make test-long``
+ROWS = [(kind, target, mode) for kind, targets in (("checkpointer", (0, 1)), ("overwrite", (0, 1)), ("async", (0,)),
+                                                   ("two-tier", (0, 1)), ("process", (0, 1)))
+        for target in targets for mode in ("crash", "fault")]
+IN_CI = {("two-tier", 0, "crash"), ("overwrite", 0, "crash")}
+
+
+@pytest.mark.parametrize("kind,target,mode", [r if r in IN_CI else pytest.param(*r, marks=pytest.mark.slow)
+                                              for r in ROWS])
 def test_every_crash_and_fault_point_of_a_rank_in_a_collective_save_keeps_what_committed(
         tmp_path, kind, target, mode):
     golden = str(tmp_path / "golden")
