@@ -147,6 +147,7 @@ class DataStatesWriter(StorageWriter):
         self._manifest: concurrent.futures.Future | None = None  # coordinator: its CommittedSave, or None
         self._replicated: concurrent.futures.Future | None = None  # the last save's ReplicaRecord (or None)
         self._release_first: tuple[str, ...] = ()  # failed saves' directories (``release_failed``)
+        self._unpickled = False  # True in DCP's checkpoint process (``__setstate__``)
         if replicas:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("replicas travel over torch.distributed: call dist.init_process_group "
@@ -241,7 +242,9 @@ class DataStatesWriter(StorageWriter):
         self.use_collectives = bool(kwargs.get("use_collectives", True))
         if self._save is not None:
             self._save.release()  # a previous save through this writer that DCP abandoned
-        release_idle(self._release_first)  # in the process that held them (DCP's checkpoint process)
+        # DCP's checkpoint process (where a writer is unpickled) runs one save at a time: a save
+        # of it still holding claims now has failed, on another rank most often
+        release_idle(None if self._unpickled else self._release_first)
         self.save_id = uuid.uuid4().hex[:12]
         if not self.use_collectives:
             self.save_id = SAVE_IDS.agree(self.save_id)
@@ -352,3 +355,6 @@ class DataStatesWriter(StorageWriter):
         d["_replicator"] = d["_manifest"] = d["_replicated"] = None  # and its own replicator
         d["process_group"] = None  # the daemon's group is its default one
         return d
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state, _unpickled=True)

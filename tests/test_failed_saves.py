@@ -131,3 +131,53 @@ def test_a_checkpointer_saves_again_after_a_save_failed(tmp_path, amode):
         assert got["persisted"] == {"3": True, "4": True}, got
         assert got["loaded"] == 4 and got["exact"], got
         assert got["dirs"] == ["step-4"], got  # the failed step's directory went with step 3
+
+
+def _plain_process_save_fails_once(rank, world, base):
+    """Plain ``dcp.async_save`` in PROCESS mode: step 2 fails on rank 1 (in its checkpoint
+    process), step 3 saves, then the trainer saves step 2 again itself."""
+    import json
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from tests import crashsim
+    from tests.test_save_crash_points import ROOT, SITE, _same, _state, _template
+    plan = os.path.join(base, "plan.json")
+    if rank == 1:
+        os.environ["PYTHONPATH"] = os.pathsep.join([SITE, ROOT])
+        os.environ[crashsim.ARM_ENV] = plan
+        crashsim.arm(plan, "fault", 1, os.path.join(base, "ops"), match="create data-")
+
+    def path(step):
+        return os.path.join(base, f"step-{step}")
+
+    def process_save(step):
+        return dcp.async_save(_state(rank, step), storage_writer=DataStatesWriter(path(step)),
+                              async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    try:
+        process_save(2).result(timeout=120)
+        raise AssertionError("step 2 did not fail")
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        assert "injected" in repr(e), repr(e)
+    process_save(3).result(timeout=120)
+    dcp.save(_state(rank, 2), storage_writer=DataStatesWriter(path(2), overwrite=True))  # from the trainer
+    sd = _template(rank)
+    dcp.load(sd, storage_reader=DataStatesReader(path(2)))
+    with open(os.path.join(base, f"rank{rank}.json"), "w") as f:
+        json.dump({"exact": _same(rank, sd, 2), "files": sorted(os.listdir(path(2)))}, f)
+    for child in __import__("multiprocessing").active_children():
+        child.kill()
+    os._exit(0)
+
+
+def test_a_plain_process_mode_save_that_failed_leaves_its_directory_free(tmp_path):
+    """The failed save's coordinator (rank 0's checkpoint process) lets its claim go at its
+    next save, so the trainer can save into that directory, which then holds only the new
+    save's files."""
+    import json
+    run_ranks(2, _plain_process_save_fails_once, str(tmp_path), timeout=240)
+    for rank in (0, 1):
+        got = json.load(open(tmp_path / f"rank{rank}.json"))
+        assert got["exact"], got
+        data = [n for n in got["files"] if n.startswith("data-")]
+        assert len({n.split("-")[2] for n in data}) == 1, got  # one save's files: the new one

@@ -289,13 +289,15 @@ class Claim:
             _forget(self)
 
 
-def release_idle(urls: Iterable[str]) -> None:
-    """Let go the claims this process holds on ``urls`` for saves that no longer run, keeping
-    their records (the next save there, or retention, removes those attempts' files).  For a
-    caller that saw those saves fail: DCP tells a writer nothing when a save fails on another
-    rank, so the coordinator's claim would otherwise stay held until the process ends."""
-    want = set(urls)
-    if not want:
+def release_idle(urls: Iterable[str] | None) -> None:
+    """Let go the claims this process holds on ``urls`` (None: anywhere) for saves that no
+    longer run, keeping their records (the next save there, or retention, removes those
+    attempts' files).  For a caller that knows those saves failed (it saw their futures fail,
+    or its process runs one save at a time and starts the next): DCP tells a writer nothing
+    when a save fails on another rank, so the coordinator's claim would otherwise stay held
+    until the process ends."""
+    want = None if urls is None else set(urls)
+    if want is not None and not want:
         return
     with _live_lock:
         holders = list(_live.values())
@@ -303,7 +305,7 @@ def release_idle(urls: Iterable[str]) -> None:
         if h.busy():
             continue
         for c in list(h.claims):
-            if c.tier.url in want:
+            if want is None or c.tier.url in want:
                 log.info("releasing the claim of %s left by save %s of this process, which failed",
                          c.tier.url, c.record.save_id)
                 c.release(keep_record=True)
