@@ -222,3 +222,35 @@ def test_a_lost_persisted_record_does_not_fail_a_committed_flush(tmp_path, monke
     out = _zeros(sd)
     dcp.load(out, storage_reader=DataStatesReader(t2), no_dist=True)
     assert _equal(out, sd)
+
+
+@pytest.mark.parametrize("race", ["uncommitted", "removed"])
+def test_a_step_uncommitted_while_the_run_is_scanned_holds_no_references(tmp_path, monkeypatch, race):
+    """Retention uncommits step 1 between a tidy's listing of it (its manifest there) and the
+    manifest's read, or removes the directory right after the run's listing: the scan must
+    find it gone, not call the run unreadable or unlistable (which keeps every superseded
+    file of the save that tidies: a leftover)."""
+    from dcp_datastates.format.names import MANIFEST_NAME
+    from dcp_datastates.tiers.local import LocalBackend
+    from dcp_datastates.tiers.tidy import run_references
+    run = tmp_path / "run"
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=DataStatesWriter(str(run / f"step-{step}")), no_dist=True)
+    step1 = str(run / "step-1")
+    seen = []
+    orig = LocalBackend.listdir
+
+    def listdir(self, root):
+        if root == step1 and race == "removed":
+            shutil.rmtree(root)
+        names = orig(self, root)
+        if root == step1:
+            seen.append(names)
+            if len(seen) == 1 and race == "uncommitted":  # retention uncommits it right after
+                os.remove(os.path.join(root, MANIFEST_NAME))
+        return names
+    monkeypatch.setattr(LocalBackend, "listdir", listdir)
+    refs = run_references(StorageTier(str(run)))
+    assert "*" not in refs.get("step-2", set()), refs
+    assert not refs.get("step-1"), refs
+    assert refs.get("step-2"), refs  # step 2's own files are still referenced

@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from ..errors import CheckpointError, ForeignFormatError
+from ..errors import CheckpointError, ForeignFormatError, NotACheckpointError
 from ..format.model import Manifest
 from ..format.names import (
     CLAIM_NAME,
@@ -105,9 +105,10 @@ def run_references(run: StorageTier, *, skip: str | None = None,
                 break
             try:
                 _add(live, name, load_manifest(t))
-            except FileNotFoundError as e:
+            except (FileNotFoundError, NotACheckpointError) as e:
                 # uncommitted between the listing and the read (retention; a superseded rank
-                # manifest): look again, it is gone or another one stands there now
+                # manifest), before the read found the file or after: look again, it is gone
+                # or another one stands there now
                 if attempt + 1 == _RELISTS:
                     unreadable.append((t.url, e))
                 continue
