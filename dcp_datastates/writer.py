@@ -44,7 +44,6 @@ from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
 from .saving import PlannedSave, RankSave, committed_save
 from .tiers import StorageTier
-from .tiers.claim import release_idle
 from .tiers.replicator import Replicator, SaveToReplicate, shared_replicator
 from .writer_sessions import SAVE_IDS, WriterSessions
 
@@ -146,8 +145,6 @@ class DataStatesWriter(StorageWriter):
         self._replicator: Replicator | None = None  # replicas: this process's (made in the process that saves)
         self._manifest: concurrent.futures.Future | None = None  # coordinator: its CommittedSave, or None
         self._replicated: concurrent.futures.Future | None = None  # the last save's ReplicaRecord (or None)
-        self._release_first: tuple[str, ...] = ()  # failed saves' directories (``release_failed``)
-        self._unpickled = False  # True in DCP's checkpoint process (``__setstate__``)
         if replicas:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("replicas travel over torch.distributed: call dist.init_process_group "
@@ -199,12 +196,9 @@ class DataStatesWriter(StorageWriter):
         """Nothing to release: the engine and cache are per process and reused."""
 
     def release_failed(self, paths: Sequence[str]) -> None:
-        """Before this writer's save, let go the claims that the process running it (this one,
-        or DCP's checkpoint process, where the writer is unpickled) still holds on ``paths``
-        for saves that no longer run: saves whose future the caller saw fail.  DCP tells a
-        writer nothing when a save fails on another rank, so its coordinator would otherwise
-        hold the directory, which retention then leaves alone, until the process ends."""
-        self._release_first = tuple(str(p) for p in paths)
+        """Saves into ``paths`` failed (their futures raised): the process that runs this
+        writer's save lets their claims go first (``WriterSessions.release_failed``)."""
+        self.sessions.release_failed(paths)
 
     def attach(self, future) -> None:
         """Let :meth:`wait_snapshot` see failures that happen before ``write_data``."""
@@ -242,9 +236,6 @@ class DataStatesWriter(StorageWriter):
         self.use_collectives = bool(kwargs.get("use_collectives", True))
         if self._save is not None:
             self._save.release()  # a previous save through this writer that DCP abandoned
-        # DCP's checkpoint process (where a writer is unpickled) runs one save at a time: a save
-        # of it still holding claims now has failed, on another rank most often
-        release_idle(None if self._unpickled else self._release_first)
         self.save_id = uuid.uuid4().hex[:12]
         if not self.use_collectives:
             self.save_id = SAVE_IDS.agree(self.save_id)
@@ -356,5 +347,3 @@ class DataStatesWriter(StorageWriter):
         d["process_group"] = None  # the daemon's group is its default one
         return d
 
-    def __setstate__(self, state: dict) -> None:
-        vars(self).update(state, _unpickled=True)

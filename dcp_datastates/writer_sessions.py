@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from .engine.snapshot import tensor_version
 from .errors import CheckpointError, SnapshotError, TornSnapshotError
 from .options import WriterOptions
 from .session import SAVE_THREADS, SaveSession, hold_step
+from .tiers.claim import release_idle
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,17 @@ class WriterSessions:
         self._staged = False  # stage() ran, and the save's own calls have not begun yet
         self._stage_pid = os.getpid()
         self._staged_by: int | None = None  # the thread that staged it
+        self._failed: tuple[str, ...] = ()  # directories of failed saves (``release_failed``)
+        self._one_by_one = False  # in DCP's checkpoint process, where this arrives pickled
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state, _one_by_one=True)
+
+    def release_failed(self, paths: Sequence[str]) -> None:
+        """Saves into ``paths`` failed (their futures raised).  DCP tells a writer nothing when
+        a save fails on another rank, so its coordinator still holds the directory's claim,
+        which retention leaves alone: the next save here lets it go first (``set_up``)."""
+        self._failed = tuple(str(p) for p in paths)
 
     def begin_async(self, state_dict, opts: WriterOptions, path: str | None):
         """``stage``: an async save's session, and the state dict DCP saves, with the small
@@ -202,6 +214,9 @@ class WriterSessions:
         """``set_up_storage_writer``: the save's calls begin (in DCP's checkpoint process, on
         the session pickled with the writer).  A THREAD-mode save staged here is watched: its
         DCP thread ending before the snapshot fails it on this rank (``SaveThreads``)."""
+        # DCP's checkpoint process runs one save at a time: there, every claim of a save that
+        # no longer runs is a failed save's (on another rank most often)
+        release_idle(None if self._one_by_one else self._failed)
         self.begin_sync(path)
         s = self.current
         if self._staged and s is not None and s.lazy and not s.cross_process:
