@@ -178,8 +178,7 @@ class Checkpointer:
             try:
                 md = dcp.save(state, storage_writer=writer, process_group=self.pg, planner=DataStatesSavePlanner())
             except BaseException:
-                with self._lock:
-                    self._failed.append(self.step_path(0, step))
+                self._forget_failed(step)
                 raise
             self._inflight = SaveInFlight(step, writer, None, persist, base)
             self._on_committed(md)
@@ -230,10 +229,14 @@ class Checkpointer:
         except BaseException:  # raised once: the next save starts afresh
             if self._inflight is cur:
                 self._inflight = None
-            with self._lock:
-                self._failed.append(self.step_path(0, cur.step))
+            self._forget_failed(cur.step)
             raise
         self._on_committed(md)
+
+    def _forget_failed(self, step: int) -> None:
+        """``step``'s save failed: the next save lets go the claim its coordinator kept there."""
+        with self._lock:
+            self._failed.append(self.step_path(0, step))
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
         """Wait until every save so far reached the slower tiers."""

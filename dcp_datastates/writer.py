@@ -346,4 +346,3 @@ class DataStatesWriter(StorageWriter):
         d["_replicator"] = d["_manifest"] = d["_replicated"] = None  # and its own replicator
         d["process_group"] = None  # the daemon's group is its default one
         return d
-
