@@ -30,6 +30,7 @@ import dataclasses
 import errno
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import sys
@@ -110,6 +111,24 @@ def arm(path: str, mode: str, k: int, log_file: str, err: str = "EIO", match: st
     with open(path + ".tmp", "w") as f:
         json.dump({"mode": mode, "k": k, "err": err, "log_file": log_file, "match": match}, f)
     os.replace(path + ".tmp", path)
+
+
+def wrap_spawned(plan: str) -> None:
+    """Every Python process this one starts from now on (a replica helper, DCP's checkpoint
+    process) wraps its local tiers at its start and takes the plan written to ``plan``
+    (``arm``): ``tests/crashsim_site`` goes first on their ``PYTHONPATH``."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(tests, "crashsim_site"), os.path.dirname(tests)])
+    os.environ[ARM_ENV] = plan
+
+
+def end_children() -> None:
+    """Kill the processes this one started, as a launcher ends a whole job: DCP's checkpoint
+    process (or a replica helper) would otherwise outlive a rank that leaves by ``os._exit``
+    a while, holding its claims."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join()
 
 
 def install_armed(path: str) -> None:

@@ -81,12 +81,11 @@ def _checkpointer_fails_once(rank, world, base, amode):
 
     from dcp_datastates import Checkpointer
     from tests import crashsim
-    from tests.test_save_crash_points import ROOT, SITE, _same, _state, _template
+    from tests.test_save_crash_points import _same, _state, _template
     run, plan = os.path.join(base, "run"), os.path.join(base, "plan.json")
     if rank == 1:
         if amode == "process":  # DCP starts its checkpoint process at the first save
-            os.environ["PYTHONPATH"] = os.pathsep.join([SITE, ROOT])
-            os.environ[crashsim.ARM_ENV] = plan
+            crashsim.wrap_spawned(plan)
         else:
             crashsim.install()
     ckpt = Checkpointer([run], keep=1, async_mode=amode)
@@ -117,8 +116,7 @@ def _checkpointer_fails_once(rank, world, base, amode):
     ckpt.close()
     with open(os.path.join(base, f"rank{rank}.json"), "w") as f:
         json.dump({"persisted": got, "dirs": dirs, "loaded": loaded, "exact": _same(rank, sd, 4)}, f)
-    for child in __import__("multiprocessing").active_children():
-        child.kill()
+    crashsim.end_children()
     os._exit(0)
 
 
@@ -141,11 +139,10 @@ def _plain_process_save_fails_once(rank, world, base):
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from tests import crashsim
-    from tests.test_save_crash_points import ROOT, SITE, _same, _state, _template
+    from tests.test_save_crash_points import _same, _state, _template
     plan = os.path.join(base, "plan.json")
     if rank == 1:
-        os.environ["PYTHONPATH"] = os.pathsep.join([SITE, ROOT])
-        os.environ[crashsim.ARM_ENV] = plan
+        crashsim.wrap_spawned(plan)
         crashsim.arm(plan, "fault", 1, os.path.join(base, "ops"), match="create data-")
 
     def path(step):
@@ -165,8 +162,7 @@ def _plain_process_save_fails_once(rank, world, base):
     dcp.load(sd, storage_reader=DataStatesReader(path(2)))
     with open(os.path.join(base, f"rank{rank}.json"), "w") as f:
         json.dump({"exact": _same(rank, sd, 2), "files": sorted(os.listdir(path(2)))}, f)
-    for child in __import__("multiprocessing").active_children():
-        child.kill()
+    crashsim.end_children()
     os._exit(0)
 
 

@@ -35,8 +35,6 @@ from tests.dist import run_ranks
 
 PER_NODE, WORLD, TARGET = 2, 4, 2
 THREAD = "dcpds-replicas"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SITE = os.path.join(ROOT, "tests", "crashsim_site")  # wraps the storage of rank 2's helper
 
 
 def _state(rank: int, step: int) -> dict:
@@ -102,8 +100,7 @@ def _act(rank, world, base, kind, mode, k, err):
     if helper:
         os.environ[SENDER_ENV] = "process"
         if rank == TARGET:  # the helper it starts takes the plan from the file written below
-            os.environ["PYTHONPATH"] = os.pathsep.join([SITE, ROOT])
-            os.environ[crashsim.ARM_ENV] = os.path.join(base, "plan.json")
+            crashsim.wrap_spawned(os.path.join(base, "plan.json"))
     elif rank == TARGET:
         crashsim.install()  # every local tier made from now on is counted
     job = _job(kind, base, node)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 
@@ -49,8 +48,6 @@ from tests import crashsim
 from tests.dist import run_ranks
 
 WORLD = 2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SITE = os.path.join(ROOT, "tests", "crashsim_site")  # wraps a checkpoint process's storage
 log = logging.getLogger(__name__)
 
 
@@ -144,8 +141,7 @@ def _act(rank, world, run, kind, target, mode, k):
     (DCP's PROCESS mode), which DCP starts at the save with the plan's hook; the rank goes on."""
     base = os.path.dirname(run)
     if rank == target and kind == "process":
-        os.environ["PYTHONPATH"] = os.pathsep.join([SITE, ROOT])
-        os.environ[crashsim.ARM_ENV] = os.path.join(base, "plan.json")
+        crashsim.wrap_spawned(os.path.join(base, "plan.json"))
         crashsim.arm(os.path.join(base, "plan.json"), mode, k, os.path.join(base, "process-ops"))
     elif rank == target:
         crashsim.install()  # every local tier made from now on is counted
@@ -173,9 +169,7 @@ def _act(rank, world, run, kind, target, mode, k):
     if rank == target and mode == "record":
         with open(os.path.join(os.path.dirname(run), "ops.json"), "w") as f:
             json.dump(_process_ops(run) if kind == "process" else crashsim.PLAN.log, f)
-    for child in multiprocessing.active_children():  # the job ends whole, as a launcher ends it:
-        child.kill()  # DCP's checkpoint process would otherwise outlive this one a while
-        child.join()
+    crashsim.end_children()
     os._exit(0)  # the target may be dead: no teardown collectives
 
 
