@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing.connection as mpc
 import os
 import socket
 import sys
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -62,6 +64,9 @@ def _context():
     return ctx
 
 
+FAILED_GRACE_S = 20.0
+
+
 def run_ranks(world: int, fn, *args, timeout: float = 240) -> None:
     """Spawn ``world`` processes running ``fn(rank, world, *args)``; re-raise the first failure."""
     import datetime
@@ -76,12 +81,18 @@ def run_ranks(world: int, fn, *args, timeout: float = 240) -> None:
              for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
-    alive = [p for p in procs if p.is_alive()]
+    # all ranks within ``timeout``; once one reported a failure, the others get ``FAILED_GRACE_S``
+    # to end (they may wait in a collective for the failed one: it would take their timeout)
+    deadline, errors = time.monotonic() + timeout, []
+    while (alive := [p for p in procs if p.is_alive()]) and time.monotonic() < deadline:
+        mpc.wait([p.sentinel for p in alive], timeout=1.0)
+        while not errq.empty():
+            errors.append(errq.get())
+        if errors:
+            deadline = min(deadline, time.monotonic() + FAILED_GRACE_S)
     for p in alive:
         p.kill()
-    errors = []
+        p.join()
     while not errq.empty():
         errors.append(errq.get())
     if errors:
