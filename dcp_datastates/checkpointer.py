@@ -329,22 +329,9 @@ class Checkpointer:
         exist and none can be restored, ``CheckpointError`` (never None: a trainer would start
         afresh and its saves and retention would replace the run)."""
         self.wait()
-        candidates = set()
-        for i in range(len(self.tiers)):
-            candidates.update(self.committed_steps(i))
-        if dist.is_available() and dist.is_initialized():
-            everyone: list = [None] * dist.get_world_size(self.pg)
-            dist.all_gather_object(everyone, sorted(candidates), group=self.pg)
-            candidates = set().union(*map(set, everyone))
-        order = [step] if step is not None else sorted(candidates, reverse=True)
-        foreign = sorted({s for i in range(len(self.tiers)) for s in self.steps.step_dirs(i)
-                          if s not in candidates and self.steps.foreign(i, s)})
-        if foreign and (step in foreign or (step is None and foreign[-1] > max(candidates, default=-1))):
-            log.warning("%s holds step(s) %s in DCP's own format, which Checkpointer does not restore "
-                        "(load one with dcp.load and FileSystemReader, or `dcp-datastates convert` it)",
-                        self.tiers[0], foreign)
+        besides = self._inflight.step if self._inflight else None
         failed: list[tuple[int, BaseException]] = []  # newest first
-        for s in order:
+        for s in self.steps.restore_order(step, besides=besides):
             save = self.steps.agreed_save(s)
             fix = self.node_copies.repair(s, save) if self.node_copies is not None else None
             if fix is not None and not fix.survey() \

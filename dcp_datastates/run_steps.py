@@ -8,6 +8,7 @@ purged save, and one holding another format's ``.metadata`` (DCP's own) is no st
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -17,6 +18,8 @@ from .errors import CheckpointError
 from .format.names import is_manifest_name, step_of
 from .tiers import StorageTier
 from .tiers.manifests import ManifestHead, load_manifest, manifest_head, manifest_is_ours
+
+log = logging.getLogger(__name__)
 
 
 def join_url(base: str, name: str) -> str:
@@ -76,6 +79,26 @@ class RunSteps:
     def foreign(self, i: int, step: int) -> bool:
         """Whether step directory ``step`` of tier ``i`` holds another format's checkpoint."""
         return self.ours(i, step) is False
+
+    def restore_order(self, step: int | None, *, besides: int | None = None) -> list[int]:
+        """The steps a restore tries, newest first: ``step`` alone where given, else every step
+        committed on some tier of some rank, except ``besides`` (a save in flight; a collective
+        over ``pg``).  A step in another format (DCP's own) newer than those, or the one asked
+        for, is said in the log: it is not restored."""
+        candidates = set()
+        for i in range(len(self.tiers)):
+            candidates.update(self.committed(i, besides=besides))
+        if dist.is_available() and dist.is_initialized():
+            everyone: list = [None] * dist.get_world_size(self.pg)
+            dist.all_gather_object(everyone, sorted(candidates), group=self.pg)
+            candidates = set().union(*map(set, everyone))
+        foreign = sorted({s for i in range(len(self.tiers)) for s in self.step_dirs(i)
+                          if s not in candidates and self.foreign(i, s)})
+        if foreign and (step in foreign or (step is None and foreign[-1] > max(candidates, default=-1))):
+            log.warning("%s holds step(s) %s in DCP's own format, which Checkpointer does not restore "
+                        "(load one with dcp.load and FileSystemReader, or `dcp-datastates convert` it)",
+                        self.tiers[0], foreign)
+        return [step] if step is not None else sorted(candidates, reverse=True)
 
     def agreed_save(self, step: int) -> str | None:
         """The save of ``step`` every rank restores when tiers hold different ones (a node kept
