@@ -171,6 +171,8 @@ class Checkpointer:
             overwrite=True, async_mode=self.async_mode,
             incremental_base=None if base is None else f"step-{base}", incremental_base_save_id=base_id,
             **self.writer_options)
+        if self.node_copies is not None and self.node_copies.replicator is not None:
+            writer.replication.vote = self.node_copies.replicator.vote()  # in the save's plan
         with self._lock:
             failed, self._failed = self._failed, []
         writer.release_failed(failed)  # their claims, where DCP's checkpoint process holds them

@@ -101,7 +101,8 @@ class NodeCopies:
             t.makedirs()
             commit_on_node(t, committed)
             if self.replicator is not None:
-                self._replicating[step] = self.replicator.submit(t, step, committed.save_id)
+                self._replicating[step] = self.replicator.submit(t, step, committed.save_id,
+                                                                      committed.replica_epoch)
 
     def close(self) -> None:
         """After ``wait``: the replicator's thread and helper end."""

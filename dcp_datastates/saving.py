@@ -62,6 +62,7 @@ WRITER_NAME = f"dcp-datastates {__version__}"
 MANIFEST_KEY = "dcp_datastates.manifest"  # the committed manifest's bytes in the save's Metadata.storage_data
 TOOK_OVER_KEY = "dcp_datastates.took_over"  # beside it: the dead attempts whose claim the save took over
 SAVE_ID_KEY = "dcp_datastates.save_id"  # and the save's id
+REPLICA_EPOCH_KEY = "dcp_datastates.replica_epoch"  # and the replica group's epoch it was given
 PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
 
 
@@ -74,6 +75,8 @@ class PlannedSave:
     # the incremental base the coordinator read, as (directory name, its save id), or None
     # (written in full): a rank references no other base (see ``RankSave.agree_base``)
     base: tuple[str, str] | None = None
+    # the replica group's epoch of the save, from the ranks' votes (``replica_group.decide_epoch``)
+    replica_epoch: int | None = None
 
 
 def committed_save(metadata) -> CommittedSave | None:
@@ -82,7 +85,9 @@ def committed_save(metadata) -> CommittedSave | None:
     sd = getattr(metadata, "storage_data", None)
     if not isinstance(sd, dict) or sd.get(MANIFEST_KEY) is None or sd.get(SAVE_ID_KEY) is None:
         return None
-    return CommittedSave(str(sd[SAVE_ID_KEY]), sd[MANIFEST_KEY], tuple(sd.get(TOOK_OVER_KEY, ())))
+    epoch = sd.get(REPLICA_EPOCH_KEY)
+    return CommittedSave(str(sd[SAVE_ID_KEY]), sd[MANIFEST_KEY], tuple(sd.get(TOOK_OVER_KEY, ())),
+                         None if epoch is None else int(epoch))
 
 
 def _world(at_least: int = 1) -> int:
@@ -119,6 +124,7 @@ class RankSave:
         self.part_file: dict[str, int] = {}  # format 4: this rank's metadata part, flushed with its data
         self.stats: dict[str, int] = {}
         self.timings: dict[str, float] = {}
+        self.replica_epoch: int | None = None  # the coordinator's: handed to every rank with the Metadata
         self._planned_at = 0.0
         self._wrote = False
 
@@ -319,7 +325,7 @@ class RankSave:
             # DCP broadcasts this Metadata to every rank as the save's result: a run-level
             # checkpointer on another node commits the manifest on its own disk from it.
             metadata.storage_data = {MANIFEST_KEY: body, SAVE_ID_KEY: self.save_id,
-                                     TOOK_OVER_KEY: list(self.took_over())}
+                                     TOOK_OVER_KEY: list(self.took_over()), REPLICA_EPOCH_KEY: self.replica_epoch}
         if session is not None:
             session.mark_committed()
         log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),

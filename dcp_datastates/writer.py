@@ -23,14 +23,12 @@ Call order under ``dcp.save`` / ``dcp.async_save`` (DCP drives it):
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import uuid
 from collections.abc import Iterator, Sequence
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -42,9 +40,9 @@ from .engine.snapshot import SaveJob
 from .errors import CheckpointError
 from .format.v4.rules import RuleTable
 from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
-from .saving import PlannedSave, RankSave, committed_save
+from .saving import PlannedSave, RankSave
 from .tiers import StorageTier
-from .tiers.replicator import Replicator, SaveToReplicate, shared_replicator
+from .writer_replicas import WriterReplicas
 from .writer_sessions import SAVE_IDS, WriterSessions
 
 log = logging.getLogger(__name__)
@@ -142,15 +140,7 @@ class DataStatesWriter(StorageWriter):
         self.sessions = WriterSessions()  # one save at a time through this writer
         self._save: RankSave | None = None  # the save whose calls run now, or the last one
         self.process_group = process_group
-        self._replicator: Replicator | None = None  # replicas: this process's (made in the process that saves)
-        self._manifest: concurrent.futures.Future | None = None  # coordinator: its CommittedSave, or None
-        self._replicated: concurrent.futures.Future | None = None  # the last save's ReplicaRecord (or None)
-        if replicas:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError("replicas travel over torch.distributed: call dist.init_process_group "
-                                 "before making DataStatesWriter(replicas=...)")
-            if async_mode != "process":  # else it is made in DCP's checkpoint process, at its first save
-                self._replicator = shared_replicator(replicas, process_group, node)
+        self.replication = WriterReplicas(self.options, process_group)
 
     @property
     def async_mode(self) -> str | None:
@@ -240,13 +230,7 @@ class DataStatesWriter(StorageWriter):
         if not self.use_collectives:
             self.save_id = SAVE_IDS.agree(self.save_id)
         self.sessions.set_up(self.path)
-        if self.options.replicas:
-            if not self.use_collectives:
-                raise CheckpointError("replicas need DCP's collectives (dcp.save without no_dist)",
-                                      checkpoint=self.path)
-            if self._replicator is None:  # DCP's checkpoint process: its first save through a writer
-                self._replicator = shared_replicator(self.options.replicas, self.process_group, self.options.node)
-            self._manifest = concurrent.futures.Future() if is_coordinator else None
+        self.replication.set_up(self.path, is_coordinator, self.use_collectives)
         self._save = RankSave(path=self.path, tier=StorageTier(self.path, self.options.storage_options),
                               opts=self.options, rank=self.rank, is_coordinator=is_coordinator,
                               use_collectives=self.use_collectives, save_id=self.save_id,
@@ -258,7 +242,7 @@ class DataStatesWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         with self._failing() as save:
             save.plan_local()
-        return plan
+        return self.replication.local_plan(plan)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         with self._failing() as save:
@@ -266,7 +250,9 @@ class DataStatesWriter(StorageWriter):
         base = save.planned_base()
         if len(plans) == 1 and not self.use_collectives:
             return [dataclasses.replace(plans[0], storage_data=PlannedSave(self.rank, self.save_id, base))]
-        return [dataclasses.replace(p, storage_data=PlannedSave(i, self.save_id, base)) for i, p in enumerate(plans)]
+        save.replica_epoch = epoch = self.replication.epoch(plans)
+        return [dataclasses.replace(p, storage_data=PlannedSave(i, self.save_id, base, epoch))
+                for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         written: Future = Future()
@@ -279,6 +265,7 @@ class DataStatesWriter(StorageWriter):
                 self.save_id = save.save_id = SAVE_IDS.fresh(sd.save_id, self.save_id,
                                                              coordinator=self.is_coordinator, path=self.path)
                 save.agree_base(sd.base)
+                save.replica_epoch = sd.replica_epoch
                 rules = getattr(planner, "rules", None)
                 save.rules = rules if self.use_collectives and isinstance(rules, RuleTable) else None
                 written = save.write(plan, planner, self.sessions.session(), on_failed=lambda e: self._fail(e, save))
@@ -287,32 +274,19 @@ class DataStatesWriter(StorageWriter):
             written.set_exception(e)
             raise
         finally:
-            # every rank queues every save that reached its writes, failed or not, in DCP's
-            # order: the replicators agree on each save's fate before any bytes move
-            if self._replicator is not None and self._save is not None:
-                self._replicated = self._replicator.submit_save(
-                    SaveToReplicate(self._save.tier, self._save.save_id, written, self._manifest, self._save.hold))
+            self.replication.queue(self._save, written)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with self._failing() as save:
             save.commit(metadata, results, self.sessions.current)
             self.sessions.end()
-        if self._manifest is not None and not self._manifest.done():  # the replicas may go
-            self._manifest.set_result(committed_save(metadata))
+        self.replication.committed(metadata)
 
     def wait_replicated(self, timeout: float | None = None) -> bool:
         """Wait until the last save through this writer is replicated (``replicas``); False when
         it ended degraded or did not commit (the log says why).  In DCP's PROCESS mode the
         replicas are sent from its checkpoint process, and this returns at once."""
-        fut = self._replicated
-        if fut is None:
-            return True
-        try:
-            rec = fut.result(timeout)
-        except (RuntimeError, OSError, CheckpointError) as e:  # a peer or this rank's helper gone
-            log.warning("%s: save %s: replication failed: %s", self.path, self.save_id, e)
-            return False
-        return rec is not None and rec.complete
+        return self.replication.wait(timeout, self.path, self.save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
@@ -334,8 +308,7 @@ class DataStatesWriter(StorageWriter):
 
     def _fail(self, e: BaseException, save: RankSave | None = None) -> None:
         self.sessions.fail(e)
-        if self._manifest is not None and not self._manifest.done():
-            self._manifest.set_result(None)  # nothing committed: the other ranks replicate nothing
+        self.replication.committed(None)  # nothing committed: the other ranks replicate nothing
         save = save or self._save
         if save is not None:
             save.release()
@@ -343,6 +316,5 @@ class DataStatesWriter(StorageWriter):
     def __getstate__(self):
         d = dict(self.__dict__)
         d["_save"] = None  # a save belongs to the process that made it; the daemon makes its own
-        d["_replicator"] = d["_manifest"] = d["_replicated"] = None  # and its own replicator
-        d["process_group"] = None  # the daemon's group is its default one
+        d["process_group"] = None  # the daemon's group is its default one (and its own replicator)
         return d

@@ -29,7 +29,9 @@ from dcp_datastates import Checkpointer, DataStatesWriter
 from dcp_datastates.format.names import MANIFEST_NAME, TEMP_INFIX, data_file_save_id, replica_record_of
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest, manifest_head
+from dcp_datastates.tiers.replica_group import ReplicaGroup, ReplicaVote
 from dcp_datastates.tiers.replica_helper import SENDER_ENV
+from dcp_datastates.tiers.replicator import TIMEOUT_ENV
 from tests.dist import run_ranks
 
 PER_NODE = 2
@@ -153,7 +155,7 @@ def _restore(rank, world, base, pfs, expect, nodes=None, replicas=1, setup=None)
 def _count_repair_traffic(node: int, base: str) -> None:
     """Tally the bytes this rank receives through the repair's object collectives (an
     all-gather brings every rank's object, each padded to the largest), into base/traffic-PID."""
-    real_gather, real_bcast = dist.all_gather_object, dist.broadcast_object_list
+    real_gather, real_bcast = ReplicaGroup.all_gather_object, ReplicaGroup.broadcast_object
     total = [0]
     path = os.path.join(base, f"traffic-{os.getpid()}")
 
@@ -165,17 +167,18 @@ def _count_repair_traffic(node: int, base: str) -> None:
         with open(path, "w") as f:
             f.write(str(total[0]))
 
-    def gather(*args, **kw):
-        real_gather(*args, **kw)
+    def gather(self, obj):
+        out = real_gather(self, obj)
         if from_repair():
-            out = kw.get("object_list", args[0] if args else None)
             note(len(out) * max(len(pickle.dumps(x)) for x in out))
+        return out
 
-    def bcast(*args, **kw):
-        real_bcast(*args, **kw)
+    def bcast(self, obj, src):
+        out = real_bcast(self, obj, src)
         if from_repair():
-            note(sum(len(pickle.dumps(x)) for x in kw.get("object_list", args[0] if args else [])))
-    dist.all_gather_object, dist.broadcast_object_list = gather, bcast
+            note(len(pickle.dumps(out)))
+        return out
+    ReplicaGroup.all_gather_object, ReplicaGroup.broadcast_object = gather, bcast
 
 
 @pytest.mark.parametrize("nodes,pfs", [(2, True), (2, False), (4, False)],
@@ -446,6 +449,25 @@ def test_a_sender_that_fails_mid_replication_degrades_only_its_step(tmp_path):
     run_ranks(4, _faulty_sender, str(tmp_path))
 
 
+def _stop_rank2_helper(rank, world, base, sender, sd):
+    """A synchronous ``Checkpointer`` with one replica per node-local step, sending from
+    ``sender``; with the helper process, a first step replicates (every helper is up and in its
+    group) and rank 2's helper is then stopped (SIGSTOP).  The checkpointer and the next step."""
+    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1,
+                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
+                        async_mode=None)
+    rep = ckpt.node_copies.replicator
+    assert rep.in_helper == (sender == "process")
+    if sender == "thread":
+        return ckpt, 1
+    ckpt.save(1, sd)
+    assert ckpt.wait_replicated(120)
+    dist.barrier()
+    if rank == 2:
+        os.kill(rep._work._proc.pid, signal.SIGSTOP)
+    return ckpt, 2
+
+
 def _peer_dies(rank, world, base, sender):
     """Rank 2's sender dies in the middle of replication.  With the thread sender, rank 2 is
     SIGKILLed while sending its replica (a wrapped storage read kills the process); with the
@@ -468,20 +490,9 @@ def _peer_dies(rank, world, base, sender):
     mesh = init_device_mesh("cpu", (world,))
     # 24 MiB a rank: a data file of two messages, killed after the first
     big = {"w": distribute_tensor(torch.randn(world << 21, 3), mesh, [Shard(0)])}
-    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1,
-                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
-                        async_mode=None)
-    rep = ckpt.node_copies.replicator
-    assert rep.in_helper == (sender == "process")
-    step = 1
-    if sender == "process":  # a first step replicates: every helper is up and in its group
-        ckpt.save(step, big)
-        assert ckpt.wait_replicated(120)
-        dist.barrier()
-        step = 2
-        if rank == 2:
-            helper = rep._work._proc.pid
-            os.kill(helper, signal.SIGSTOP)
+    ckpt, step = _stop_rank2_helper(rank, world, base, sender, big)
+    if rank == 2 and sender == "process":
+        helper = ckpt.node_copies.replicator._work._proc.pid
     ckpt.save(step, big)
     ckpt.wait()  # committed here; replication runs in the background
     t = time.monotonic()
@@ -516,6 +527,68 @@ def test_a_peer_killed_mid_replication_degrades_the_step_without_waiting(tmp_pat
             run_ranks(4, _peer_dies, str(tmp_path), sender)
     else:
         run_ranks(4, _peer_dies, str(tmp_path), sender)
+
+
+HUNG_S, GROUP_TIMEOUT_S = 8, 4  # a peer hangs twice as long as the replica group waits
+
+
+def _hang_replication_once(sender: str, rank: int) -> None:
+    """Rank 2's replication thread stops for ``HUNG_S`` at its first read of a data file to send
+    (a stuck disk), then goes on."""
+    import threading
+
+    from dcp_datastates.tiers import StorageTier
+    if rank != 2 or sender != "thread":
+        return
+    real, hung = StorageTier.read_into, []
+
+    def read_into(self, name, offset, buf, *, fd=None):
+        if threading.current_thread().name == "dcpds-replicas" and name.startswith("data-") and not hung:
+            hung.append(name)
+            time.sleep(HUNG_S)
+        return real(self, name, offset, buf, fd=fd)
+    StorageTier.read_into = read_into
+
+
+def _peer_hangs(rank, world, base, sender):
+    """Rank 2's replication hangs past the replica group's timeout in a step's exchange, alive
+    (the thread sender: a storage read stalls; the helper process: stopped, then continued):
+    rank 0 gives up on it, gloo closes their connections, and rank 2 finds them closed when
+    it goes on.  That step is degraded on both; the next save, planned once every rank's
+    replication is idle, is given a new epoch, every rank makes the group again, and that step
+    is fully replicated on every rank.  Training never waited."""
+    os.environ[SENDER_ENV] = sender
+    os.environ[TIMEOUT_ENV] = str(GROUP_TIMEOUT_S)
+    _hang_replication_once(sender, rank)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(torch.randn(world << 16, 8), mesh, [Shard(0)])}  # 2 MiB a rank
+    ckpt, step = _stop_rank2_helper(rank, world, base, sender, sd)
+    rep = ckpt.node_copies.replicator
+    t = time.monotonic()
+    ckpt.save(step, sd)
+    ckpt.wait()
+    assert time.monotonic() - t < GROUP_TIMEOUT_S, "the save waited for replication"
+    if rank == 2 and sender == "process":
+        time.sleep(HUNG_S)
+        os.kill(rep._work._proc.pid, signal.SIGCONT)
+    ok = ckpt.wait_replicated(120)
+    rec = ckpt.node_copies.record(step)
+    assert ok == (rank in (1, 3)) and rec.complete == ok, (rank, rec)
+    assert rep.vote().broken == (rank in (0, 2)) and rep.vote().idle
+    dist.barrier()  # every rank's replication is idle: the next save makes the group again
+    ckpt.save(step + 1, sd)
+    rec = ckpt.node_copies.record(step + 1, 120)
+    assert rec.complete and rec.confirmed == [(rank + PER_NODE) % world], (rank, rec)
+    assert rep.vote() == ReplicaVote(1, False, True)
+    ckpt.save(step + 2, sd)  # and so are the steps after it, over the same group
+    assert ckpt.node_copies.record(step + 2, 120).complete and rep.vote().epoch == 1
+    ckpt.close()
+
+
+@pytest.mark.parametrize("sender", ["thread", "process"])
+def test_a_peer_that_hung_is_replicated_to_again_from_the_next_save(tmp_path, sender):
+    run_ranks(4, _peer_hangs, str(tmp_path), sender)
 
 
 def _one_node(rank, world, base):

@@ -27,10 +27,21 @@ from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.format.names import MANIFEST_NAME, TEMP_INFIX, data_file_save_id, replica_record_of
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_head
+from dcp_datastates.tiers.replica_group import ReplicaVote
 from dcp_datastates.tiers.replica_helper import SENDER_ENV
 from dcp_datastates.tiers.replicas import CommittedSave, commit_on_node
+from dcp_datastates.tiers.replicator import TIMEOUT_ENV
 from tests.dist import run_ranks
-from tests.test_replicas import PER_NODE, _flat, _flip_middle, _model, _state, _train
+from tests.test_replicas import (
+    GROUP_TIMEOUT_S,
+    PER_NODE,
+    _flat,
+    _flip_middle,
+    _hang_replication_once,
+    _model,
+    _state,
+    _train,
+)
 
 
 def _dir(base: str, node: int) -> str:
@@ -121,9 +132,9 @@ def _late(rank, world, base, sender):
     node = rank // PER_NODE
     model, opt = _model(world)
     w1 = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}")
-    assert w1._replicator.in_helper == (sender == "process")
+    assert w1.replication.replicator.in_helper == (sender == "process")
     held = threading.Event()
-    w1._replicator._queue(held.wait)  # the replicator is busy until both saves committed
+    w1.replication.replicator._queue(held.wait)  # the replicator is busy until both saves committed
     _train(model, opt, 1)
     dcp.save(_state(model, opt), storage_writer=w1)
     w2 = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
@@ -186,6 +197,37 @@ class _DiesBeforeCommit(DataStatesWriter):
 
     def finish(self, metadata, results):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _plain_peer_hangs(rank, world, base, mode):
+    """Plain ``dcp.save`` / ``dcp.async_save`` (THREAD) with ``DataStatesWriter(replicas=1)``:
+    rank 2's replication hangs past the replica group's timeout in the first save's exchange,
+    then goes on.  That save is degraded on ranks 0 and 2; the next one, planned once every
+    rank's replication is idle, makes the group again and is fully replicated on every rank."""
+    os.environ[TIMEOUT_ENV] = str(GROUP_TIMEOUT_S)
+    _hang_replication_once("thread", rank)
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    pg = dist.new_group(backend="gloo")
+    outcome = []
+    for step in (1, 2, 3):
+        _train(model, opt, step)
+        w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
+        if mode == "sync":
+            dcp.save(_state(model, opt), storage_writer=w, process_group=pg)
+        else:
+            dcp.async_save(_state(model, opt), storage_writer=w, process_group=pg,
+                           async_checkpointer_type=AsyncCheckpointerType.THREAD).result()
+        outcome.append(w.wait_replicated(120))
+        dist.barrier()  # every rank's replication is idle before the next save is planned
+    assert outcome == [rank in (1, 3), True, True], (rank, outcome)
+    assert w.replication.replicator.vote() == ReplicaVote(1, False, True)
+    assert _records(_dir(base, node)) == {node * PER_NODE + i for i in range(PER_NODE)}
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread"])
+def test_plain_saves_replicate_again_after_a_peer_hung(tmp_path, mode):
+    run_ranks(4, _plain_peer_hangs, str(tmp_path), mode)
 
 
 def _save_then_die(rank, world, base):

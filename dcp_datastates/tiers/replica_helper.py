@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from .replica_group import ReplicaGroup
 from .replicas import ReplicaPeers, ReplicaWork
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class HelperProcess:
         child.close()
         child_alive.close()
         self._ready = False
+        self.broken = False  # the helper's group, as its last answer said
 
     def wait_ready(self) -> None:
         """Block until the helper is in its group (its peers' helpers too); RuntimeError when
@@ -100,7 +102,7 @@ class HelperProcess:
         self.wait_ready()
         try:
             self._conn.send((method, args))
-            tag, value, records = self._conn.recv()
+            tag, value, records, self.broken = self._conn.recv()
         except (EOFError, OSError) as e:
             raise self._gone() from e
         for record in records:  # shown as the training process's loggers would show their own
@@ -119,6 +121,9 @@ class HelperProcess:
 
     def agree(self, *args):
         return self._call("agree", *args)
+
+    def use_epoch(self, *args):
+        return self._call("use_epoch", *args)
 
     def replicate_save(self, *args):
         return self._call("replicate_save", *args)
@@ -150,7 +155,7 @@ def _main(conn: Connection, alive: Connection, peers: ReplicaPeers, address: tup
         host, port = address
         store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout))
         dist.init_process_group("gloo", store=store, rank=peers.me, world_size=len(peers.ranks), timeout=timeout)
-        work = ReplicaWork(peers, dist.group.WORLD, tuple(range(len(peers.ranks))))
+        work = ReplicaWork(peers, ReplicaGroup(dist.group.WORLD, store, peers.timeout_s))
     except Exception as e:  # noqa: BLE001 - said to the training process, which logs it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         os._exit(1)
@@ -164,7 +169,7 @@ def _main(conn: Connection, alive: Connection, peers: ReplicaPeers, address: tup
             answer = ("ok", getattr(work, method)(*args))
         except Exception as e:  # noqa: BLE001 - raised again in the training process
             answer = ("err", RuntimeError(f"{type(e).__name__}: {e}"))  # as text: every failure is alike there
-        conn.send((*answer, records.take()))
+        conn.send((*answer, records.take(), work.broken))
 
 
 def _lowest_priority() -> None:

@@ -22,7 +22,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import xxhash
 
 from ..errors import CheckpointError
@@ -35,6 +34,7 @@ from ..format.names import (
 )
 from ..format.replica_record import ReplicaRecord
 from .manifests import load_manifest, manifest_head
+from .replica_group import ReplicaGroup
 from .replica_records import read_record
 from .replicas import PIECE, Landing, piece_buffer
 from .replicator import Replicator
@@ -196,9 +196,7 @@ class NodeRepair:
         self._complete: bool | None = None
 
     def _gather(self, obj) -> list:
-        got: list = [None] * len(self.rep.peers.ranks)
-        dist.all_gather_object(got, obj, group=self.rep.group)
-        return got
+        return self.rep.group.all_gather_object(obj)
 
     def survey(self) -> bool:
         """Step 1 (once; a collective): the manifest where a node lacks it; whether every file
@@ -254,7 +252,7 @@ class NodeRepair:
                       listings[holders[0]].sizes[MANIFEST_NAME])
                  for i, n in enumerate(sorted(self.ranks)) if MANIFEST_NAME not in listings.get(n, _NOTHING).sizes]
         self._transfer(moves, {MANIFEST_NAME: want})
-        dist.barrier(group=self.rep.group)  # every manifest received is committed before it is read
+        self.rep.group.barrier()  # every manifest received is committed before it is read
         here = listings.get(self.node, _NOTHING)
         # a manifest received (none was here) was kept only with the digest wanted; one of
         # another save, or one whose digest could not be taken, is not this save's list
@@ -281,15 +279,13 @@ class NodeRepair:
         no rank could).  What a rank receives grows with the list, not with the ranks."""
         me, ranks = self.rep.peers.me, self.rep.peers.ranks
         flags = torch.tensor([int(got is not None), me if got is not None else len(ranks)], dtype=torch.int64)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.rep.group)
+        self.rep.group.all_reduce_min(flags)
         everyone, first = bool(flags[0]), int(flags[1])
         if everyone:
             return got
         if first == len(ranks):
             return None
-        box = [got]
-        dist.broadcast_object_list(box, src=ranks[first], group=self.rep.group)
-        return box[0]
+        return self.rep.group.broadcast_object(got, first)
 
     def fetch(self, needs: Iterable[str] | None) -> bool:
         """Step 2 (a collective): this node given the files its ranks read (``needs``: this
@@ -419,7 +415,7 @@ class NodeRepair:
         for mv in moves:
             if me not in (mv.src, mv.dst):
                 continue
-            peer = self.rep.peers.ranks[mv.dst if me == mv.src else mv.src]
+            peer = mv.dst if me == mv.src else mv.src
             if me == mv.src:
                 _send_file(self.rep.group, self.tier, mv.name, mv.size, peer)
                 continue
@@ -431,7 +427,7 @@ class NodeRepair:
         return kept
 
 
-def _send_file(group, tier: StorageTier, name: str, size: int, peer: int) -> None:
+def _send_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, peer: int) -> None:
     """Send ``size`` bytes of ``name`` and their digest; a file that cannot be read goes as
     zeros with a digest of zeros, which its receiver drops (and neither side waits)."""
     buf = torch.empty(PIECE, dtype=torch.uint8)
@@ -443,17 +439,17 @@ def _send_file(group, tier: StorageTier, name: str, size: int, peer: int) -> Non
             try:
                 tier.read_into(name, a, buf[:n].numpy())
             except (OSError, CheckpointError) as e:
-                log.warning("%s/%s cannot be read to send to rank %d: %s", tier.url, name, peer, e)
+                log.warning("%s/%s cannot be read to send to group member %d: %s", tier.url, name, peer, e)
                 ok = False
         if not ok:
             buf[:n].zero_()
         h.update(buf[:n].numpy().data)
-        dist.send(buf[:n], peer, group=group)
+        group.send(buf[:n], peer)
     tail = h.digest() if ok else bytes(16)
-    dist.send(torch.frombuffer(bytearray(tail), dtype=torch.uint8), peer, group=group)
+    group.send(torch.frombuffer(bytearray(tail), dtype=torch.uint8), peer)
 
 
-def _recv_file(group, tier: StorageTier, name: str, size: int, peer: int, digest: str) -> bool:
+def _recv_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, peer: int, digest: str) -> bool:
     """Receive ``name`` into ``tier``; keep it only when its bytes match ``digest``.  Where this
     node's storage cannot take it, the bytes are still received (the sender, and every rank
     after it in the moves, stays in step) and dropped: False."""
@@ -467,7 +463,7 @@ def _recv_file(group, tier: StorageTier, name: str, size: int, peer: int, digest
     try:
         for a in range(0, size, PIECE):
             n = min(PIECE, size - a)
-            dist.recv(buf[:n], peer, group=group)
+            group.recv(buf[:n], peer)
             if landing is not None:
                 try:
                     landing.write(buf, n, a)
@@ -476,7 +472,7 @@ def _recv_file(group, tier: StorageTier, name: str, size: int, peer: int, digest
                     landing.abort()
                     landing = None
         tail = torch.empty(16, dtype=torch.uint8)
-        dist.recv(tail, peer, group=group)
+        group.recv(tail, peer)
     except BaseException:
         if landing is not None:
             landing.abort()

@@ -49,6 +49,7 @@ from ..format.names import (
 from ..format.replica_record import ReplicaRecord
 from ..format.values import pack_plain
 from .manifests import load_manifest, manifest_head
+from .replica_group import ReplicaGroup
 from .storage import StorageTier
 from .tidy import Tidy
 
@@ -168,21 +169,14 @@ class Landing:
 
 
 class _Exchange:
-    """One round: this rank's files to ``dst`` and ``src``'s files from it, at once, over
-    ``group`` (``dst`` and ``src`` as ``dist.isend`` addresses them there); ``src_rank`` is the
-    rank that names the files ``src`` sends."""
+    """One round: this rank's files to member ``dst`` and member ``src``'s files from it, at
+    once, over ``group``; ``src_rank`` is the rank that names the files ``src`` sends."""
 
-    def __init__(self, group, tier: StorageTier, dst: int, src: int, src_rank: int) -> None:
+    def __init__(self, group: ReplicaGroup, tier: StorageTier, dst: int, src: int, src_rank: int) -> None:
         self.group, self.tier, self.dst, self.src, self.src_rank = group, tier, dst, src, src_rank
 
     def _both(self, out: torch.Tensor | None, into: torch.Tensor | None) -> None:
-        works = []
-        if out is not None:
-            works.append(dist.isend(out, self.dst, group=self.group))
-        if into is not None:
-            works.append(dist.irecv(into, self.src, group=self.group))
-        for w in works:
-            w.wait()
+        self.group.exchange(out, self.dst, into, self.src)
 
     def run(self, files: list[tuple[str, int]], digests: dict[str, str] | None = None, keep: bool = True
             ) -> tuple[dict[str, list], bool, list[str]]:
@@ -315,6 +309,9 @@ class CommittedSave:
     save_id: str
     manifest: bytes  # the committed manifest
     took_over: tuple[str, ...] = ()  # save ids of dead attempts whose claim the save took over
+    # the replica group's epoch the coordinator gave the save (``replica_group.decide_epoch``);
+    # None: not decided (the ranks did not vote)
+    replica_epoch: int | None = None
 
 
 def commit_on_node(tier: StorageTier, committed: CommittedSave) -> None:
@@ -370,10 +367,23 @@ class ReplicaWork:
     """What one rank does to replicate its saves: agree with the other members on a save's
     fate, commit its manifest on this node, exchange files with the peers and record the
     outcome.  It runs where the bytes are sent from (the replicator's thread, or its helper
-    process), over ``group``, in which member ``i`` is addressed as ``addr[i]``."""
+    process), over ``group``."""
 
-    def __init__(self, peers: ReplicaPeers, group, addr: tuple[int, ...]) -> None:
-        self.peers, self.group, self.addr = peers, group, addr
+    def __init__(self, peers: ReplicaPeers, group: ReplicaGroup) -> None:
+        self.peers, self.group = peers, group
+
+    @property
+    def broken(self) -> bool:
+        """Whether an operation of the group failed since it was made."""
+        return self.group.broken
+
+    def use_epoch(self, epoch: int | None) -> bool:
+        """Before a save given ``epoch`` (``replica_group.decide_epoch``): the group made again
+        where the epoch is newer than its own (every member does, at the same save).  Whether
+        the group is broken now."""
+        if epoch is not None and epoch > self.group.epoch:
+            self.group.remake(epoch)
+        return self.group.broken
 
     def agree(self, tier: StorageTier, save_id: str, ok: bool, coordinator: bool) -> int | None:
         """Every member's view of a plain writer's save at once (a collective): ``ok`` whether
@@ -381,8 +391,7 @@ class ReplicaWork:
         its manifest.  The coordinator's member when every member wrote the same save, else
         None (nothing is replicated)."""
         p = self.peers
-        views: list = [None] * len(p.ranks)
-        dist.all_gather_object(views, (save_id, ok, coordinator), group=self.group)
+        views = self.group.all_gather_object((save_id, ok, coordinator))
         failed = [p.ranks[i] for i, v in enumerate(views) if not v[1]]
         coordinators = [i for i, v in enumerate(views) if v[2]]
         if failed or len({v[0] for v in views}) != 1 or len(coordinators) != 1:
@@ -409,9 +418,8 @@ class ReplicaWork:
         the save as it committed it (None: not committed, and nothing is replicated); it is
         committed on this node too and this rank's files are replicated (a collective)."""
         p = self.peers
-        got = [committed]
-        dist.broadcast_object_list(got, src=self.addr[coordinator], group=self.group)
-        if got[0] is None:
+        committed = self.group.broadcast_object(committed, coordinator)
+        if committed is None:
             log.info("%s: save %s did not commit; nothing replicated", tier.url, save_id)
             return None
         # Every rank of another node commits it there (the first to come writes it and tidies;
@@ -426,7 +434,7 @@ class ReplicaWork:
             superseded = head.save_id if head is not None and head.save_id != save_id else None
         else:
             try:
-                commit_on_node(tier, got[0])
+                commit_on_node(tier, committed)
             except (OSError, CheckpointError) as e:  # the peers still get this rank's files
                 log.warning("%s: save %s could not be committed on this node: %s", tier.url, save_id, e)
         rec = self.replicate(tier, tier.url, save_id, superseded)
@@ -464,8 +472,8 @@ class ReplicaWork:
         for k in range(1, p.replicas + 1):
             dst, src = p.nodes.peer(p.me, k), p.nodes.sender(p.me, k)
             try:
-                got, confirmed_there, problems = _Exchange(self.group, tier, self.addr[dst], self.addr[src],
-                                                           p.ranks[src]).run(files, digests, not superseded)
+                got, confirmed_there, problems = _Exchange(self.group, tier, dst, src, p.ranks[src]).run(
+                    files, digests, not superseded)
             except (RuntimeError, OSError, CheckpointError) as e:  # a dead peer: degraded
                 errors.append(f"replica {k} (to rank {p.ranks[dst]}, from rank {p.ranks[src]}): {e}")
                 break  # the group may be broken: later rounds would wait out the timeout again

@@ -12,13 +12,13 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import logging
+import os
 import queue
 import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch.distributed as dist
 from torch.futures import Future as TorchFuture
@@ -26,11 +26,14 @@ from torch.futures import Future as TorchFuture
 from ..format.names import REPLICA_LOCK
 from ..format.replica_record import ReplicaRecord
 from .base_lock import BaseHold
+from .replica_group import ReplicaGroup, ReplicaVote, job_store
 from .replica_helper import HelperProcess, helper_possible
 from .replicas import NodeMap, ReplicaPeers, ReplicaWork, node_name
 from .storage import StorageTier
 
 log = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "DCP_DATASTATES_REPLICA_TIMEOUT"  # seconds an operation of the replica group may wait
 
 
 @dataclass(frozen=True)
@@ -44,26 +47,39 @@ class SaveToReplicate:
     # the rank's shared base locks (``base_lock.py``), let go once this node's directory has the
     # manifest that names what the rank references there, or the save did not commit
     hold: BaseHold = field(default_factory=BaseHold)
+    epoch: int | None = None  # the replica group's epoch the save was given (``PlannedSave``)
+
+
+def default_timeout_s() -> float:
+    """How long an operation of the replica group may wait for a peer:
+    ``DCP_DATASTATES_REPLICA_TIMEOUT`` seconds, default 300."""
+    return float(os.environ.get(TIMEOUT_ENV) or 300.0)
 
 
 class Replicator:
     """Replicates each committed step of this rank, one step at a time, over a gloo group of
     its own (made here: a collective over ``pg``'s ranks), from a thread of this process, or a
-    helper process where asked (``DCP_DATASTATES_REPLICA_SENDER=process``)."""
+    helper process where asked (``DCP_DATASTATES_REPLICA_SENDER=process``).  The group is made
+    again, under a new epoch, where a save is given one (``replica_group.py``)."""
 
-    def __init__(self, replicas: int, pg=None, node: str | None = None, timeout_s: float = 300.0) -> None:
+    def __init__(self, replicas: int, pg=None, node: str | None = None, timeout_s: float | None = None) -> None:
+        timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         nodes = NodeMap.gather(pg, node)
         ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(dist.get_world_size()))
-        self.group = cast(dist.ProcessGroup, dist.new_group(ranks=ranks, backend="gloo",
-                                                           timeout=datetime.timedelta(seconds=timeout_s)))
+        first = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = ReplicaGroup(first, None, timeout_s)
         self.peers = ReplicaPeers(nodes, tuple(ranks), dist.get_rank(pg), replicas, nodes.usable(replicas),
                                   timeout_s)
-        self._work: ReplicaWork | HelperProcess = ReplicaWork(self.peers, self.group, tuple(ranks))
-        if self.peers.replicas:
-            views: list = [None] * len(ranks)  # a helper on every rank, or on none
-            dist.all_gather_object(views, (helper_possible(), uuid.uuid4().hex), group=self.group)
+        self._work: ReplicaWork | HelperProcess = ReplicaWork(self.peers, self.group)
+        if self.peers.replicas:  # a helper on every rank, or on none
+            views = self.group.all_gather_object((helper_possible(), uuid.uuid4().hex))
+            prefix = f"dcpds-replicas/{views[0][1]}/"
+            self.group.store = dist.PrefixStore(prefix, job_store())  # where the group is made again
             if all(v[0] for v in views):
-                self._work = HelperProcess(self.peers, f"dcpds-replicas/{views[0][1]}/")
+                self._work = HelperProcess(self.peers, prefix)
+        self._lock = threading.Lock()
+        self._epoch = 0  # the newest epoch a save was given
+        self._pending = 0  # saves queued or replicating
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="dcpds-replicas", daemon=True)
         self._thread.start()
@@ -90,7 +106,12 @@ class Replicator:
         """The global ranks on this rank's node (this one included)."""
         return self.peers.node_ranks()
 
-    def submit(self, tier: StorageTier, step: int, save_id: str) -> Future:
+    def vote(self) -> ReplicaVote:
+        """This rank's vote, when a save is planned (``replica_group.decide_epoch``)."""
+        with self._lock:
+            return ReplicaVote(self._epoch, self._work.broken, self._pending == 0)
+
+    def submit(self, tier: StorageTier, step: int, save_id: str, epoch: int | None = None) -> Future:
         """Replicate this rank's files of ``save_id`` in ``tier`` (the step's node-local
         directory, committed on every node); the future resolves to its ``ReplicaRecord``.
         From now until its replication ends the rank holds ``tier``'s replica lock shared, so
@@ -105,7 +126,7 @@ class Replicator:
                 return self._work.replicate(tier, f"step {step}", save_id)
             finally:
                 hold.release()
-        return self._queue(work)
+        return self._queue(work, epoch)
 
     def submit_save(self, save: SaveToReplicate) -> Future:
         """A plain writer's save (``SaveToReplicate``), queued when DCP asks this rank for its
@@ -113,11 +134,16 @@ class Replicator:
         durable and the coordinator committed the manifest, the manifest is committed on this
         node too and this rank's files are replicated; the future resolves to its
         ``ReplicaRecord``, or None when the save did not commit (nothing is replicated)."""
-        return self._queue(lambda: self._replicate_save(save))
+        return self._queue(lambda: self._replicate_save(save), save.epoch)
 
-    def _queue(self, work: Callable[[], ReplicaRecord | None]) -> Future:
+    def _queue(self, work: Callable[[], ReplicaRecord | None], epoch: int | None = None) -> Future:
+        """Run ``work`` after the work queued before it, over the group of ``epoch`` (made
+        again first where it is newer than the group's: every rank at the same save)."""
         fut: Future = Future()
-        self._q.put((work, fut))
+        with self._lock:
+            self._pending += 1
+            self._epoch = max(self._epoch, epoch or 0)
+        self._q.put((work, fut, epoch))
         return fut
 
     def close(self) -> None:
@@ -127,11 +153,19 @@ class Replicator:
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
-            work, fut = item
+            work, fut, epoch = item
+            error = result = None
             try:
-                fut.set_result(work())
+                self._work.use_epoch(epoch)
+                result = work()
             except BaseException as e:  # noqa: BLE001 - delivered through the future, and logged there
-                fut.set_exception(e)
+                error = e
+            with self._lock:  # idle before the future says so: a save planned next sees it
+                self._pending -= 1
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
         if isinstance(self._work, HelperProcess):
             self._work.close()
 
