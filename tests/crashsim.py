@@ -63,7 +63,7 @@ WRITES = {"pwrite", "commit", "lock-write", "copy"}
 # ------------------------------------------------------------- the plan and the wrapper
 @dataclasses.dataclass
 class Plan:
-    mode: str = "off"  # "record", "crash", "crash-mid", "fault", "off"
+    mode: str = "off"  # "record", "crash", "crash-mid", "fault", "hang", "off"
     k: int = 0
     err: str = "EIO"  # "EIO", "ENOSPC", "short"
     log: list[str] = dataclasses.field(default_factory=list)
@@ -74,6 +74,7 @@ class Plan:
     arm: str | None = None
     log_file: str | None = None
     match: str | None = None  # count only the operations whose "name file" starts with this
+    hang_s: float = 0.0  # mode "hang": operation k waits this long, then runs (a stuck disk)
 
 
 PLAN = Plan()
@@ -102,14 +103,16 @@ def _take_armed() -> None:
     _armed_at[0] = at
     PLAN.mode, PLAN.k, PLAN.err, PLAN.log_file = spec["mode"], spec["k"], spec["err"], spec["log_file"]
     PLAN.match = spec.get("match")
+    PLAN.hang_s = spec.get("hang_s", 0.0)
 
 
-def arm(path: str, mode: str, k: int, log_file: str, err: str = "EIO", match: str | None = None) -> None:
+def arm(path: str, mode: str, k: int, log_file: str, err: str = "EIO", match: str | None = None,
+        hang_s: float = 0.0) -> None:
     """Write the plan an armed process takes at its next storage operation (atomically)."""
     if os.path.exists(path):  # a new plan: a new modification time, whatever the clock's step
         time.sleep(0.01)
     with open(path + ".tmp", "w") as f:
-        json.dump({"mode": mode, "k": k, "err": err, "log_file": log_file, "match": match}, f)
+        json.dump({"mode": mode, "k": k, "err": err, "log_file": log_file, "match": match, "hang_s": hang_s}, f)
     os.replace(path + ".tmp", path)
 
 
@@ -152,6 +155,8 @@ def _op(name: str, path: str) -> int:
         if PLAN.log_file is not None:
             with open(PLAN.log_file, "a") as f:
                 f.write(PLAN.log[-1] + "\n")
+    if PLAN.mode == "hang" and k == PLAN.k:
+        time.sleep(PLAN.hang_s)
     if PLAN.mode == "fault" and k == PLAN.k and (PLAN.err == "EIO" or name in WRITES):
         code = errno.EIO if PLAN.err == "EIO" else errno.ENOSPC
         raise OSError(code, f"injected {os.strerror(code)} at operation {k} ({name} {path})")

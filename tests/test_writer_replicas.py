@@ -25,15 +25,19 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.format.names import MANIFEST_NAME, TEMP_INFIX, data_file_save_id, replica_record_of
+from dcp_datastates.format.replica_record import ReplicaRecord
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_head
 from dcp_datastates.tiers.replica_group import ReplicaVote
 from dcp_datastates.tiers.replica_helper import SENDER_ENV
+from dcp_datastates.tiers.replica_records import read_record
 from dcp_datastates.tiers.replicas import CommittedSave, commit_on_node
 from dcp_datastates.tiers.replicator import TIMEOUT_ENV
+from tests import crashsim
 from tests.dist import run_ranks
 from tests.test_replicas import (
     GROUP_TIMEOUT_S,
+    HUNG_S,
     PER_NODE,
     _flat,
     _flip_middle,
@@ -228,6 +232,46 @@ def _plain_peer_hangs(rank, world, base, mode):
 @pytest.mark.parametrize("mode", ["sync", "thread"])
 def test_plain_saves_replicate_again_after_a_peer_hung(tmp_path, mode):
     run_ranks(4, _plain_peer_hangs, str(tmp_path), mode)
+
+
+def _own_record(base: str, node: int, rank: int) -> ReplicaRecord:
+    """This rank's replica record of the last save, once its replication ended (DCP's PROCESS
+    mode: only the disk shows it).  The save is the one committed on the coordinator's node
+    before ``result()`` returned; on the other nodes the replicator commits it later."""
+    tier, save_id = StorageTier(_dir(base, node)), manifest_head(StorageTier(_dir(base, 0))).save_id
+    deadline = time.monotonic() + 60
+    while (rec := read_record(tier, rank, save_id)) is None:
+        assert time.monotonic() < deadline, os.listdir(_dir(base, node))
+        time.sleep(0.05)
+    return rec
+
+
+def _process_peer_hangs(rank, world, base):
+    """As ``_plain_peer_hangs``, with ``dcp.async_save`` in PROCESS mode: the replicas are sent
+    from DCP's checkpoint process, whose storage on rank 2 hangs as the first replica of rank
+    0's file arrives (the wrapper ``tests/crashsim_site`` installs there)."""
+    os.environ[TIMEOUT_ENV] = str(GROUP_TIMEOUT_S)
+    if rank == 2:
+        plan = os.path.join(base, "plan")
+        crashsim.wrap_spawned(plan)
+        crashsim.arm(plan, "hang", 1, os.path.join(base, "ops"), match="create data-r00000-", hang_s=HUNG_S)
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    pg = dist.new_group(backend="gloo")
+    complete = []
+    for step in (1, 2, 3):
+        _train(model, opt, step)
+        w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
+        dcp.async_save(_state(model, opt), storage_writer=w, process_group=pg,
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        complete.append(_own_record(base, node, rank).complete)
+        dist.barrier()  # every rank's replication is idle before the next save is planned
+    assert complete == [rank in (1, 3), True, True], (rank, complete)
+    crashsim.end_children()
+
+
+def test_a_process_mode_save_replicates_again_after_a_peer_hung(tmp_path):
+    run_ranks(4, _process_peer_hangs, str(tmp_path))
 
 
 def _save_then_die(rank, world, base):
