@@ -2,19 +2,23 @@
 
 It turns DCP's calls into calls on the objects below it and holds no policy of its own: the
 options are a ``WriterOptions``, the saves through it and how each begins are its
-``WriterSessions`` (``session.py``), and each save on this rank is a ``RankSave``
-(``saving.py``), which owns the save's tier, base, claims, engine job and flush.
+``WriterSessions`` (``session.py``), each save on this rank is a ``RankSave``
+(``saving.py``), which owns the save's tier, base, claims, engine job and flush, and the
+replicas of its saves are its ``WriterReplicas`` (``writer_replicas.py``).
 
 Call order under ``dcp.save`` / ``dcp.async_save`` (DCP drives it):
 
 0. (caller thread, async only) ``stage(state_dict)`` returns at once: small tensors are
    copied now, the rest lazily by the engine (the *lazy* snapshot); version counters are read.
 1. (all ranks) ``reset(checkpoint_id)`` when an id is given, then ``set_up_storage_writer``
-   (a new ``RankSave``) and ``prepare_local_plan`` (directory, incremental base).
+   (a new ``RankSave``) and ``prepare_local_plan`` (directory, incremental base; the replica
+   group's vote).
 2. (coordinator; every rank with ``use_collectives=False``) ``prepare_global_plan`` claims the
-   directory on every tier before anything is written, names one save id for all ranks.
+   directory on every tier before anything is written, names one save id for all ranks (and
+   the replica group's epoch).
 3. (all ranks) ``write_data`` lays the rank's items out in its data files and hands them to
-   the engine; its future resolves once the files are fsynced.
+   the engine; its future resolves once the files are fsynced.  With replicas, the save is
+   queued on the rank's replicator.
 4. (coordinator) ``finish`` builds the manifest from the typed records of every rank and
    commits it (temp file, fsync, rename): that rename is the commit.  Then it removes what the
    replaced manifest owned and lets the claim go.  With ``use_collectives=False`` every rank
