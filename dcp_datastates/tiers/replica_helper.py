@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from .replica_group import ReplicaGroup
+from .replica_group import ReplicaGroup, job_store
 from .replicas import ReplicaPeers, ReplicaWork
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ SENDER_ENV = "DCP_DATASTATES_REPLICA_SENDER"  # "process": a helper process send
 
 def store_address() -> tuple[str, int] | None:
     """Where the default process group's ``TCPStore`` listens, or None (another kind of store)."""
-    store = dist.distributed_c10d._get_default_store()
+    store = job_store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     if isinstance(store, dist.TCPStore):
