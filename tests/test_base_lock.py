@@ -121,7 +121,7 @@ def _trial(run, seam: _Seam, interfere: _Interferer, how: str, at: int, then: in
     return outcome
 
 
-@pytest.mark.parametrize("how", ["resave", "purge"])
+@pytest.mark.parametrize("how", [pytest.param("resave", marks=pytest.mark.slow), "purge"])
 def test_every_pair_of_storage_calls_of_an_incremental_save_and_a_change_to_its_base(tmp_path, monkeypatch, how):
     """For every call i of the save and every call j of the change to step-1 (and j past its
     last: the whole change), the change starts at the save's call i and stops at its own

@@ -181,8 +181,9 @@ def _count_repair_traffic(node: int, base: str) -> None:
     ReplicaGroup.all_gather_object, ReplicaGroup.broadcast_object = gather, bcast
 
 
-@pytest.mark.parametrize("nodes,pfs", [(2, True), (2, False), (4, False)],
-                         ids=["2-nodes-with-pfs", "2-nodes-node-local-only", "4-nodes-node-local-only"])
+@pytest.mark.parametrize("nodes,pfs", [pytest.param(2, True, id="2-nodes-with-pfs"),
+                                       pytest.param(2, False, id="2-nodes-node-local-only"),
+                                       pytest.param(4, False, id="4-nodes-node-local-only", marks=pytest.mark.slow)])
 def test_a_lost_node_is_restored_from_its_replicas_at_the_newest_step(tmp_path, nodes, pfs):
     base = str(tmp_path)
     _killed(nodes * PER_NODE, base, pfs)
@@ -586,7 +587,7 @@ def _peer_hangs(rank, world, base, sender):
     ckpt.close()
 
 
-@pytest.mark.parametrize("sender", ["thread", "process"])
+@pytest.mark.parametrize("sender", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_a_peer_that_hung_is_replicated_to_again_from_the_next_save(tmp_path, sender):
     run_ranks(4, _peer_hangs, str(tmp_path), sender)
 

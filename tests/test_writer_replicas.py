@@ -229,7 +229,7 @@ def _plain_peer_hangs(rank, world, base, mode):
     assert _records(_dir(base, node)) == {node * PER_NODE + i for i in range(PER_NODE)}
 
 
-@pytest.mark.parametrize("mode", ["sync", "thread"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("thread", marks=pytest.mark.slow)])
 def test_plain_saves_replicate_again_after_a_peer_hung(tmp_path, mode):
     run_ranks(4, _plain_peer_hangs, str(tmp_path), mode)
 
