@@ -203,37 +203,6 @@ class _DiesBeforeCommit(DataStatesWriter):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _plain_peer_hangs(rank, world, base, mode):
-    """Plain ``dcp.save`` / ``dcp.async_save`` (THREAD) with ``DataStatesWriter(replicas=1)``:
-    rank 2's replication hangs past the replica group's timeout in the first save's exchange,
-    then goes on.  That save is degraded on ranks 0 and 2; the next one, planned once every
-    rank's replication is idle, makes the group again and is fully replicated on every rank."""
-    os.environ[TIMEOUT_ENV] = str(GROUP_TIMEOUT_S)
-    _hang_replication_once("thread", rank)
-    node = rank // PER_NODE
-    model, opt = _model(world)
-    pg = dist.new_group(backend="gloo")
-    outcome = []
-    for step in (1, 2, 3):
-        _train(model, opt, step)
-        w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
-        if mode == "sync":
-            dcp.save(_state(model, opt), storage_writer=w, process_group=pg)
-        else:
-            dcp.async_save(_state(model, opt), storage_writer=w, process_group=pg,
-                           async_checkpointer_type=AsyncCheckpointerType.THREAD).result()
-        outcome.append(w.wait_replicated(120))
-        dist.barrier()  # every rank's replication is idle before the next save is planned
-    assert outcome == [rank in (1, 3), True, True], (rank, outcome)
-    assert w.replication.replicator.vote() == ReplicaVote(1, False, True)
-    assert _records(_dir(base, node)) == {node * PER_NODE + i for i in range(PER_NODE)}
-
-
-@pytest.mark.parametrize("mode", ["sync", pytest.param("thread", marks=pytest.mark.slow)])
-def test_plain_saves_replicate_again_after_a_peer_hung(tmp_path, mode):
-    run_ranks(4, _plain_peer_hangs, str(tmp_path), mode)
-
-
 def _own_record(base: str, node: int, rank: int) -> ReplicaRecord:
     """This rank's replica record of the last save, once its replication ended (DCP's PROCESS
     mode: only the disk shows it).  The save is the one committed on the coordinator's node
@@ -246,32 +215,47 @@ def _own_record(base: str, node: int, rank: int) -> ReplicaRecord:
     return rec
 
 
-def _process_peer_hangs(rank, world, base):
-    """As ``_plain_peer_hangs``, with ``dcp.async_save`` in PROCESS mode: the replicas are sent
-    from DCP's checkpoint process, whose storage on rank 2 hangs as the first replica of rank
-    0's file arrives (the wrapper ``tests/crashsim_site`` installs there)."""
+def _plain_peer_hangs(rank, world, base, mode):
+    """Plain ``dcp.save`` / ``dcp.async_save`` with ``DataStatesWriter(replicas=1)``: rank 2's
+    replication hangs past the replica group's timeout in the first save's exchange, then goes
+    on.  That save is degraded on ranks 0 and 2; the next one, planned once every rank's
+    replication is idle, makes the group again and is fully replicated on every rank.  In
+    PROCESS mode the replicas are sent from DCP's checkpoint process, whose storage on rank 2
+    hangs as the first replica of rank 0's file arrives (the wrapper ``tests/crashsim_site``
+    installs there), and only the disk shows the outcome."""
     os.environ[TIMEOUT_ENV] = str(GROUP_TIMEOUT_S)
-    if rank == 2:
+    if mode != "process":
+        _hang_replication_once("thread", rank)
+    elif rank == 2:
         plan = os.path.join(base, "plan")
         crashsim.wrap_spawned(plan)
         crashsim.arm(plan, "hang", 1, os.path.join(base, "ops"), match="create data-r00000-", hang_s=HUNG_S)
     node = rank // PER_NODE
     model, opt = _model(world)
     pg = dist.new_group(backend="gloo")
-    complete = []
+    outcome = []
     for step in (1, 2, 3):
         _train(model, opt, step)
         w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
-        dcp.async_save(_state(model, opt), storage_writer=w, process_group=pg,
-                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
-        complete.append(_own_record(base, node, rank).complete)
+        if mode == "sync":
+            dcp.save(_state(model, opt), storage_writer=w, process_group=pg)
+        else:
+            kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+            dcp.async_save(_state(model, opt), storage_writer=w, process_group=pg,
+                           async_checkpointer_type=kind).result()
+        outcome.append(_own_record(base, node, rank).complete if mode == "process" else w.wait_replicated(120))
         dist.barrier()  # every rank's replication is idle before the next save is planned
-    assert complete == [rank in (1, 3), True, True], (rank, complete)
-    crashsim.end_children()
+    assert outcome == [rank in (1, 3), True, True], (rank, outcome)
+    assert _records(_dir(base, node)) == {node * PER_NODE + i for i in range(PER_NODE)}
+    if mode == "process":
+        crashsim.end_children()
+    else:
+        assert w.replication.replicator.vote() == ReplicaVote(1, False, True)
 
 
-def test_a_process_mode_save_replicates_again_after_a_peer_hung(tmp_path):
-    run_ranks(4, _process_peer_hangs, str(tmp_path))
+@pytest.mark.parametrize("mode", ["sync", pytest.param("thread", marks=pytest.mark.slow), "process"])
+def test_plain_saves_replicate_again_after_a_peer_hung(tmp_path, mode):
+    run_ranks(4, _plain_peer_hangs, str(tmp_path), mode)
 
 
 def _save_then_die(rank, world, base):
