@@ -870,3 +870,24 @@ def _same_step_twice(rank, world, base):
 
 def test_a_step_saved_again_replaces_the_older_save_on_every_node(tmp_path):
     run_ranks(2 * PER_NODE, _same_step_twice, str(tmp_path))
+
+
+def test_a_save_is_given_a_new_epoch_only_when_a_group_broke_and_every_rank_is_idle():
+    from dcp_datastates.tiers.replica_group import decide_epoch
+    idle, busy = ReplicaVote(2, False, True), ReplicaVote(2, False, False)
+    assert decide_epoch([idle, idle]) == 2
+    assert decide_epoch([ReplicaVote(2, True, True), idle]) == 3
+    assert decide_epoch([ReplicaVote(2, True, True), busy]) == 2  # a rank catching up: not yet
+    assert decide_epoch([ReplicaVote(3, False, True), idle]) == 3  # the newest epoch given
+    assert decide_epoch([idle, None]) is None and decide_epoch([]) is None  # a rank did not vote
+
+
+def test_what_a_member_sends_is_unpickled_into_plain_types_and_records_only():
+    """The replica group's object collectives take objects from the job's own ranks; even so,
+    what arrives never names a function or class outside the library to run."""
+    from dcp_datastates.tiers import replica_group
+    from dcp_datastates.tiers.replicas import CommittedSave
+    sent = (CommittedSave("s", b"m", ("t",), 1), {1}, frozenset({2}), None, 1.5, b"x", [("a", True)])
+    assert replica_group._objects(pickle.dumps(sent)) == sent
+    with pytest.raises(pickle.UnpicklingError, match="posix.system"):
+        replica_group._objects(pickle.dumps(os.system))

@@ -15,13 +15,15 @@ A group is made from the job's own store, under a prefix of its own and the epoc
 ``ProcessGroupGloo`` held here (not registered with ``torch.distributed``, so making one is no
 collective of the job's and needs no other rank than the members): the first one may also be
 a group ``dist.new_group`` made.  Its objects travel pickled, as ``dist.all_gather_object``
-sends them: only between the job's own ranks, never read from storage.
+sends them, only between the job's own ranks and never read from storage; and what arrives is
+unpickled into Python's plain types and this library's records only (``_PeerObjects``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import logging
 import pickle
 from dataclasses import dataclass
@@ -127,7 +129,7 @@ class ReplicaGroup:
             padded[:data.numel()] = data
             got = [torch.empty(most, dtype=torch.uint8) for _ in range(self.size)]
             self.pg.allgather([got], [padded]).wait()
-        return [pickle.loads(g[:int(s.item())].numpy().tobytes()) for g, s in zip(got, sizes)]
+        return [_objects(g[:int(s.item())].numpy().tobytes()) for g, s in zip(got, sizes)]
 
     def broadcast_object(self, obj, src: int):
         """Member ``src``'s ``obj``, on every member."""
@@ -137,7 +139,7 @@ class ReplicaGroup:
             self.pg.broadcast([n], _root(src)).wait()
             buf = data if self.me == src else torch.empty(int(n.item()), dtype=torch.uint8)
             self.pg.broadcast([buf], _root(src)).wait()
-        return obj if self.me == src else pickle.loads(buf.numpy().tobytes())
+        return obj if self.me == src else _objects(buf.numpy().tobytes())
 
     def all_reduce_min(self, t: torch.Tensor) -> None:
         """``t`` becomes the element-wise minimum over the members."""
@@ -155,3 +157,22 @@ def _root(src: int) -> dist.BroadcastOptions:
     opts.rootRank = src
     opts.rootTensor = 0
     return opts
+
+
+class _PeerObjects(pickle.Unpickler):
+    """Unpickles what a member sent: Python's plain types and this library's records, nothing
+    else (no class or function another module names is looked up, so no code runs from it)."""
+
+    def find_class(self, module: str, name: str):
+        if module == "dcp_datastates" or module.startswith("dcp_datastates.") or (
+                module == "builtins" and name in _PLAIN):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a replica group member sent a {module}.{name}, which is not one of "
+                                     "the objects members exchange")
+
+
+_PLAIN = frozenset({"set", "frozenset", "bytearray", "complex", "range", "slice"})
+
+
+def _objects(data: bytes):
+    return _PeerObjects(io.BytesIO(data)).load()
