@@ -217,6 +217,7 @@ class WriterSessions:
         # DCP's checkpoint process runs one save at a time: there, every claim of a save that
         # no longer runs is a failed save's (on another rank most often)
         release_idle(None if self._one_by_one else self._failed)
+        self._failed = ()
         self.begin_sync(path)
         s = self.current
         if self._staged and s is not None and s.lazy and not s.cross_process:

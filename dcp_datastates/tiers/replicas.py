@@ -377,13 +377,11 @@ class ReplicaWork:
         """Whether an operation of the group failed since it was made."""
         return self.group.broken
 
-    def use_epoch(self, epoch: int | None) -> bool:
+    def use_epoch(self, epoch: int | None) -> None:
         """Before a save given ``epoch`` (``replica_group.decide_epoch``): the group made again
-        where the epoch is newer than its own (every member does, at the same save).  Whether
-        the group is broken now."""
+        where the epoch is newer than its own (every member does, at the same save)."""
         if epoch is not None and epoch > self.group.epoch:
             self.group.remake(epoch)
-        return self.group.broken
 
     def agree(self, tier: StorageTier, save_id: str, ok: bool, coordinator: bool) -> int | None:
         """Every member's view of a plain writer's save at once (a collective): ``ok`` whether
