@@ -253,15 +253,15 @@ def _saved_twice(rank, world, base, kind):
 
 
 def _repair(rank, world, base, kind, mode, k, err):
-    """A restart on a replaced node 1: rank 2's repair of it (the main thread's storage
-    operations: the manifest received, its ranks' files and its replicas of node 0's, the
-    records) under the plan.  This restore may fail at a fault point; the next one may not."""
+    """A restart on a replaced node 1: rank 2's repair of it (the storage operations of the
+    replicator's thread, where a repair runs: the manifest received, its ranks' files and its
+    replicas of node 0's, the records) under the plan.  This restore may fail at a fault point; the next one may not."""
     if rank == TARGET:
         crashsim.install()
     job = _job(kind, base, rank // PER_NODE)
     if rank == TARGET:
         crashsim.PLAN.log.clear()
-        crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = mode, k, err, "MainThread"
+        crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = mode, k, err, "dcpds-replicas"
     try:
         job.load(_template(rank))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - allowed at a fault point: the

@@ -26,7 +26,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_datastates import Checkpointer, DataStatesWriter
-from dcp_datastates.format.names import MANIFEST_NAME, TEMP_INFIX, data_file_save_id, replica_record_of
+from dcp_datastates.format.names import (
+    MANIFEST_NAME,
+    TEMP_INFIX,
+    data_file_save_id,
+    rank_file_of,
+    replica_record_of,
+)
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest, manifest_head
 from dcp_datastates.tiers.replica_group import ReplicaGroup, ReplicaVote
@@ -533,12 +539,11 @@ def test_a_peer_killed_mid_replication_degrades_the_step_without_waiting(tmp_pat
 HUNG_S, GROUP_TIMEOUT_S = 8, 4  # a peer hangs twice as long as the replica group waits
 
 
-def _hang_replication_once(sender: str, rank: int) -> None:
-    """Rank 2's replication thread stops for ``HUNG_S`` at its first read of a data file to send
-    (a stuck disk), then goes on."""
+def _hang_replication_once(sender: str, rank: int, seconds: float = HUNG_S) -> None:
+    """Rank 2's replication thread stops for ``seconds`` at its first read of a data file to
+    send (a stuck disk), then goes on."""
     import threading
 
-    from dcp_datastates.tiers import StorageTier
     if rank != 2 or sender != "thread":
         return
     real, hung = StorageTier.read_into, []
@@ -546,7 +551,7 @@ def _hang_replication_once(sender: str, rank: int) -> None:
     def read_into(self, name, offset, buf, *, fd=None):
         if threading.current_thread().name == "dcpds-replicas" and name.startswith("data-") and not hung:
             hung.append(name)
-            time.sleep(HUNG_S)
+            time.sleep(seconds)
         return real(self, name, offset, buf, fd=fd)
     StorageTier.read_into = read_into
 
@@ -590,6 +595,45 @@ def _peer_hangs(rank, world, base, sender):
 @pytest.mark.parametrize("sender", ["thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_a_peer_that_hung_is_replicated_to_again_from_the_next_save(tmp_path, sender):
     run_ranks(4, _peer_hangs, str(tmp_path), sender)
+
+
+def _load_while_replicating(rank, world, base):
+    """A load of step 1 right after step 2 was saved, while rank 2's replication of step 2 is
+    stalled (3 s at its first read of a file to send) and node 1 has lost its own files of
+    step 1: the load's repair gives node 1 those files from node 0, over the replica group the
+    replication uses, between the same ranks.  Step 1 loads bit-exactly and step 2 is fully
+    replicated all the same."""
+    os.environ[SENDER_ENV] = "thread"
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(torch.randn(world << 16, 8), mesh, [Shard(0)])}  # 2 MiB a rank
+    node = rank // PER_NODE
+    ckpt = Checkpointer(_tiers(base, node, False), node_local=True, replicas=1, node=f"n{node}",
+                        process_group=dist.new_group(backend="gloo"), async_mode=None)
+    ckpt.save(1, sd)
+    assert ckpt.wait_replicated(120)
+    want = sd["w"].to_local().clone()
+    dist.barrier()
+    if node == 1:  # its ranks' own files of step 1 are lost; its replicas of node 0's stay
+        d = os.path.join(_tiers(base, node, False)[0], "step-1")
+        for n in os.listdir(d):
+            if (got := rank_file_of(n)) is not None and got[0] == rank:
+                os.remove(os.path.join(d, n))
+    dist.barrier()
+    _hang_replication_once("thread", rank, 3)
+    sd["w"].to_local().add_(1)
+    ckpt.save(2, sd)
+    sd["w"].to_local().zero_()
+    assert ckpt.load(sd, step=1) == 1
+    assert torch.equal(sd["w"].to_local(), want)
+    rec = ckpt.node_copies.record(2, 120)
+    assert rec.complete and rec.confirmed == [(rank + PER_NODE) % world], (rank, rec)
+    assert not ckpt.node_copies.replicator.vote().broken
+    ckpt.close()
+
+
+def test_a_load_while_a_replication_is_under_way_repairs_and_replicates_both(tmp_path):
+    run_ranks(4, _load_while_replicating, str(tmp_path))
 
 
 def _one_node(rank, world, base):

@@ -201,7 +201,11 @@ class NodeRepair:
     def survey(self) -> bool:
         """Step 1 (once; a collective): the manifest where a node lacks it; whether every file
         it lists is held at its size on some node (False: the caller reads a slower tier or an
-        older step)."""
+        older step).  On the replicator's thread, after its replications under way
+        (``Replicator.in_turn``), like ``fetch``."""
+        return self.rep.in_turn(self._surveyed, self.label)
+
+    def _surveyed(self) -> bool:
         if self._complete is not None:
             return self._complete
         self._complete = False
@@ -297,6 +301,9 @@ class NodeRepair:
         number).  Returns whether every node holds every file it was to hold; False at once
         where the survey found no manifest on any node (every rank knows it alike: the load
         then reads a slower tier)."""
+        return self.rep.in_turn(lambda: self._fetched(needs), self.label)
+
+    def _fetched(self, needs: Iterable[str] | None) -> bool:
         s = self._survey
         if s is None:
             return False

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch.distributed as dist
 from torch.futures import Future as TorchFuture
@@ -34,6 +35,8 @@ from .storage import StorageTier
 log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "DCP_DATASTATES_REPLICA_TIMEOUT"  # seconds an operation of the replica group may wait
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,21 @@ class Replicator:
         ``ReplicaRecord``, or None when the save did not commit (nothing is replicated)."""
         return self._queue(lambda: self._replicate_save(save), save.epoch)
 
-    def _queue(self, work: Callable[[], ReplicaRecord | None], epoch: int | None = None) -> Future:
+    def in_turn(self, work: Callable[[], _T], label: str) -> _T:
+        """Run ``work``, which uses the replica group (a restore's repair), on the replicator's
+        thread after everything queued before it, and return what it returns.  The group's
+        operations are then issued from one thread in each rank's program order, the same on
+        every rank; from two threads at once they could pair one rank's repair with another's
+        replication (gloo then ends the process on a size mismatch).  Run at once where called
+        from that thread (nested work) or after ``close`` (nothing else uses the group)."""
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            return work()
+        with self._lock:
+            if self._pending:
+                log.info("%s: waiting for %d replication(s) of this rank under way", label, self._pending)
+        return self._queue(work).result()
+
+    def _queue(self, work: Callable[[], _T], epoch: int | None = None) -> Future:
         """Run ``work`` after the work queued before it, over the group of ``epoch`` (made
         again first where it is newer than the group's: every rank at the same save)."""
         fut: Future = Future()
