@@ -45,7 +45,7 @@ class NodeCopies:
 
     def __init__(self, tier_of: Callable[[int], StorageTier], replicas: int = 0, pg=None,
                  node: str | None = None) -> None:
-        self.tier_of = tier_of
+        self.tier_of, self.pg = tier_of, pg
         self.replicator: Replicator | None = None
         if replicas:
             if not (dist.is_available() and dist.is_initialized()):
@@ -153,4 +153,6 @@ class NodeCopies:
         """Before restoring ``step``: the repair of this node's directory of it, which the
         load's reader finishes once its ranks know what they read (``NodeRepair``); None
         without replicas."""
-        return None if self.replicator is None else NodeRepair(self.replicator, self.tier_of(step), f"step {step}", save_id)
+        if self.replicator is None:
+            return None
+        return NodeRepair(self.replicator, self.tier_of(step), f"step {step}", save_id, pg=self.pg)

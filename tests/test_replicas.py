@@ -636,6 +636,50 @@ def test_a_load_while_a_replication_is_under_way_repairs_and_replicates_both(tmp
     run_ranks(4, _load_while_replicating, str(tmp_path))
 
 
+def _load_after_a_peer_hung(rank, world, base):
+    """A load of step 1 in the same job, after rank 2's replication of step 2 hung past the
+    group's timeout (ranks 0 and 2 hold a broken group) and before a save made the group again;
+    node 1 has lost its own files of step 1, so the repair sends them from node 0 over the
+    pair that broke.  The load makes the group again first: step 1 loads bit-exactly, and the
+    next step replicates in full."""
+    os.environ[SENDER_ENV] = "thread"
+    os.environ[TIMEOUT_ENV] = str(GROUP_TIMEOUT_S)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(torch.randn(world << 16, 8), mesh, [Shard(0)])}  # 2 MiB a rank
+    node = rank // PER_NODE
+    ckpt = Checkpointer(_tiers(base, node, False), node_local=True, replicas=1, node=f"n{node}",
+                        process_group=dist.new_group(backend="gloo"), async_mode=None)
+    rep = ckpt.node_copies.replicator
+    ckpt.save(1, sd)
+    assert ckpt.wait_replicated(120)
+    want = sd["w"].to_local().clone()
+    dist.barrier()
+    _hang_replication_once("thread", rank)
+    sd["w"].to_local().add_(1)
+    ckpt.save(2, sd)
+    assert ckpt.wait_replicated(120) == (rank in (1, 3))
+    assert rep.vote().broken == (rank in (0, 2))
+    if node == 1:  # its ranks' own files of step 1 are lost; its replicas of node 0's stay
+        d = os.path.join(_tiers(base, node, False)[0], "step-1")
+        for n in os.listdir(d):
+            if (got := rank_file_of(n)) is not None and got[0] == rank:
+                os.remove(os.path.join(d, n))
+    dist.barrier()
+    sd["w"].to_local().zero_()
+    assert ckpt.load(sd, step=1) == 1
+    assert torch.equal(sd["w"].to_local(), want)
+    assert not rep.vote().broken
+    ckpt.save(3, sd)
+    rec = ckpt.node_copies.record(3, 120)
+    assert rec.complete and rec.confirmed == [(rank + PER_NODE) % world], (rank, rec)
+    ckpt.close()
+
+
+def test_a_load_after_a_peer_hung_makes_the_replica_group_again(tmp_path):
+    run_ranks(4, _load_after_a_peer_hung, str(tmp_path))
+
+
 def _one_node(rank, world, base):
     """Two ranks on one node asked for a replica: there is no other node, so the step is
     saved and committed but never counted as fully replicated."""

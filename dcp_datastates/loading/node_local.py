@@ -42,7 +42,8 @@ class NodeLocalLoad:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("node_local=True gathers copies over torch.distributed: call "
                              "dist.init_process_group first")
-        return cls(NodeRepair(shared_replicator(None, process_group, node), tier, tier.url, save_id))
+        return cls(NodeRepair(shared_replicator(None, process_group, node), tier, tier.url, save_id,
+                              pg=process_group))
 
     def before_manifest(self) -> None:
         if not self.repair.survey():

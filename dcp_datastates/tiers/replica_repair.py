@@ -182,8 +182,9 @@ class NodeRepair:
     the save references there (``given``), so a node lost since is given those too."""
 
     def __init__(self, rep: Replicator, tier: StorageTier, label: str, save_id: str | None,
-                 given: FileList | None = None) -> None:
+                 given: FileList | None = None, pg=None) -> None:
         self.rep, self.tier, self.label, self.save_id = rep, tier, label, save_id
+        self.pg = pg  # the load's process group (None: the default one)
         # an earlier checkpoint's directory: the files a later save references there, from its
         # manifest (the directory's own manifest may be gone: retention keeps a purged step's
         # referenced files, and their replica records, as a husk)
@@ -202,8 +203,12 @@ class NodeRepair:
         """Step 1 (once; a collective): the manifest where a node lacks it; whether every file
         it lists is held at its size on some node (False: the caller reads a slower tier or an
         older step).  On the replicator's thread, after its replications under way
-        (``Replicator.in_turn``), like ``fetch``."""
-        return self.rep.in_turn(self._surveyed, self.label)
+        (``Replicator.in_turn``), like ``fetch``; over a group made again first where one
+        broke (``Replicator.agree_epoch``, a collective over the load's group)."""
+        if self._complete is not None:
+            return self._complete
+        epoch = self.rep.agree_epoch(self.pg, self.label) if self.given is None else None
+        return self.rep.in_turn(self._surveyed, self.label, epoch)
 
     def _surveyed(self) -> bool:
         if self._complete is not None:

@@ -27,7 +27,7 @@ from torch.futures import Future as TorchFuture
 from ..format.names import REPLICA_LOCK
 from ..format.replica_record import ReplicaRecord
 from .base_lock import BaseHold
-from .replica_group import ReplicaGroup, ReplicaVote, job_store
+from .replica_group import ReplicaGroup, ReplicaVote, decide_epoch, job_store
 from .replica_helper import HelperProcess, helper_possible
 from .replicas import NodeMap, ReplicaPeers, ReplicaWork, node_name
 from .storage import StorageTier
@@ -74,12 +74,12 @@ class Replicator:
         self.peers = ReplicaPeers(nodes, tuple(ranks), dist.get_rank(pg), replicas, nodes.usable(replicas),
                                   timeout_s)
         self._work: ReplicaWork | HelperProcess = ReplicaWork(self.peers, self.group)
-        if self.peers.replicas:  # a helper on every rank, or on none
-            views = self.group.all_gather_object((helper_possible(), uuid.uuid4().hex))
-            prefix = f"dcpds-replicas/{views[0][1]}/"
-            self.group.store = dist.PrefixStore(prefix, job_store())  # where the group is made again
-            if all(v[0] for v in views):
-                self._work = HelperProcess(self.peers, prefix)
+        views = self.group.all_gather_object((helper_possible(), uuid.uuid4().hex))
+        prefix = f"dcpds-replicas/{views[0][1]}/"
+        # where this process's group is made again; a helper's under the prefix itself
+        self.group.store = dist.PrefixStore(prefix + "here/", job_store())
+        if self.peers.replicas and all(v[0] for v in views):  # a helper on every rank, or on none
+            self._work = HelperProcess(self.peers, prefix)
         self._lock = threading.Lock()
         self._epoch = 0  # the newest epoch a save was given
         self._pending = 0  # saves queued or replicating
@@ -139,19 +139,41 @@ class Replicator:
         ``ReplicaRecord``, or None when the save did not commit (nothing is replicated)."""
         return self._queue(lambda: self._replicate_save(save), save.epoch)
 
-    def in_turn(self, work: Callable[[], _T], label: str) -> _T:
-        """Run ``work``, which uses the replica group (a restore's repair), on the replicator's
-        thread after everything queued before it, and return what it returns.  The group's
-        operations are then issued from one thread in each rank's program order, the same on
-        every rank; from two threads at once they could pair one rank's repair with another's
-        replication (gloo then ends the process on a size mismatch).  Run at once where called
-        from that thread (nested work) or after ``close`` (nothing else uses the group)."""
-        if threading.current_thread() is self._thread or not self._thread.is_alive():
+    def in_turn(self, work: Callable[[], _T], label: str, epoch: int | None = None) -> _T:
+        """Run ``work``, which uses this process's replica group (a restore's repair), on the
+        replicator's thread after everything queued before it, over the group of ``epoch``
+        (``agree_epoch``: made again first where newer), and return what it returns.  The
+        group's operations are then issued from one thread in each rank's program order, the
+        same on every rank; from two threads at once they could pair one rank's repair with
+        another's replication (gloo then ends the process on a size mismatch).  Run at once
+        where called from that thread (nested work) or after ``close`` (nothing else uses the
+        group)."""
+        def run() -> _T:
+            if epoch is not None and epoch > self.group.epoch:
+                self.group.remake(epoch)
             return work()
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            return run()
         with self._lock:
             if self._pending:
                 log.info("%s: waiting for %d replication(s) of this rank under way", label, self._pending)
-        return self._queue(work).result()
+        return self._queue(run).result()
+
+    def agree_epoch(self, pg, label: str) -> int | None:
+        """Before a restore's repair, on every rank of ``pg`` (the load's group: a collective
+        over it, not over the replica group, which may be broken): this rank's replications
+        ended, then the epoch the repair runs under, decided as a save's is (``decide_epoch``):
+        a new one where some rank's group broke (a peer hung), so that the repair makes the
+        group again first rather than fail on it.  The next save is given no older one."""
+        self.in_turn(lambda: None, label)
+        with self._lock:
+            vote = ReplicaVote(self._epoch, self.group.broken, self._pending == 0)
+        votes: list = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(votes, vote, group=pg)
+        epoch = decide_epoch(votes)
+        with self._lock:
+            self._epoch = max(self._epoch, epoch or 0)
+        return epoch
 
     def _queue(self, work: Callable[[], _T], epoch: int | None = None) -> Future:
         """Run ``work`` after the work queued before it, over the group of ``epoch`` (made
