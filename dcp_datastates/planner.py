@@ -150,7 +150,11 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]):
         """DCP's global plan; the ranks' rule tables merged into the global metadata's
-        ``planner_data`` (where the writer's ``finish`` finds them)."""
+        ``planner_data`` (where the writer's ``finish`` finds them).  Each rank's plan reaches
+        the storage writer with the storage data the writer gave its local plan this save (a
+        replica group's vote), also where DCP's plan cache stands for it (an empty plan, or
+        one merged from the cached local plan, which holds the storage data of the save that
+        filled the cache)."""
         key = getattr(self, "_cached_plans_key", None)
         known = self._rank_tables.get(key, [])
         tables = [(p.planner_data or {}).get(RULES_KEY) if isinstance(p.planner_data, dict) else None
@@ -168,6 +172,8 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             md.planner_data = {**(md.planner_data or {}), RULES_KEY: merged}
             if key is not None:
                 self._rank_tables[key] = tables
+        out = [p if local.storage_data is None else dataclasses.replace(p, storage_data=local.storage_data)
+               for p, local in zip(out, all_plans)]
         return out, md
 
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from dcp_datastates import DataStatesReader, DataStatesWriter
+from dcp_datastates import DataStatesReader, DataStatesSavePlanner, DataStatesWriter
 from dcp_datastates.format.names import MANIFEST_NAME, TEMP_INFIX, data_file_save_id, replica_record_of
 from dcp_datastates.format.replica_record import ReplicaRecord
 from dcp_datastates.tiers import StorageTier
@@ -239,6 +239,9 @@ def _plain_peer_hangs(rank, world, base, mode):
         w = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)
         if mode == "sync":
             dcp.save(_state(model, opt), storage_writer=w, process_group=pg)
+        elif mode == "sync-cached":  # DCP's plan cache: the second and third saves replay the first's plan
+            dcp.save(_state(model, opt), storage_writer=w, process_group=pg,
+                     planner=DataStatesSavePlanner(enable_plan_caching=True))
         else:
             kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
             dcp.async_save(_state(model, opt), storage_writer=w, process_group=pg,
@@ -253,7 +256,7 @@ def _plain_peer_hangs(rank, world, base, mode):
         assert w.replication.replicator.vote() == ReplicaVote(1, False, True)
 
 
-@pytest.mark.parametrize("mode", ["sync", pytest.param("thread", marks=pytest.mark.slow), "process"])
+@pytest.mark.parametrize("mode", ["sync", "sync-cached", pytest.param("thread", marks=pytest.mark.slow), "process"])
 def test_plain_saves_replicate_again_after_a_peer_hung(tmp_path, mode):
     run_ranks(4, _plain_peer_hangs, str(tmp_path), mode)
 
