@@ -597,12 +597,18 @@ def test_a_peer_that_hung_is_replicated_to_again_from_the_next_save(tmp_path, se
     run_ranks(4, _peer_hangs, str(tmp_path), sender)
 
 
-def _load_while_replicating(rank, world, base):
-    """A load of step 1 right after step 2 was saved, while rank 2's replication of step 2 is
-    stalled (3 s at its first read of a file to send) and node 1 has lost its own files of
-    step 1: the load's repair gives node 1 those files from node 0, over the replica group the
-    replication uses, between the same ranks.  Step 1 loads bit-exactly and step 2 is fully
-    replicated all the same."""
+def _lose_own_files(base: str, rank: int, step: int) -> None:
+    """Remove ``rank``'s own files of ``step`` from its node's directory."""
+    d = os.path.join(_tiers(base, rank // PER_NODE, False)[0], f"step-{step}")
+    for n in os.listdir(d):
+        if (got := rank_file_of(n)) is not None and got[0] == rank:
+            os.remove(os.path.join(d, n))
+
+
+def _step_1_replicated(rank, world, base):
+    """A synchronous ``Checkpointer`` with one replica, sending from its thread, and a 2 MiB
+    shard a rank saved as step 1 and replicated in full: the checkpointer, the state and this
+    rank's shard as saved."""
     os.environ[SENDER_ENV] = "thread"
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))
@@ -612,13 +618,20 @@ def _load_while_replicating(rank, world, base):
                         process_group=dist.new_group(backend="gloo"), async_mode=None)
     ckpt.save(1, sd)
     assert ckpt.wait_replicated(120)
-    want = sd["w"].to_local().clone()
     dist.barrier()
+    return ckpt, sd, sd["w"].to_local().clone()
+
+
+def _load_while_replicating(rank, world, base):
+    """A load of step 1 right after step 2 was saved, while rank 2's replication of step 2 is
+    stalled (3 s at its first read of a file to send) and node 1 has lost its own files of
+    step 1: the load's repair gives node 1 those files from node 0, over the replica group the
+    replication uses, between the same ranks.  Step 1 loads bit-exactly and step 2 is fully
+    replicated all the same."""
+    ckpt, sd, want = _step_1_replicated(rank, world, base)
+    node = rank // PER_NODE
     if node == 1:  # its ranks' own files of step 1 are lost; its replicas of node 0's stay
-        d = os.path.join(_tiers(base, node, False)[0], "step-1")
-        for n in os.listdir(d):
-            if (got := rank_file_of(n)) is not None and got[0] == rank:
-                os.remove(os.path.join(d, n))
+        _lose_own_files(base, rank, 1)
     dist.barrier()
     _hang_replication_once("thread", rank, 3)
     sd["w"].to_local().add_(1)
@@ -642,29 +655,16 @@ def _load_after_a_peer_hung(rank, world, base):
     node 1 has lost its own files of step 1, so the repair sends them from node 0 over the
     pair that broke.  The load makes the group again first: step 1 loads bit-exactly, and the
     next step replicates in full."""
-    os.environ[SENDER_ENV] = "thread"
     os.environ[TIMEOUT_ENV] = str(GROUP_TIMEOUT_S)
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
-    sd = {"w": distribute_tensor(torch.randn(world << 16, 8), mesh, [Shard(0)])}  # 2 MiB a rank
-    node = rank // PER_NODE
-    ckpt = Checkpointer(_tiers(base, node, False), node_local=True, replicas=1, node=f"n{node}",
-                        process_group=dist.new_group(backend="gloo"), async_mode=None)
-    rep = ckpt.node_copies.replicator
-    ckpt.save(1, sd)
-    assert ckpt.wait_replicated(120)
-    want = sd["w"].to_local().clone()
-    dist.barrier()
+    ckpt, sd, want = _step_1_replicated(rank, world, base)
+    rep, node = ckpt.node_copies.replicator, rank // PER_NODE
     _hang_replication_once("thread", rank)
     sd["w"].to_local().add_(1)
     ckpt.save(2, sd)
     assert ckpt.wait_replicated(120) == (rank in (1, 3))
     assert rep.vote().broken == (rank in (0, 2))
     if node == 1:  # its ranks' own files of step 1 are lost; its replicas of node 0's stay
-        d = os.path.join(_tiers(base, node, False)[0], "step-1")
-        for n in os.listdir(d):
-            if (got := rank_file_of(n)) is not None and got[0] == rank:
-                os.remove(os.path.join(d, n))
+        _lose_own_files(base, rank, 1)
     dist.barrier()
     sd["w"].to_local().zero_()
     assert ckpt.load(sd, step=1) == 1
