@@ -50,7 +50,7 @@ from .planner import RULES_KEY
 from .session import SaveSession
 from .tiers import StorageTier
 from .tiers.base_lock import BaseHold
-from .tiers.incremental import Base, load_base
+from .tiers.incremental import Base, load_base, still_committed
 from .tiers.manifests import committed_here
 from .tiers.ownership import SaveClaims
 from .tiers.persist import Persistence
@@ -127,6 +127,7 @@ class RankSave:
         self.replica_epoch: int | None = None  # the coordinator's: handed to every rank with the Metadata
         self._planned_at = 0.0
         self._wrote = False
+        self._writing = False  # in ``write``, before the engine's job exists
 
     # ------------------------------------------------------------- planning
     def persist_tiers(self) -> list[StorageTier]:
@@ -150,6 +151,11 @@ class RankSave:
         self.claims = SaveClaims(self.save_id, rank=None if self.use_collectives else self.rank, busy=self.busy,
                                  base="" if self.base is None else self.base.name)
         self.claims.acquire([self.tier, *self.persist_tiers()])
+        if self.base is not None and not still_committed(self.tier, self.base):
+            log.info("%s: its incremental base %s changed before the claim that names it; writing in full",
+                     self.path, self.base.name)
+            self.base = None
+            self.hold.release()
         if not self.opts.overwrite and self.committed_here():
             raise CheckpointExistsError("Checkpoint already exists: a committed checkpoint appeared here "
                                         "while this save was planning; pass overwrite=True to replace it",
@@ -181,7 +187,7 @@ class RankSave:
 
     def busy(self) -> bool:
         """Whether this save still runs (a claim of one DCP abandoned after planning is stale)."""
-        if self.job is not None:  # its data is not durable yet
+        if self._writing or self.job is not None:  # its data is not durable yet
             return True
         if self.persistence is not None and self.persistence.pending():
             return True
@@ -215,8 +221,17 @@ class RankSave:
     # --------------------------------------------------------------- writing
     def write(self, plan: SavePlan, planner: SavePlanner, session: SaveSession,
               on_failed: Callable[[BaseException], None]) -> Future:
-        """Place the plan's items and hand them to the engine; the future gets DCP's results."""
-        self._wrote = True
+        """Place the plan's items and hand them to the engine; the future gets DCP's results.
+        The save is ``busy`` throughout: laying out a large plan and opening its files takes
+        a while before the engine's job exists."""
+        self._wrote = self._writing = True
+        try:
+            return self._write(plan, planner, session, on_failed)
+        finally:
+            self._writing = False  # the job, if any, keeps it busy from here
+
+    def _write(self, plan: SavePlan, planner: SavePlanner, session: SaveSession,
+               on_failed: Callable[[BaseException], None]) -> Future:
         with paused_gc():  # a few records per item, none cyclic
             placed, copy_items, names = lay_out(
                 plan, planner, rank=self.rank, save_id=self.save_id, thread_count=self.opts.thread_count,

@@ -9,11 +9,16 @@ call, answers ``paused`` and waits for a line on stdin before it goes on.
 
 Another process on purpose: nothing a save registers in its own process (the steps it is
 flushing, its claims) is visible here, as on another node or in another job.
+
+With ``NO_LOCKS_ENV`` set, the local filesystem is taken for one that keeps no locks (an
+object store): its lock calls raise ``LockUnsupported``, as the default ``Backend``'s do, so
+claims are leases and no base lock is held (``keep_no_locks``).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 
@@ -22,6 +27,21 @@ import torch
 SEAM = ("makedirs", "exists", "size", "entries", "is_real_dir", "listdir", "open_sink", "read_file",
         "read_into", "commit", "sync_dir", "remove", "remove_dir", "copy_local", "try_lock", "lock_held",
         "create_exclusive")
+
+
+NO_LOCKS_ENV = "DCPDS_TEST_NO_LOCKS"
+
+
+def keep_no_locks(setattr_=setattr) -> None:
+    """The local filesystem keeps no locks from now on in this process (before the storage
+    calls are wrapped, so that the lock calls still count)."""
+    from dcp_datastates.tiers.backend import LockUnsupported
+    from dcp_datastates.tiers.local import LocalBackend
+
+    def refuse(self, *a, **kw):
+        raise LockUnsupported("this filesystem keeps no locks (the test's stand-in for an object store)")
+    setattr_(LocalBackend, "try_lock", refuse)
+    setattr_(LocalBackend, "lock_held", refuse)
 
 
 def state_for(seed: int, tensors: int = 6, numel: int = 1 << 14) -> dict:
@@ -35,6 +55,8 @@ def main() -> int:
     from dcp_datastates import DataStatesWriter
     from dcp_datastates.tiers import StorageTier
     from dcp_datastates.tiers.retention import purge_steps
+    if os.environ.get(NO_LOCKS_ENV):
+        keep_no_locks()
     seam = _Seam()
     for line in sys.stdin:
         cmd, *args = line.split()

@@ -25,15 +25,16 @@ import torch.distributed.checkpoint as dcp
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.tiers.local import LocalBackend
-from tests.interferer import SEAM, state_for
+from tests.interferer import NO_LOCKS_ENV, SEAM, keep_no_locks, state_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 
 class _Interferer:
-    def __init__(self) -> None:
-        self.p = subprocess.Popen([sys.executable, "-m", "tests.interferer"], env=ENV, cwd=ROOT, text=True,
+    def __init__(self, locks: bool = True) -> None:
+        env = ENV if locks else dict(ENV, **{NO_LOCKS_ENV: "1"})
+        self.p = subprocess.Popen([sys.executable, "-m", "tests.interferer"], env=env, cwd=ROOT, text=True,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
     def send(self, line: str) -> str:
@@ -121,13 +122,19 @@ def _trial(run, seam: _Seam, interfere: _Interferer, how: str, at: int, then: in
     return outcome
 
 
+@pytest.mark.parametrize("locks", [True, False], ids=["locks", "no-locks"])
 @pytest.mark.parametrize("how", [pytest.param("resave", marks=pytest.mark.slow), "purge"])
-def test_every_pair_of_storage_calls_of_an_incremental_save_and_a_change_to_its_base(tmp_path, monkeypatch, how):
+def test_every_pair_of_storage_calls_of_an_incremental_save_and_a_change_to_its_base(tmp_path, monkeypatch, how,
+                                                                                       locks):
     """For every call i of the save and every call j of the change to step-1 (and j past its
     last: the whole change), the change starts at the save's call i and stops at its own
-    call j until the save ends.  i = 0 runs the whole save inside the change."""
+    call j until the save ends.  i = 0 runs the whole save inside the change.  ``no-locks``:
+    on a filesystem that keeps no locks, as an object store (claims are leases; no base lock
+    holds the base, only the claim's record of it)."""
+    if not locks:
+        keep_no_locks(monkeypatch.setattr)
     seam = _Seam(monkeypatch)
-    interfere = _Interferer()
+    interfere = _Interferer(locks)
     try:
         _trial(tmp_path / "count", seam, interfere, how, -1)
         saves = seam.calls
@@ -140,3 +147,43 @@ def test_every_pair_of_storage_calls_of_an_incremental_save_and_a_change_to_its_
     finally:
         interfere.close()
     assert list(outcomes.values()).count("committed") >= len(outcomes) // 2, outcomes
+
+
+def test_a_purge_that_read_the_claims_before_a_save_claimed_its_base_leaves_the_base(tmp_path, monkeypatch):
+    """Where no lock holds a base (an object store): a retention pass read the run's claims
+    (none yet) and is about to uncommit step-1 when an incremental save of step-2 on step-1
+    claims its directory, naming step-1, and finds step-1 still committed; the pass goes on
+    while step-2 writes.  It reads the claims again once its mark is in place, finds step-1
+    named, and leaves it: step-2 commits and loads exactly.  (Reading them only before the
+    mark, it swept step-1's files from under step-2.)"""
+    from dcp_datastates.format.names import PURGED_MARK
+    from dcp_datastates.tiers import StorageTier
+    from dcp_datastates.tiers.retention import purge_steps
+    keep_no_locks(monkeypatch.setattr)
+    run = tmp_path / "run"
+    base = state_for(1)
+    dcp.save(base, storage_writer=DataStatesWriter(str(run / "step-1")), no_dist=True)
+    want = dict(base, t5=base["t5"] + 1)
+    marking, go, purged = threading.Event(), threading.Event(), []
+    commit, open_sink = LocalBackend.commit, LocalBackend.open_sink
+
+    def commit_later(self, root, path, tmp_name, data, *, sync):  # the pass's mark waits for step-2's writes
+        if path.endswith(PURGED_MARK) and not go.is_set():
+            marking.set()
+            assert go.wait(60)
+        return commit(self, root, path, tmp_name, data, sync=sync)
+
+    def open_sink_after_purge(self, path, name, **kw):  # step-2's first data file: the pass runs to its end
+        if "step-2" in path and os.path.basename(path).startswith("data-") and not go.is_set():
+            go.set()
+            purge.join(60)
+        return open_sink(self, path, name, **kw)
+    monkeypatch.setattr(LocalBackend, "commit", commit_later)
+    monkeypatch.setattr(LocalBackend, "open_sink", open_sink_after_purge)
+    purge = threading.Thread(target=lambda: purged.append(purge_steps(StorageTier(str(run)), ["step-1"])))
+    purge.start()
+    assert marking.wait(60)
+    dcp.save(want, storage_writer=DataStatesWriter(str(run / "step-2"), incremental_base="step-1"), no_dist=True)
+    assert go.is_set() and not purge.is_alive() and purged == [[]], purged
+    assert _same(_load(str(run / "step-2"), want), want)
+    assert _same(_load(str(run / "step-1"), base), base)  # the pass left step-1 committed

@@ -8,8 +8,9 @@ import logging
 
 from ..errors import CheckpointError, first_line
 from ..format.model import Chunk, Extent, Manifest
+from ..format.names import PURGED_MARK
 from .base_lock import BaseHold
-from .manifests import load_manifest
+from .manifests import load_manifest, manifest_head
 from .storage import StorageTier
 
 log = logging.getLogger(__name__)
@@ -83,3 +84,21 @@ def load_base(tier: StorageTier, incremental_base: str | None, storage_options: 
             here.add(f)
     chunks = {(fqn, c.offsets): c for fqn, t in m.tensors.items() if not t.lazy for c in t.chunks}
     return Base(name, m, frozenset(here), homes, chunks)
+
+
+def still_committed(tier: StorageTier, base: Base) -> bool:
+    """Whether ``base`` (read by ``load_base`` for the save into ``tier``) is still the save
+    committed in its directory, with no retention pass uncommitting it: asked once the save's
+    claim, which names the base, is in place.  Where no lock holds the base (an object store),
+    a purge or a re-save of it between the read and the claim is seen here, and the save
+    writes in full; one after it reads the claim and leaves the base's files alone
+    (``retention.py``, ``tidy.py``)."""
+    t = tier.sibling(base.name)
+    try:
+        if t.exists(PURGED_MARK):
+            return False
+        head = manifest_head(t)
+        return (head.save_id if head is not None else load_manifest(t).save_id) == base.manifest.save_id
+    except (CheckpointError, OSError) as e:
+        log.info("incremental base %s cannot be read again (%s)", t.url, first_line(e, 200))
+        return False

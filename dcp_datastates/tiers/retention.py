@@ -4,9 +4,14 @@ An incremental checkpoint references files of earlier steps of its run (``Manife
 so a step directory cannot simply be deleted: a retained step may still read from it.
 Purging ``drop`` steps of a run directory on one tier goes:
 
-1. **Uncommit.** Each dropped step gets a ``.purged`` mark, then loses its manifest(s).
-   From here on nobody loads it or takes it as an incremental base; a crash at any later
-   point leaves every retained step intact.
+1. **Uncommit.** Each dropped step gets a ``.purged`` mark; then the claims of the saves in
+   flight are read, and a step one of them names as its incremental base loses its mark
+   again and stays, while every other loses its manifest(s).  From the mark on nobody takes
+   it as an incremental base: a save checks its base for the mark after its claim, which
+   names the base, is in place (``incremental.still_committed``), so of a save and a purge
+   racing on one base at least one sees the other.  A crash at any later point leaves every
+   retained step intact (a step marked but not yet uncommitted stays committed, and is no
+   base for an incremental save, until a pass drops it again).
 2. **Mark.** Every file referenced by a committed manifest of the run, in a directory of any
    name (plus ``also``: manifests of steps still being flushed to this tier), is live.
 3. **Sweep.** In each dropped directory, and in every directory still carrying a
@@ -116,7 +121,8 @@ def _locked(run: StorageTier, name: str, held: contextlib.ExitStack) -> bool:
 def _uncommit(run: StorageTier, drop: list[str], kinds: dict[str, str]) -> set[str]:
     """Mark and uncommit each of ``drop`` (step 1); the names left alone."""
     foreign: set[str] = set()  # dropped names left alone: not uncommitted, so not swept
-    bases = bases_in_flight(run)
+    marked: list[StorageTier] = []
+    bases = bases_in_flight(run)  # those already known are not even marked
     for name in drop:
         if kinds.get(name) != "dir":
             if name in kinds:
@@ -153,12 +159,40 @@ def _uncommit(run: StorageTier, drop: list[str], kinds: dict[str, str]) -> set[s
                 continue
             if PURGED_MARK not in have:
                 t.commit_bytes(PURGED_MARK, b"")
+            marked.append(t)
+        except (OSError, CheckpointError) as e:
+            log.warning("retention: could not uncommit %s (%s); skipping it", t.url, e)
+            foreign.add(name)
+    return foreign | _unmanifest(run, marked)
+
+
+def _unmanifest(run: StorageTier, marked: list[StorageTier]) -> set[str]:
+    """The manifests of the ``marked`` steps removed, but of those a save in flight claimed
+    as its base meanwhile (read after every mark is in place): their marks go again and they
+    stay.  The names left alone."""
+    if not marked:
+        return set()
+    try:
+        bases = bases_in_flight(run)
+    except OSError as e:
+        log.warning("retention: the run's claims cannot be read again (%s); uncommitting nothing", e)
+        bases = None
+    kept: set[str] = set()
+    for t in marked:
+        try:
+            if bases is None or bases.keeps(t.name):
+                if bases is not None:
+                    log.warning("retention: %s became the base of an incremental save in flight; not "
+                                "purging it", t.url)
+                kept.add(t.name)
+                t.remove(PURGED_MARK)
+                continue
             for n in _manifests(t):
                 t.remove(n)
         except (OSError, CheckpointError) as e:
             log.warning("retention: could not uncommit %s (%s); skipping it", t.url, e)
-            foreign.add(name)
-    return foreign
+            kept.add(t.name)
+    return kept
 
 
 def _sweep(t: StorageTier, keep: set[str]) -> bool:
