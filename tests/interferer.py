@@ -51,8 +51,10 @@ def state_for(seed: int, tensors: int = 6, numel: int = 1 << 14) -> dict:
 
 def main() -> int:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from dcp_datastates import DataStatesWriter
+    from dcp_datastates.errors import first_line
     from dcp_datastates.tiers import StorageTier
     from dcp_datastates.tiers.retention import purge_steps
     if os.environ.get(NO_LOCKS_ENV):
@@ -69,8 +71,8 @@ def main() -> int:
                 purge_steps(StorageTier(args[0]), [] if args[1] == "-" else [args[1]])
             else:
                 raise ValueError(f"unknown command {cmd!r}")
-        except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
-            print(f"err {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to the test, which fails on it
+            print(f"err {type(e).__name__}: {first_line(e, 300)}", flush=True)
             continue
         print(f"done {seam.calls}", flush=True)
     return 0

@@ -502,3 +502,35 @@ def test_purges_of_one_checkpointer_never_overlap(tmp_path, monkeypatch):
     c.close()
     assert peak[0] == 1
     assert sorted(os.listdir(tmp_path / "t2")) == ["step-6"]
+
+
+def test_a_lease_released_while_it_is_renewed_stays_released(tmp_path, monkeypatch):
+    """A lease claim (a filesystem that keeps no locks) is renewed by this process's renewer
+    thread, which wakes whenever a new claim is made; a save that lets its claim go at that
+    moment must not see the renewal write the record back after its removal (the directory
+    then looked busy to other processes until the lease ran out: seen once in CI, in the
+    pairwise base-lock test without locks)."""
+    from tests.interferer import keep_no_locks
+    keep_no_locks(monkeypatch.setattr)
+    tier = StorageTier(str(tmp_path / "ck"))
+    c = acquire(tier, CLAIM_NAME, "a" * 12)
+    assert c.lock is None
+    storing, go = threading.Event(), threading.Event()
+    store = claim_mod.Claim._store
+
+    def store_later(self):  # the renewal has found the record ours and is about to write it
+        storing.set()
+        assert go.wait(30)
+        store(self)
+    monkeypatch.setattr(claim_mod.Claim, "_store", store_later)
+    renewal = threading.Thread(target=c.renew)
+    renewal.start()
+    assert storing.wait(30)
+    release = threading.Thread(target=c.release)
+    release.start()
+    release.join(1)  # let go now, or once the renewal is over
+    go.set()
+    renewal.join(30)
+    release.join(30)
+    assert not tier.exists(CLAIM_NAME), "the released claim was written back"
+    assert not holds_live_claim(tier, CLAIM_NAME)

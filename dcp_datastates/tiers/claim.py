@@ -220,6 +220,9 @@ class Claim:
     lock: HeldLock | None
     lease_s: float = DEFAULT_LEASE_S
     released: bool = False
+    # a renewal (the renewer's thread) and the release exclude each other: a renewal that read
+    # the record as ours before the release removed it would otherwise write it back
+    _mutex: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def _names_us(self) -> bool:
         try:
@@ -244,22 +247,27 @@ class Claim:
     def carry(self, save_ids: list[str]) -> None:
         """Add to the record the saves this one will supersede once it commits: should it die
         between its commit and its tidy-up, whoever takes the claim over removes their files."""
-        new = [s for s in save_ids if s != self.record.save_id and s not in self.record.inherits]
-        if not new:
-            return
-        self.record = dataclasses.replace(self.record, inherits=(*self.record.inherits, *new)[-_MAX_INHERITED:])
-        self._store()
+        with self._mutex:  # not interleaved with a renewal, which writes the record it read
+            new = [s for s in save_ids if s != self.record.save_id and s not in self.record.inherits]
+            if not new:
+                return
+            self.record = dataclasses.replace(self.record,
+                                              inherits=(*self.record.inherits, *new)[-_MAX_INHERITED:])
+            self._store()
 
     def renew(self) -> None:
         """Lease claims: write the record again with the current time, while it is ours."""
-        if self.released or self.lock is not None:
+        if self.lock is not None:
             return
-        try:
-            if self._names_us():
-                self.record = dataclasses.replace(self.record, created_unix=time.time())
-                self._store()
-        except (OSError, CheckpointError) as e:
-            log.warning("could not renew the claim %s/%s (%s)", self.tier.url, self.name, e)
+        with self._mutex:
+            if self.released:
+                return
+            try:
+                if self._names_us():
+                    self.record = dataclasses.replace(self.record, created_unix=time.time())
+                    self._store()
+            except (OSError, CheckpointError) as e:
+                log.warning("could not renew the claim %s/%s (%s)", self.tier.url, self.name, e)
 
     def _store(self) -> None:
         """Write the record: in place under the lock, or as a whole new object (a lease)."""
@@ -272,21 +280,22 @@ class Claim:
         """Let the claim go (idempotent), removing its file if it is still ours.  A save that
         failed keeps the record (``keep_record``): the next save here takes it over and removes
         this attempt's files, found by its save id, whatever this one could not."""
-        if self.released:
-            return
-        self.released = True
-        try:
-            if self.lock is not None:
-                self.lock.unlock(unlink=not keep_record)
-            elif not keep_record:
-                cur = _read(self.tier, self.name)
-                if cur is not None and cur.save_id == self.record.save_id:
-                    self.tier.remove(self.name)
-        except (OSError, CheckpointError) as e:
-            log.warning("could not release the claim %s/%s (%s); the next save takes it over",
-                        self.tier.url, self.name, e)
-        finally:
-            _forget(self)
+        with self._mutex:
+            if self.released:
+                return
+            self.released = True
+            try:
+                if self.lock is not None:
+                    self.lock.unlock(unlink=not keep_record)
+                elif not keep_record:
+                    cur = _read(self.tier, self.name)
+                    if cur is not None and cur.save_id == self.record.save_id:
+                        self.tier.remove(self.name)
+            except (OSError, CheckpointError) as e:
+                log.warning("could not release the claim %s/%s (%s); the next save takes it over",
+                            self.tier.url, self.name, e)
+            finally:
+                _forget(self)
 
 
 def release_idle(urls: Iterable[str] | None) -> None:
