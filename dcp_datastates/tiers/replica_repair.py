@@ -87,6 +87,9 @@ class Survey:
     files: dict[str, int]
     world: int  # the ranks that saved it
     recorded: dict[str, str] = field(default_factory=dict)
+    # file -> the nodes holding it at its size, sorted: made once from the listings, which the
+    # repair never changes (asking each node per file cost files x nodes: seconds at 16k ranks)
+    _holding: dict[str, list[str]] | None = field(default=None, init=False, repr=False)
 
     def writers(self) -> dict[int, set[str]]:
         """The files each rank wrote (its data files and metadata part)."""
@@ -102,9 +105,15 @@ class Survey:
         return [self.files[name], self.recorded.get(name, "")]
 
     def holders(self, name: str) -> list[str]:
-        """The nodes holding ``name`` at the size the manifest gives."""
-        size = self.files.get(name)
-        return sorted(n for n, x in self.listings.items() if x.sizes.get(name) == size)
+        """The nodes holding ``name`` at the size the manifest gives, sorted."""
+        if self._holding is None:
+            holding: dict[str, list[str]] = defaultdict(list)
+            for node in sorted(self.listings):
+                for f, size in self.listings[node].sizes.items():
+                    if self.files.get(f) == size:
+                        holding[f].append(node)
+            self._holding = holding
+        return list(self._holding.get(name, ()))
 
 
 def _digest(tier: StorageTier, name: str) -> str | None:
