@@ -220,8 +220,6 @@ class NodeRepair:
         return self.rep.in_turn(self._surveyed, self.label, epoch)
 
     def _surveyed(self) -> bool:
-        if self._complete is not None:
-            return self._complete
         self._complete = False
         if self.given is None and self.save_id is None:
             heads = [h for h in self._gather(manifest_head(self.tier) if self.leader else None) if h is not None]

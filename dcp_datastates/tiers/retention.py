@@ -179,18 +179,16 @@ def _unmanifest(run: StorageTier, marked: list[StorageTier]) -> set[str]:
         bases = None
     kept: set[str] = set()
     for t in marked:
+        keep = bases is None or bases.keeps(t.name)
+        if keep and bases is not None:
+            log.warning("retention: %s became the base of an incremental save in flight; not purging it", t.url)
         try:
-            if bases is None or bases.keeps(t.name):
-                if bases is not None:
-                    log.warning("retention: %s became the base of an incremental save in flight; not "
-                                "purging it", t.url)
-                kept.add(t.name)
-                t.remove(PURGED_MARK)
-                continue
-            for n in _manifests(t):
+            for n in [PURGED_MARK] if keep else _manifests(t):
                 t.remove(n)
         except (OSError, CheckpointError) as e:
             log.warning("retention: could not uncommit %s (%s); skipping it", t.url, e)
+            keep = True
+        if keep:
             kept.add(t.name)
     return kept
 
