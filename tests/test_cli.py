@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,16 +14,13 @@ from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.convert import from_dcp, to_dcp, to_safetensors
 from dcp_datastates.tiers.manifests import load_manifest
 from dcp_datastates.tiers import StorageTier
+from tests import clirun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cli(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "dcp_datastates", *args], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-    if check:
-        assert r.returncode == 0, r.stdout + r.stderr
-    return r
+    """The command, run in this process (``tests/clirun.py``); ``check``: it must succeed."""
+    return clirun.cli(*args, check=check)
 
 
 def _state():
@@ -143,8 +138,8 @@ def test_python_api_conversions(ckpt, tmp_path):
 
 
 def test_demo_runs_kills_and_resumes(tmp_path):
-    r = cli("demo", "--out", str(tmp_path / "demo"), "--width", "256", "--depth", "2", "--steps", "8",
-            "--kill-at", "5")
+    r = clirun.cli_process("demo", "--out", str(tmp_path / "demo"), "--width", "256", "--depth", "2", "--steps", "8",
+            "--kill-at", "5", check=True)
     assert "demo passed" in r.stdout, r.stdout[-3000:]
     assert "identical to DCP FileSystemReader" in r.stdout and "resumed from step" in r.stdout
     assert os.path.exists(tmp_path / "demo" / "timeline.png")

@@ -13,13 +13,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from tests import clirun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "dcp_datastates", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    """The command, run in this process (``tests/clirun.py``)."""
+    return clirun.cli(*args)
 
 
 def _one_line_error(r, code, *words):
