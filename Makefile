@@ -7,6 +7,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TITAN_VENV ?= .venv-titan
 TORCH_SPEC ?= torch==2.13.0
+# test processes (pytest-xdist): the suite waits on ranks, sockets and disks more than on cores
+TEST_JOBS ?= 2
 VENV_FLAGS ?=
 PY := $(VENV)/bin/python
 TPY := $(TITAN_VENV)/bin/python
@@ -38,7 +40,7 @@ demo: env
 test: test-core test-torchtitan
 
 test-core: env lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal tests
 
 # layers (import-linter), lint and import order (ruff), types (basedpyright, pyright's basic mode)
 lint: env
@@ -50,7 +52,7 @@ test-torchtitan: env-titan
 	$(TPY) -m pytest -q tests/test_torchtitan.py
 
 test-long: env env-titan
-	$(PY) -m pytest -q -m "slow or not slow" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal -m "slow or not slow" tests
 	$(TPY) -m pytest -q tests/test_torchtitan.py
 
 bench: env
