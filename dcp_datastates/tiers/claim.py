@@ -475,6 +475,9 @@ def acquire(tier: StorageTier, name: str, save_id: str, *, lease_s: float = DEFA
     is still flushing) is waited for, up to ``wait_own_s``.  ``base``: the sibling directory an
     incremental save references, which retention then leaves alone while the claim lives."""
     tier.makedirs()
+    # the directory's name, durable whoever made it: one that made it and died before making
+    # it durable (``makedirs``) left a step directory a power cut may still take
+    tier.parent().sync_dir()
     attempt = _Acquire(tier, name, save_id, lease_s, wait_own_s, base)
     try:
         claim = attempt.by_lock()

@@ -206,7 +206,24 @@ class LocalBackend(Backend):
         return os.path.join(root, name)
 
     def makedirs(self, root: str) -> None:
-        os.makedirs(root, exist_ok=True)
+        """Make ``root`` and its missing parents, each one's name durable in its parent before
+        anything is written below it: a file's ``fsync`` and its directory's make the file's
+        name durable in that directory, not the directory's own name in its parent (POSIX; ext4
+        and XFS happen to commit it in order).  Without this a power cut after a commit could
+        lose the step directory whole, while retention's removals of older steps survive."""
+        missing = []
+        d = os.path.abspath(root)
+        while not os.path.isdir(d) and os.path.dirname(d) != d:
+            missing.append(d)
+            d = os.path.dirname(d)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:  # made meanwhile by another rank or process, which syncs it
+                if not os.path.isdir(d):
+                    raise
+                continue
+            _sync_dir(os.path.dirname(d))
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)

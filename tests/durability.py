@@ -1,0 +1,188 @@
+"""What a power cut would keep: the file system calls of a save, traced, checked against the
+rules that make a commit survive one.
+
+The crash harness (``tests/crashsim.py``) kills processes; the kernel then still writes out
+everything they wrote.  A power cut keeps only what was made durable, and POSIX promises little:
+a file's data is durable after an ``fsync`` of the file, and a name in a directory (a file
+created or renamed there, a directory made there) after an ``fsync`` of that directory.  Some
+file systems give more (ext4 and XFS commit their journal in order, so an older name is never
+lost while a newer one survives), but a checkpoint may live on others.  ``Trace`` wraps the
+``os`` calls through which the library writes (``tiers/local.py`` is the only writer of the
+local tiers) and keeps, per file, whether it holds data written since its last ``fsync``, and,
+per directory, the names changed there since its last ``fsync``.  Its rules:
+
+* *data before name*: a file is renamed into place only with its data durable (else the name
+  may survive the cut and point at missing data);
+* *name before removal*: a file is removed from a directory only once every earlier change of
+  a name there is durable (else the removal may survive and the change be lost: a manifest's
+  replacement lost, the old one's files gone);
+* *durable when reported*: when a save is reported committed, every name it made is durable.
+
+Temporary names (a rename replaces them, or they are removed) and lock files are exempt from
+the last rule: losing one loses nothing."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork() -> None:  # a child forked while a thread held a trace's lock
+    for t in list(_LIVE):
+        t.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _transient(name: str) -> bool:
+    return ".tmp" in name or name.endswith("lock") or name.startswith(".lock")
+
+
+@dataclass
+class Change:
+    kind: str  # "create", "rename", "mkdir", "remove"
+    name: str
+
+
+@dataclass
+class Trace:
+    """Install with ``install(monkeypatch)``; only paths under ``root`` are traced."""
+
+    root: str
+    fds: dict[int, str] = field(default_factory=dict)
+    dirty: dict[tuple[int, int], str] = field(default_factory=dict)  # inode -> path it was written as
+    pending: dict[str, list[Change]] = field(default_factory=dict)  # directory -> changes since its fsync
+    broken: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _ours(self, path) -> bool:
+        return isinstance(path, str) and os.path.abspath(path).startswith(self.root)
+
+    def _changed(self, path: str, kind: str) -> None:
+        path = os.path.abspath(path)
+        self.pending.setdefault(os.path.dirname(path), []).append(Change(kind, os.path.basename(path)))
+
+    def _inode(self, fd: int) -> tuple[int, int]:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def install(self, mp) -> None:
+        _LIVE.add(self)
+        real = {n: getattr(os, n) for n in ("open", "close", "write", "pwrite", "ftruncate", "copy_file_range",
+                                             "fsync", "fdatasync", "replace", "rename", "mkdir", "unlink",
+                                             "remove", "rmdir")}
+
+        def open_(path, flags, mode=0o777, *a, **kw):
+            new = self._ours(path) and bool(flags & os.O_CREAT) and not os.path.lexists(path)
+            fd = real["open"](path, flags, mode, *a, **kw)
+            if self._ours(path):
+                with self.lock:
+                    self.fds[fd] = os.path.abspath(path)
+                    if new:
+                        self._changed(path, "create")
+                    if flags & os.O_TRUNC:
+                        self.dirty[self._inode(fd)] = os.path.abspath(path)
+            return fd
+
+        def close(fd):
+            with self.lock:
+                self.fds.pop(fd, None)
+            return real["close"](fd)
+
+        def wrote(fd):
+            with self.lock:
+                if fd in self.fds:
+                    self.dirty[self._inode(fd)] = self.fds[fd]
+
+        def writer(name):
+            def call(fd, *a, **kw):
+                n = real[name](fd, *a, **kw)
+                wrote(fd)
+                return n
+            return call
+
+        def copy_file_range(src, dst, *a, **kw):
+            n = real["copy_file_range"](src, dst, *a, **kw)
+            wrote(dst)
+            return n
+
+        def sync(name):
+            def call(fd):
+                real[name](fd)
+                with self.lock:
+                    path = self.fds.get(fd)
+                    if path is None:
+                        return
+                    if stat.S_ISDIR(os.fstat(fd).st_mode):
+                        self.pending.pop(path, None)
+                    else:
+                        self.dirty.pop(self._inode(fd), None)
+            return call
+
+        def rename(name):
+            def call(src, dst, *a, **kw):
+                if not self._ours(dst):
+                    return real[name](src, dst, *a, **kw)
+                with self.lock:
+                    try:
+                        st = os.lstat(src)
+                    except OSError:
+                        st = None
+                    if st is not None and (st.st_dev, st.st_ino) in self.dirty:
+                        self.broken.append(f"data before name: {dst} renamed into place from {src} "
+                                           "with data not yet fsynced")
+                real[name](src, dst, *a, **kw)
+                with self.lock:
+                    self._changed(dst, "rename")
+                    if os.path.dirname(os.path.abspath(src)) != os.path.dirname(os.path.abspath(dst)):
+                        self._changed(src, "remove")
+            return call
+
+        def mkdir(path, *a, **kw):
+            real["mkdir"](path, *a, **kw)
+            if self._ours(path):
+                with self.lock:
+                    self._changed(path, "mkdir")
+
+        def remover(name):
+            def call(path, *a, **kw):
+                if self._ours(path):
+                    with self.lock:
+                        d = os.path.dirname(os.path.abspath(path))
+                        before = [c for c in self.pending.get(d, ()) if c.kind != "remove" and not _transient(c.name)
+                                  and os.path.lexists(os.path.join(d, c.name))]
+                        if before and not _transient(os.path.basename(path)):
+                            self.broken.append(f"name before removal: {path} removed while "
+                                               f"{[(c.kind, c.name) for c in before]} in {d} is not durable")
+                real[name](path, *a, **kw)
+                if self._ours(path):
+                    with self.lock:
+                        self._changed(path, "remove")
+            return call
+
+        for n, fn in (("open", open_), ("close", close), ("write", writer("write")), ("pwrite", writer("pwrite")),
+                      ("ftruncate", writer("ftruncate")), ("copy_file_range", copy_file_range),
+                      ("fsync", sync("fsync")), ("fdatasync", sync("fdatasync")), ("replace", rename("replace")),
+                      ("rename", rename("rename")), ("mkdir", mkdir), ("unlink", remover("unlink")),
+                      ("remove", remover("remove")), ("rmdir", remover("rmdir"))):
+            mp.setattr(os, n, fn)
+
+    def not_durable(self) -> list[str]:
+        """The names that exist now whose last change is not durable (*durable when reported*)."""
+        with self.lock:
+            out = []
+            for d, changes in self.pending.items():
+                last = {c.name: c for c in changes}
+                for name, c in last.items():
+                    if c.kind != "remove" and not _transient(name) and os.path.lexists(os.path.join(d, name)):
+                        out.append(f"durable when reported: {c.kind} of {os.path.join(d, name)} not fsynced in {d}")
+            return sorted(out)

@@ -1,0 +1,147 @@
+"""A committed save survives a power cut: its file system calls, traced, keep the rules of
+``tests/durability.py`` (data before name, name before removal, durable when reported), through
+plain DCP (``dcp.save``, ``dcp.async_save`` in THREAD mode, per-rank saves) and through
+``Checkpointer`` with two tiers, retention and incremental steps."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from tests import crashsim
+from tests.dist import _context as dist_context
+from tests.dist import run_ranks
+from tests.durability import Trace
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(1 << 16, generator=g), "fixed": torch.arange(1 << 12, dtype=torch.float32),
+            "step": step}
+
+
+def _same(path: str, step: int) -> bool:
+    want = _state(step)
+    got = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in want.items()}
+    dcp.load(got, storage_reader=DataStatesReader(path), no_dist=True)
+    return got["step"] == step and all(torch.equal(got[k], v) for k, v in want.items() if k != "step")
+
+
+def _plain_sync(root: str) -> None:
+    for step in (1, 2):  # the second replaces the first in the same directory
+        dcp.save(_state(step), storage_writer=DataStatesWriter(f"{root}/run/ckpt", overwrite=True), no_dist=True)
+
+
+def _into_a_dead_saves_directory(root: str) -> None:
+    """A save that made its directory died before the directory's name was durable; the next
+    save into it (the step saved again after a restart) commits there."""
+    os.mkdir(f"{root}/run")
+    fd = os.open(root, os.O_RDONLY)
+    os.fsync(fd)  # "run" is durable
+    os.close(fd)
+    os.mkdir(f"{root}/run/ckpt")  # and nothing made this one durable
+    dcp.save(_state(2), storage_writer=DataStatesWriter(f"{root}/run/ckpt"), no_dist=True)
+
+
+def _plain_thread(root: str) -> None:
+    for step in (1, 2):
+        dcp.async_save(_state(step), storage_writer=DataStatesWriter(f"{root}/run/step-{step}"), no_dist=True,
+                       async_checkpointer_type=AsyncCheckpointerType.THREAD).result(timeout=120)
+
+
+def _per_rank(root: str) -> None:
+    for step in (1, 2):
+        dcp.save(_state(step), storage_writer=DataStatesWriter(f"{root}/run/ckpt", overwrite=True),
+                 no_dist=True, use_collectives=False)
+
+
+def _checkpointer(root: str) -> None:
+    ck = Checkpointer([f"{root}/fast", f"{root}/slow"], keep=[1, 2], incremental=True)
+    for step in (1, 2, 3):
+        ck.save(step, _state(step))
+        ck.wait()
+        assert ck.wait_persisted(120)
+    ck.close()
+
+
+SCENARIOS = {"dcp.save": (_plain_sync, ["run/ckpt"]), "dcp.async_save": (_plain_thread, ["run/step-2"]),
+             "after-a-dead-save": (_into_a_dead_saves_directory, ["run/ckpt"]),
+             "per-rank": (_per_rank, ["run/ckpt"]), "checkpointer": (_checkpointer, ["fast/step-3", "slow/step-3"])}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_reported_save_survives_a_power_cut(tmp_path, monkeypatch, name):
+    run, newest = SCENARIOS[name]
+    trace = Trace(str(tmp_path))
+    with monkeypatch.context() as mp:
+        trace.install(mp)
+        run(str(tmp_path))
+        broken = trace.broken + trace.not_durable()
+    assert not broken, "\n".join(broken)
+    for path in newest:  # the trace saw the real saves
+        assert _same(str(tmp_path / path), int(path.rpartition("-")[2]) if "step-" in path else 2), path
+
+
+def _scenario(name: str, work: str, out: str) -> None:
+    sc = {**crashsim.SCENARIOS, **crashsim.LONG_SCENARIOS}[name]
+    trace = Trace(work)
+    trace.install(pytest.MonkeyPatch())
+    sc.setup(work)
+    sc.act(work)
+    with open(out, "w") as f:
+        f.write("\n".join(trace.broken + trace.not_durable()))
+    os._exit(0)
+
+
+@pytest.mark.parametrize("name", [n for n in [*crashsim.SCENARIOS, *crashsim.LONG_SCENARIOS] if n != "concurrent"])
+def test_every_crash_scenario_keeps_the_rules_of_a_power_cut(tmp_path, name):
+    """The crash harness's scenarios (``tests/crashsim.py``), each run whole under the trace in
+    a process of its own that started no thread (one forks a second save)."""
+    work, out = str(tmp_path / "work"), str(tmp_path / "said")
+    os.makedirs(work)
+    p = dist_context().Process(target=_scenario, args=(name, work, out))
+    p.start()
+    p.join(300)
+    assert p.exitcode == 0 and os.path.exists(out), p.exitcode
+    broken = open(out).read()
+    assert not broken, broken
+
+
+def _replicated(rank, world, root, phase):
+    """Two nodes of one rank, ``Checkpointer(node_local=True, replicas=1, keep=1)``: three
+    steps saved and replicated (``save``), then, node 1's directory lost, a restore that repairs
+    it from node 0's copies (``repair``); what each rank's trace found is written beside."""
+    import torch.distributed as dist
+    mp = pytest.MonkeyPatch()
+    trace = Trace(root)
+    trace.install(mp)
+    ck = Checkpointer([f"{root}/node{rank}"], node_local=True, replicas=1, node=f"n{rank}", keep=1,
+                      async_mode=None, process_group=dist.new_group(backend="gloo"))
+    if phase == "save":
+        for step in (1, 2, 3):
+            ck.save(step, {f"w{rank}": _state(step)["w"] + rank, "step": step})
+            assert ck.wait_replicated(60)
+    else:
+        got = {f"w{rank}": torch.zeros(1 << 16), "step": 0}
+        assert ck.load(got) == 3 and torch.equal(got[f"w{rank}"], _state(3)["w"] + rank)
+    ck.close()
+    mp.undo()
+    with open(f"{root}/trace-{phase}-{rank}", "w") as f:
+        f.write("\n".join(trace.broken + trace.not_durable()))
+    os._exit(0)
+
+
+def test_replicas_and_their_repair_survive_a_power_cut(tmp_path):
+    import shutil
+    run_ranks(2, _replicated, str(tmp_path), "save")
+    shutil.rmtree(tmp_path / "node1")
+    run_ranks(2, _replicated, str(tmp_path), "repair")
+    said = {p.name: p.read_text() for p in sorted(tmp_path.glob("trace-*"))}
+    assert len(said) == 4, sorted(said)
+    broken = [f"{name}: {text}" for name, text in said.items() if text]
+    assert not broken, "\n".join(broken)
