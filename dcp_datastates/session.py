@@ -305,6 +305,17 @@ _pending: list[tuple[SaveSession, float]] = []
 _hook_installed = False
 
 
+def _forget_sessions_in_child() -> None:
+    """A forked child's optimizer never waits for its parent's snapshots, which run on threads
+    it does not have (the hook stays, with nothing pending)."""
+    global _barrier_lock
+    _barrier_lock = threading.Lock()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_forget_sessions_in_child)
+
+
 def hold_step(session: SaveSession, timeout_s: float) -> None:
     """Make every optimizer ``step()`` wait (at most ``timeout_s``) until ``session`` has
     snapshotted or failed."""

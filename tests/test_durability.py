@@ -98,7 +98,7 @@ def _scenario(name: str, work: str, out: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.parametrize("name", [n for n in [*crashsim.SCENARIOS, *crashsim.LONG_SCENARIOS] if n != "concurrent"])
+@pytest.mark.parametrize("name", [*crashsim.SCENARIOS, *crashsim.LONG_SCENARIOS])
 def test_every_crash_scenario_keeps_the_rules_of_a_power_cut(tmp_path, name):
     """The crash harness's scenarios (``tests/crashsim.py``), each run whole under the trace in
     a process of its own that started no thread (one forks a second save)."""

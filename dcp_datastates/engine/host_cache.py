@@ -178,6 +178,17 @@ _shared: dict[tuple[int, bool], HostCache] = {}
 _shared_lock = threading.Lock()
 
 
+def _forget_caches_in_child() -> None:
+    """A forked child's caches are its parent's, mid-use by threads it does not have: it makes
+    its own on first use (``snapshot._forget_engines_in_child``)."""
+    global _shared_lock
+    _shared_lock = threading.Lock()
+    _shared.clear()
+
+
+os.register_at_fork(after_in_child=_forget_caches_in_child)
+
+
 def shared_host_cache(capacity: int, pinned: bool) -> HostCache:
     """The process-wide cache of this size: writers made per step reuse one buffer.  A save of
     host tensors uses a pinned cache of that size when one exists (pinned memory serves it as

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import queue
 import threading
 import time
@@ -742,6 +743,18 @@ def _exit_watch() -> None:
 
 
 _watcher: list[threading.Thread] = []  # the one thread that stops the engines at exit (_exit_watch)
+
+
+def _forget_engines_in_child() -> None:
+    """A forked child (a DataLoader worker) has none of its parent's threads: engines whose
+    workers it lacks would take its saves and never run them.  It makes its own on first use."""
+    global _engine_lock
+    _engine_lock = threading.Lock()
+    _engines.clear()
+    _watcher.clear()
+
+
+os.register_at_fork(after_in_child=_forget_engines_in_child)
 
 
 class _Workers:

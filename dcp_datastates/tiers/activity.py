@@ -7,11 +7,21 @@ for, gets the disk first.  It lives in the tiers layer because both use it.
 
 from __future__ import annotations
 
+import os
 import threading
 
 # Process-wide on purpose: background uploads yield to every save of the process (persist.py).
 _active = [0]
 _active_cv = threading.Condition()
+
+
+def _forget_jobs_in_child() -> None:
+    """A forked child writes none of its parent's saves: its uploads wait for its own."""
+    global _active_cv
+    _active[0], _active_cv = 0, threading.Condition()
+
+
+os.register_at_fork(after_in_child=_forget_jobs_in_child)
 
 
 def job_started() -> None:

@@ -208,6 +208,17 @@ class _Renewer:
 _renewer = _Renewer()
 
 
+def _forget_claims_in_child() -> None:
+    """A forked child holds none of its parent's claims: it never renews or lets go of them
+    (their lock files' descriptors are closed in it: ``local._drop_locks_in_child``)."""
+    global _live_lock, _renewer
+    _live_lock, _renewer = threading.Lock(), _Renewer()
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_claims_in_child)
+
+
 # ------------------------------------------------------------------- a claim
 @dataclasses.dataclass(eq=False)
 class Claim:

@@ -16,6 +16,7 @@ import stat
 import struct
 import threading
 import uuid
+import weakref
 
 from ..errors import UnsafeFileError
 from ..format.layout import align_up
@@ -163,6 +164,7 @@ class FileLock(HeldLock):
     def __init__(self, fd: int, path: str) -> None:
         self.fd, self.path = fd, path
         self._entry_durable = False  # the directory entry of a file we may have created
+        _LOCKS_HELD.add(self)
 
     def size(self) -> int:
         return os.fstat(self.fd).st_size
@@ -190,11 +192,37 @@ class FileLock(HeldLock):
     def unlock(self, *, unlink: bool) -> None:
         """Let the lock go (removing the file first where ``unlink``: a contender that opened
         it meanwhile finds, once it holds the lock, that the path no longer names it)."""
+        if self.fd < 0:  # a forked child's copy, closed at the fork
+            return
         try:
             if unlink and self.still_named():
                 os.unlink(self.path)
         finally:
-            os.close(self.fd)  # the last descriptor of the open file: the kernel drops its lock
+            fd, self.fd = self.fd, -1
+            _LOCKS_HELD.discard(self)
+            os.close(fd)  # the last descriptor of the open file: the kernel drops its lock
+
+
+# A process forked from the trainer (a DataLoader worker, forked again at each epoch) inherits
+# every descriptor, and an open-file-description lock lives while any descriptor of it is open:
+# a worker forked while a save held a base lock would hold it for its whole life, and retention
+# would leave that directory alone meanwhile.  The child closes its copies at once; the parent
+# still holds each lock through its own descriptor.
+_LOCKS_HELD: weakref.WeakSet[FileLock] = weakref.WeakSet()
+
+
+def _drop_locks_in_child() -> None:
+    for held in list(_LOCKS_HELD):
+        fd, held.fd = held.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # closed already
+    _LOCKS_HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 
 class LocalBackend(Backend):

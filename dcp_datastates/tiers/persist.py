@@ -97,6 +97,15 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _forget_pool_in_child() -> None:
+    """A forked child has none of the pool's threads: it starts its own on its first upload."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def _background_priority() -> None:
     """Flushes to slow tiers yield the CPU to training: SCHED_IDLE, else nice 19 (this thread)."""
     try:

@@ -59,6 +59,14 @@ _choices: dict[int, ReadPathChoice] = {}
 _lock = threading.Lock()
 
 
+def _new_lock_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def choices() -> dict[int, ReadPathChoice]:
     """The choices made in this process, by ``st_dev``."""
     with _lock:

@@ -239,6 +239,16 @@ _SHARED: dict[tuple, Replicator] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def _forget_replicators_in_child() -> None:
+    """A forked child is no member of its parent's replica groups and has none of its threads."""
+    global _SHARED_LOCK
+    _SHARED_LOCK = threading.Lock()
+    _SHARED.clear()
+
+
+os.register_at_fork(after_in_child=_forget_replicators_in_child)
+
+
 def shared_replicator(replicas: int | None, pg=None, node: str | None = None) -> Replicator:
     """This process's replicator of ``replicas`` copies among ``pg``'s ranks (None: any number,
     for a repair), made on first use (a collective over them: every rank asks at the same point

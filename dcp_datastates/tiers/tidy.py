@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -51,6 +52,16 @@ _inflight: dict[tuple[str, str], Manifest] = {}  # (run url, step dir) -> manife
 
 
 _pins: dict[tuple[str, str, str], int] = {}  # (run url, step dir, file) -> holders
+
+
+def _new_lock_in_child() -> None:
+    """A forked child keeps its parent's saves in flight and their pins (it removes none of their
+    files, as its parent would not), under a lock no thread of its parent may hold."""
+    global _inflight_lock
+    _inflight_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def pin(run: StorageTier, name: str, file: str, *, on: bool = True) -> None:

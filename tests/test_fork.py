@@ -1,0 +1,102 @@
+"""A process forked from the trainer (a DataLoader worker: ``fork`` is Linux's default start
+method, and workers are forked again at each epoch unless persistent) after or during a save.
+
+* It holds none of the checkpoint's locks: a worker forked while a save's flush held a base
+  lock shared kept it for its whole life, and retention skipped that directory meanwhile.
+* It can save on its own: the process's engine, caches and pools are the parent's threads,
+  which a forked child does not have; its first save waited for them forever.
+
+Each case runs in a process of its own that started from the fork server, so the fork is
+that of a trainer, not of the test runner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers.base_lock import BaseHold, removing
+from tests.dist import _context
+
+
+def _in_a_process(fn, *args, timeout: float = 120) -> int | None:
+    p = _context().Process(target=fn, args=args)
+    p.start()
+    p.join(timeout)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        return None
+    return p.exitcode
+
+
+def _wait_child(pid: int, timeout: float) -> int | None:
+    """The child's exit status, or None (killed) if it did not end within ``timeout``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def _worker_during_a_flush(root: str) -> None:
+    step = StorageTier(os.path.join(root, "step-1"))
+    step.makedirs()
+    hold = BaseHold()
+    assert hold.take(step)  # as a save referencing step-1 holds it while it flushes
+    loader = iter(torch.utils.data.DataLoader(range(8), num_workers=1, multiprocessing_context="fork"))
+    next(loader)  # an epoch began: its worker, forked now, is alive
+    hold.release()  # the flush ended
+    with removing(step) as free:  # retention's pass over step-1
+        code = 0 if free else 3
+    del loader
+    os._exit(code)
+
+
+def test_a_worker_forked_during_a_flush_holds_none_of_its_locks(tmp_path):
+    assert _in_a_process(_worker_during_a_flush, str(tmp_path)) == 0
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((1 << 16,), v), "step": int(v)}
+
+
+def _loads(path: str, v: float) -> bool:
+    got = {"w": torch.zeros(1 << 16), "step": 0}
+    dcp.load(got, storage_reader=DataStatesReader(path), no_dist=True)
+    return got["step"] == int(v) and bool(torch.all(got["w"] == v))
+
+
+def _child_saves(root: str) -> None:
+    """The trainer saves (sync, THREAD-mode async, and to two tiers through ``Checkpointer``),
+    then forks; the child saves the same ways into its own directories and loads them back."""
+    def saves(where: str, v: float) -> bool:
+        dcp.save(_state(v), storage_writer=DataStatesWriter(f"{where}/sync"), no_dist=True)
+        dcp.async_save(_state(v), storage_writer=DataStatesWriter(f"{where}/thread"), no_dist=True,
+                       async_checkpointer_type=AsyncCheckpointerType.THREAD).result(timeout=60)
+        ck = Checkpointer([f"{where}/fast", f"{where}/slow"])
+        ck.save(int(v), _state(v))
+        ck.wait()
+        ok = ck.wait_persisted(60)
+        ck.close()
+        return ok and all(_loads(f"{where}/{d}", v) for d in ("sync", "thread", f"slow/step-{int(v)}"))
+    assert saves(f"{root}/parent", 1.0)
+    pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)  # as a DataLoader worker does: torch's own pool is not fork-safe
+        os._exit(0 if saves(f"{root}/child", 2.0) else 1)
+    os._exit({0: 0, None: 4}.get(_wait_child(pid, 60), 5))
+
+
+def test_a_process_forked_after_a_save_saves_on_its_own(tmp_path):
+    assert _in_a_process(_child_saves, str(tmp_path)) == 0
