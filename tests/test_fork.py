@@ -12,8 +12,6 @@ that of a trainer, not of the test runner."""
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,6 +20,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.base_lock import BaseHold, removing
+from tests import crashsim
 from tests.dist import _context
 
 
@@ -34,19 +33,6 @@ def _in_a_process(fn, *args, timeout: float = 120) -> int | None:
         p.join()
         return None
     return p.exitcode
-
-
-def _wait_child(pid: int, timeout: float) -> int | None:
-    """The child's exit status, or None (killed) if it did not end within ``timeout``."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
 
 
 def _worker_during_a_flush(root: str) -> None:
@@ -95,7 +81,7 @@ def _child_saves(root: str) -> None:
     if pid == 0:
         torch.set_num_threads(1)  # as a DataLoader worker does: torch's own pool is not fork-safe
         os._exit(0 if saves(f"{root}/child", 2.0) else 1)
-    os._exit({0: 0, None: 4}.get(_wait_child(pid, 60), 5))
+    os._exit({0: 0, None: 4}.get(crashsim._wait(pid, 60), 5))
 
 
 def test_a_process_forked_after_a_save_saves_on_its_own(tmp_path):
