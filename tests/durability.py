@@ -23,9 +23,11 @@ the last rule: losing one loses nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -48,6 +50,7 @@ def _transient(name: str) -> bool:
 class Change:
     kind: str  # "create", "rename", "mkdir", "remove"
     name: str
+    at: float = field(default_factory=time.monotonic)  # the clock every process of the machine shares
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Trace:
     fds: dict[int, str] = field(default_factory=dict)
     dirty: dict[tuple[int, int], str] = field(default_factory=dict)  # inode -> path it was written as
     pending: dict[str, list[Change]] = field(default_factory=dict)  # directory -> changes since its fsync
+    synced: dict[str, float] = field(default_factory=dict)  # directory -> when this process last fsynced it
     broken: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -124,6 +128,7 @@ class Trace:
                         return
                     if stat.S_ISDIR(os.fstat(fd).st_mode):
                         self.pending.pop(path, None)
+                        self.synced[path] = time.monotonic()
                     else:
                         self.dirty.pop(self._inode(fd), None)
             return call
@@ -176,13 +181,39 @@ class Trace:
                       ("remove", remover("remove")), ("rmdir", remover("rmdir"))):
             mp.setattr(os, n, fn)
 
-    def not_durable(self) -> list[str]:
-        """The names that exist now whose last change is not durable (*durable when reported*)."""
+    def not_durable(self, synced: dict[str, float] | None = None) -> list[str]:
+        """The names that exist now whose last change is not durable (*durable when reported*).
+        ``synced``: when other processes of the machine last fsynced each directory (an
+        ``fsync`` of a directory makes every earlier change there durable, whoever made it)."""
         with self.lock:
             out = []
             for d, changes in self.pending.items():
                 last = {c.name: c for c in changes}
                 for name, c in last.items():
-                    if c.kind != "remove" and not _transient(name) and os.path.lexists(os.path.join(d, name)):
+                    if (c.kind != "remove" and not _transient(name) and os.path.lexists(os.path.join(d, name))
+                            and (synced or {}).get(d, -1.0) <= c.at):
                         out.append(f"durable when reported: {c.kind} of {os.path.join(d, name)} not fsynced in {d}")
             return sorted(out)
+
+    def dump(self, path: str) -> None:
+        """For ``across``: what this process broke, changed and synced."""
+        with self.lock:
+            pending = {d: [[c.kind, c.name, c.at] for c in cs] for d, cs in self.pending.items()}
+            with open(path, "w") as f:
+                json.dump({"broken": self.broken, "pending": pending, "synced": self.synced}, f)
+
+
+def across(paths: list[str]) -> list[str]:
+    """The rules over several processes of one machine (``Trace.dump`` of each): a name one of
+    them changed is durable once any of them fsynced its directory afterwards."""
+    dumps = [json.load(open(p)) for p in paths]
+    synced: dict[str, float] = {}
+    for d in dumps:
+        for k, t in d["synced"].items():
+            synced[k] = max(synced.get(k, -1.0), t)
+    out = []
+    for p, d in zip(paths, dumps):
+        t = Trace(root="")
+        t.pending = {k: [Change(kind, name, at) for kind, name, at in cs] for k, cs in d["pending"].items()}
+        out += [f"{os.path.basename(p)}: {v}" for v in d["broken"] + t.not_durable(synced)]
+    return out

@@ -16,7 +16,7 @@ from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from tests import crashsim
 from tests.dist import _context as dist_context
 from tests.dist import run_ranks
-from tests.durability import Trace
+from tests.durability import Trace, across
 
 
 def _state(step: int) -> dict:
@@ -112,15 +112,16 @@ def test_every_crash_scenario_keeps_the_rules_of_a_power_cut(tmp_path, name):
     assert not broken, broken
 
 
-def _replicated(rank, world, root, phase):
-    """Two nodes of one rank, ``Checkpointer(node_local=True, replicas=1, keep=1)``: three
-    steps saved and replicated (``save``), then, node 1's directory lost, a restore that repairs
-    it from node 0's copies (``repair``); what each rank's trace found is written beside."""
+def _replicated(rank, world, root, phase, per_node):
+    """Two nodes of ``per_node`` ranks, ``Checkpointer(node_local=True, replicas=1, keep=1)``:
+    three steps saved and replicated (``save``), then, node 1's directory lost, a restore that
+    repairs it from node 0's copies (``repair``); what each rank's trace found is written beside."""
     import torch.distributed as dist
     mp = pytest.MonkeyPatch()
     trace = Trace(root)
     trace.install(mp)
-    ck = Checkpointer([f"{root}/node{rank}"], node_local=True, replicas=1, node=f"n{rank}", keep=1,
+    node = rank // per_node
+    ck = Checkpointer([f"{root}/node{node}"], node_local=True, replicas=1, node=f"n{node}", keep=1,
                       async_mode=None, process_group=dist.new_group(backend="gloo"))
     if phase == "save":
         for step in (1, 2, 3):
@@ -131,17 +132,43 @@ def _replicated(rank, world, root, phase):
         assert ck.load(got) == 3 and torch.equal(got[f"w{rank}"], _state(3)["w"] + rank)
     ck.close()
     mp.undo()
-    with open(f"{root}/trace-{phase}-{rank}", "w") as f:
-        f.write("\n".join(trace.broken + trace.not_durable()))
+    trace.dump(f"{root}/trace-{phase}-{rank}")
     os._exit(0)
 
 
-def test_replicas_and_their_repair_survive_a_power_cut(tmp_path):
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_replicas_and_their_repair_survive_a_power_cut(tmp_path, per_node):
+    """With two ranks a node, the node's directory is shared: a name one rank made is durable
+    once any rank of the node fsynced the directory after it."""
     import shutil
-    run_ranks(2, _replicated, str(tmp_path), "save")
+    run_ranks(2 * per_node, _replicated, str(tmp_path), "save", per_node)
     shutil.rmtree(tmp_path / "node1")
-    run_ranks(2, _replicated, str(tmp_path), "repair")
-    said = {p.name: p.read_text() for p in sorted(tmp_path.glob("trace-*"))}
-    assert len(said) == 4, sorted(said)
-    broken = [f"{name}: {text}" for name, text in said.items() if text]
+    run_ranks(2 * per_node, _replicated, str(tmp_path), "repair", per_node)
+    for phase in ("save", "repair"):
+        dumps = sorted(str(p) for p in tmp_path.glob(f"trace-{phase}-*"))
+        assert len(dumps) == 2 * per_node, dumps
+        broken = across(dumps)
+        assert not broken, "\n".join(broken)
+
+
+def _collective(rank, world, root):
+    """Two ranks' collective ``dcp.save`` into one shared directory, twice, the second over the
+    first: every rank's own names are durable when its save returns (the coordinator's commit
+    may follow a rank's data by no more than a broadcast)."""
+    mp = pytest.MonkeyPatch()
+    trace = Trace(root)
+    trace.install(mp)
+    for step in (1, 2):
+        dcp.save({f"w{rank}": _state(step)["w"] + rank, "step": step},
+                 storage_writer=DataStatesWriter(f"{root}/run/ckpt", overwrite=True))
+    mp.undo()
+    trace.dump(f"{root}/trace-{rank}")
+    os._exit(0)
+
+
+def test_a_collective_save_survives_a_power_cut_on_every_rank(tmp_path):
+    run_ranks(2, _collective, str(tmp_path))
+    dumps = sorted(str(p) for p in tmp_path.glob("trace-*"))
+    assert len(dumps) == 2, dumps
+    broken = across(dumps)
     assert not broken, "\n".join(broken)
