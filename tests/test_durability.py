@@ -172,3 +172,31 @@ def test_a_collective_save_survives_a_power_cut_on_every_rank(tmp_path):
     assert len(dumps) == 2, dumps
     broken = across(dumps)
     assert not broken, "\n".join(broken)
+
+
+def _save_as_nobody(parent: str) -> None:
+    if os.geteuid() == 0:  # root reads any directory: save as a user who cannot read ``parent``
+        os.setgid(65534)
+        os.setuid(65534)
+    dcp.save(_state(2), storage_writer=DataStatesWriter(f"{parent}/run/ckpt"), no_dist=True)
+    os._exit(0 if _same(f"{parent}/run/ckpt", 2) else 1)
+
+
+def test_a_save_under_a_directory_it_may_write_but_not_read(tmp_path):
+    """A directory that grants writing and passing through but not reading (mode 333, a shared
+    drop directory) cannot be opened to be fsynced: the save's own directories are made durable,
+    that one is left as it is, and the save goes on."""
+    import shutil
+    import tempfile
+    base = tempfile.mkdtemp(prefix="dcpds-perm-")  # reachable by another user, unlike tmp_path
+    try:
+        os.chmod(base, 0o755)
+        os.mkdir(parent := os.path.join(base, "drop"))
+        os.chmod(parent, 0o333)
+        p = dist_context().Process(target=_save_as_nobody, args=(parent,))
+        p.start()
+        p.join(120)
+        assert p.exitcode == 0
+    finally:
+        os.chmod(os.path.join(base, "drop"), 0o755)
+        shutil.rmtree(base)

@@ -151,7 +151,11 @@ def _lock(fd: int, kind: int) -> bool:
 
 
 def _sync_dir(root: str) -> None:
-    dfd = os.open(root, os.O_RDONLY)
+    try:
+        dfd = os.open(root, os.O_RDONLY)
+    except PermissionError as e:  # write and pass-through only (mode 333): no call can fsync it
+        log.debug("cannot open %s to make its entries durable (%s); left as it is", root, e)
+        return
     try:
         os.fsync(dfd)
     finally:
