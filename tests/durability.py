@@ -15,11 +15,14 @@ per directory, the names changed there since its last ``fsync``.  Its rules:
   may survive the cut and point at missing data);
 * *name before removal*: a file is removed from a directory only once every earlier change of
   a name there is durable (else the removal may survive and the change be lost: a manifest's
-  replacement lost, the old one's files gone);
+  replacement lost, the old one's files gone).  Across directories the order is retention's to
+  keep: it removes a step only while a newer one is durable and, with replicas, fully
+  replicated by its committed records (a rule over every directory at once flags the purge of
+  step 1 while step 3's replicas arrive, step 2 whole);
 * *durable when reported*: when a save is reported committed, every name it made is durable.
 
-Temporary names (a rename replaces them, or they are removed) and lock files are exempt from
-the last rule: losing one loses nothing."""
+Temporary names (a rename replaces them, or they are removed: ``.tmp``, a persist upload's
+``.part``) and lock files are exempt: losing one loses nothing."""
 
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ os.register_at_fork(after_in_child=_after_fork)
 
 
 def _transient(name: str) -> bool:
-    return ".tmp" in name or name.endswith("lock") or name.startswith(".lock")
+    return ".tmp" in name or name.endswith((".part", "lock")) or name.startswith(".lock")
 
 
 @dataclass
@@ -163,11 +166,12 @@ class Trace:
                 if self._ours(path):
                     with self.lock:
                         d = os.path.dirname(os.path.abspath(path))
-                        before = [c for c in self.pending.get(d, ()) if c.kind != "remove" and not _transient(c.name)
+                        before = [f"{c.kind} {os.path.join(d, c.name)}" for c in self.pending.get(d, ())
+                                  if c.kind != "remove" and not _transient(c.name)
                                   and os.path.lexists(os.path.join(d, c.name))]
                         if before and not _transient(os.path.basename(path)):
-                            self.broken.append(f"name before removal: {path} removed while "
-                                               f"{[(c.kind, c.name) for c in before]} in {d} is not durable")
+                            self.broken.append(f"name before removal: {path} removed while {before} "
+                                               "is not durable")
                 real[name](path, *a, **kw)
                 if self._ours(path):
                     with self.lock:
