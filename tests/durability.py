@@ -58,7 +58,8 @@ class Change:
 
 @dataclass
 class Trace:
-    """Install with ``install(monkeypatch)``; only paths under ``root`` are traced."""
+    """Install with ``install(monkeypatch)``; only paths under ``root`` (and the directories
+    above it) are traced."""
 
     root: str
     fds: dict[int, str] = field(default_factory=dict)
@@ -67,13 +68,19 @@ class Trace:
     synced: dict[str, float] = field(default_factory=dict)  # directory -> when this process last fsynced it
     broken: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    dump_to: str | None = None  # a file outside ``root`` written after every change (``install_from_env``)
 
     def _ours(self, path) -> bool:
-        return isinstance(path, str) and os.path.abspath(path).startswith(self.root)
+        """Under ``root``, or one of the directories above it (whose fsync makes it durable)."""
+        if not isinstance(path, str):
+            return False
+        p = os.path.abspath(path)
+        return (p + os.sep).startswith(self.root + os.sep) or (self.root + os.sep).startswith(p.rstrip(os.sep) + os.sep)
 
     def _changed(self, path: str, kind: str) -> None:
         path = os.path.abspath(path)
         self.pending.setdefault(os.path.dirname(path), []).append(Change(kind, os.path.basename(path)))
+        self._write_dump()
 
     def _inode(self, fd: int) -> tuple[int, int]:
         st = os.fstat(fd)
@@ -132,6 +139,7 @@ class Trace:
                     if stat.S_ISDIR(os.fstat(fd).st_mode):
                         self.pending.pop(path, None)
                         self.synced[path] = time.monotonic()
+                        self._write_dump()
                     else:
                         self.dirty.pop(self._inode(fd), None)
             return call
@@ -202,9 +210,42 @@ class Trace:
     def dump(self, path: str) -> None:
         """For ``across``: what this process broke, changed and synced."""
         with self.lock:
-            pending = {d: [[c.kind, c.name, c.at] for c in cs] for d, cs in self.pending.items()}
-            with open(path, "w") as f:
-                json.dump({"broken": self.broken, "pending": pending, "synced": self.synced}, f)
+            self._write_dump(path)
+
+    def _write_dump(self, path: str | None = None) -> None:  # under the lock
+        path = path or self.dump_to
+        if path is None:
+            return
+        pending = {d: [[c.kind, c.name, c.at] for c in cs] for d, cs in self.pending.items()}
+        with open(path + ".new", "w") as f:
+            json.dump({"broken": self.broken, "pending": pending, "synced": self.synced}, f)
+        os.replace(path + ".new", path)  # outside ``root``: not traced
+
+
+ROOT_ENV, DUMPS_ENV = "DCPDS_DURABILITY_ROOT", "DCPDS_DURABILITY_DUMPS"
+
+
+def trace_spawned(root: str, dumps: str) -> None:
+    """Every Python process this one starts from now on (DCP's checkpoint process, a replica
+    helper) traces its calls under ``root`` from its start and keeps its trace in ``dumps``
+    (``tests/durability_site`` goes first on their ``PYTHONPATH``)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(tests, "durability_site"), os.path.dirname(tests)])
+    os.environ[ROOT_ENV], os.environ[DUMPS_ENV] = root, dumps
+
+
+class _SetAttr:
+    """``monkeypatch.setattr`` for a process with no test around it (it never undoes)."""
+
+    @staticmethod
+    def setattr(target, name, value) -> None:
+        setattr(target, name, value)
+
+
+def install_from_env() -> None:
+    """In a process started by the library: trace it for the test that set the environment."""
+    t = Trace(os.environ[ROOT_ENV], dump_to=os.path.join(os.environ[DUMPS_ENV], f"trace-spawned-{os.getpid()}"))
+    t.install(_SetAttr())
 
 
 def across(paths: list[str]) -> list[str]:

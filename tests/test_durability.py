@@ -16,7 +16,7 @@ from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from tests import crashsim
 from tests.dist import _context as dist_context
 from tests.dist import run_ranks
-from tests.durability import Trace, across
+from tests.durability import Trace, across, trace_spawned
 
 
 def _state(step: int) -> dict:
@@ -200,3 +200,35 @@ def test_a_save_under_a_directory_it_may_write_but_not_read(tmp_path):
     finally:
         os.chmod(os.path.join(base, "drop"), 0o755)
         shutil.rmtree(base)
+
+
+def _process_mode(rank, world, root):
+    """``Checkpointer(async_mode="process")``: DCP's checkpoint process writes, traced through
+    ``tests/durability_site``; two tiers, retention, three steps."""
+    import torch.distributed as dist
+    trace_spawned(f"{root}/data", f"{root}/traces")
+    mp = pytest.MonkeyPatch()
+    trace = Trace(f"{root}/data")
+    trace.install(mp)
+    ck = Checkpointer([f"{root}/data/fast", f"{root}/data/slow"], keep=[1, 1], async_mode="process",
+                      process_group=dist.new_group(backend="gloo"))
+    for step in (1, 2, 3):
+        ck.save(step, {f"w{rank}": _state(step)["w"] + rank, "step": step})
+        ck.wait()
+        assert ck.wait_persisted(120)
+    got = {f"w{rank}": torch.zeros(1 << 16), "step": 0}
+    assert ck.load(got) == 3 and torch.equal(got[f"w{rank}"], _state(3)["w"] + rank)
+    ck.close()
+    mp.undo()
+    trace.dump(f"{root}/traces/trace-rank-{rank}")
+    os._exit(0)
+
+
+def test_a_save_in_dcps_checkpoint_process_survives_a_power_cut(tmp_path):
+    os.makedirs(tmp_path / "traces")
+    run_ranks(2, _process_mode, str(tmp_path))
+    dumps = sorted(str(p) for p in (tmp_path / "traces").glob("trace-*") if not p.name.endswith(".new"))
+    spawned = [d for d in dumps if "spawned" in d]
+    assert len(dumps) - len(spawned) == 2 and spawned, dumps  # the checkpoint process's calls were traced
+    broken = across(dumps)
+    assert not broken, "\n".join(broken)
