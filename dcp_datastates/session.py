@@ -29,6 +29,7 @@ from multiprocessing.reduction import DupFd
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import forked
 from .errors import CheckpointError, SnapshotError
 
 log = logging.getLogger(__name__)
@@ -310,6 +311,7 @@ def _forget_sessions_in_child() -> None:
     it does not have (the hook stays, with nothing pending)."""
     global _barrier_lock
     _barrier_lock = threading.Lock()
+    forked.keep(list(_pending))
     _pending.clear()
 
 

@@ -21,7 +21,7 @@ from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.base_lock import BaseHold, removing
 from tests import crashsim
-from tests.dist import _context
+from tests.dist import _context, run_ranks
 
 
 def _in_a_process(fn, *args, timeout: float = 120) -> int | None:
@@ -86,3 +86,24 @@ def _child_saves(root: str) -> None:
 
 def test_a_process_forked_after_a_save_saves_on_its_own(tmp_path):
     assert _in_a_process(_child_saves, str(tmp_path)) == 0
+
+
+def _replicated_then_an_epoch(rank, world, root):
+    """Two nodes of one rank save with ``replicas=1`` (each process then holds a replica group,
+    gloo's threads and all), then an epoch begins: its DataLoader worker, forked now, must
+    serve its first batch (a child that destroyed its parent's group waited for threads it
+    does not have, forever)."""
+    import torch.distributed as dist
+    ck = Checkpointer([f"{root}/node{rank}"], node_local=True, replicas=1, node=f"n{rank}", async_mode=None,
+                      process_group=dist.new_group(backend="gloo"))
+    ck.save(1, {f"w{rank}": _state(1.0)["w"], "step": 1})
+    assert ck.wait_replicated(60)
+    loader = iter(torch.utils.data.DataLoader(range(8), num_workers=1, multiprocessing_context="fork", timeout=30))
+    assert int(next(loader)) == 0
+    del loader
+    ck.close()
+    os._exit(0)
+
+
+def test_a_worker_forked_after_replicated_saves_starts(tmp_path):
+    run_ranks(2, _replicated_then_an_epoch, str(tmp_path))

@@ -24,6 +24,7 @@ import torch
 import cuda_ext
 from cuda_ext import pinned_buffer
 
+from .. import forked
 from ..format.layout import ALIGNMENT, align_up
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,7 @@ def _forget_caches_in_child() -> None:
     its own on first use (``snapshot._forget_engines_in_child``)."""
     global _shared_lock
     _shared_lock = threading.Lock()
+    forked.keep(dict(_shared))
     _shared.clear()
 
 

@@ -49,6 +49,7 @@ import xxhash
 
 import cuda_ext
 
+from .. import forked
 from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.codec import encode_block
@@ -750,6 +751,7 @@ def _forget_engines_in_child() -> None:
     workers it lacks would take its saves and never run them.  It makes its own on first use."""
     global _engine_lock
     _engine_lock = threading.Lock()
+    forked.keep(dict(_engines), list(_watcher))
     _engines.clear()
     _watcher.clear()
 

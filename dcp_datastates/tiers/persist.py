@@ -28,6 +28,7 @@ from functools import partial
 
 import msgpack
 
+from .. import forked
 from ..errors import CheckpointError, ManifestError
 from ..format.manifest import decode_manifest
 from ..format.model import Manifest
@@ -100,6 +101,7 @@ _pool_lock = threading.Lock()
 def _forget_pool_in_child() -> None:
     """A forked child has none of the pool's threads: it starts its own on its first upload."""
     global _pool, _pool_lock
+    forked.keep(_pool)
     _pool, _pool_lock = None, threading.Lock()
 
 

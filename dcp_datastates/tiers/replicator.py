@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch.distributed as dist
 from torch.futures import Future as TorchFuture
 
+from .. import forked
 from ..format.names import REPLICA_LOCK
 from ..format.replica_record import ReplicaRecord
 from .base_lock import BaseHold
@@ -243,6 +244,7 @@ def _forget_replicators_in_child() -> None:
     """A forked child is no member of its parent's replica groups and has none of its threads."""
     global _SHARED_LOCK
     _SHARED_LOCK = threading.Lock()
+    forked.keep(dict(_SHARED))
     _SHARED.clear()
 
 
