@@ -5,6 +5,7 @@ plain DCP (``dcp.save``, ``dcp.async_save`` in THREAD mode, per-rank saves) and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -112,27 +113,45 @@ def test_every_crash_scenario_keeps_the_rules_of_a_power_cut(tmp_path, name):
     assert not broken, broken
 
 
+@contextlib.contextmanager
+def _traced(root: str, dump: str):
+    """This rank's calls under ``root``, traced while the block runs, then kept in ``dump``."""
+    mp = pytest.MonkeyPatch()
+    trace = Trace(root)
+    trace.install(mp)
+    try:
+        yield
+    finally:
+        mp.undo()
+        trace.dump(dump)
+
+
+def _three_steps(ck: Checkpointer, rank: int, durable) -> None:
+    """Steps 1 to 3 of ``rank``'s state, each waited for by ``durable(ck)``."""
+    for step in (1, 2, 3):
+        ck.save(step, {f"w{rank}": _state(step)["w"] + rank, "step": step})
+        assert durable(ck)
+
+
+def _restores_step_3(ck: Checkpointer, rank: int) -> bool:
+    got = {f"w{rank}": torch.zeros(1 << 16), "step": 0}
+    return ck.load(got) == 3 and torch.equal(got[f"w{rank}"], _state(3)["w"] + rank)
+
+
 def _replicated(rank, world, root, phase, per_node):
     """Two nodes of ``per_node`` ranks, ``Checkpointer(node_local=True, replicas=1, keep=1)``:
     three steps saved and replicated (``save``), then, node 1's directory lost, a restore that
     repairs it from node 0's copies (``repair``); what each rank's trace found is written beside."""
     import torch.distributed as dist
-    mp = pytest.MonkeyPatch()
-    trace = Trace(root)
-    trace.install(mp)
     node = rank // per_node
-    ck = Checkpointer([f"{root}/node{node}"], node_local=True, replicas=1, node=f"n{node}", keep=1,
-                      async_mode=None, process_group=dist.new_group(backend="gloo"))
-    if phase == "save":
-        for step in (1, 2, 3):
-            ck.save(step, {f"w{rank}": _state(step)["w"] + rank, "step": step})
-            assert ck.wait_replicated(60)
-    else:
-        got = {f"w{rank}": torch.zeros(1 << 16), "step": 0}
-        assert ck.load(got) == 3 and torch.equal(got[f"w{rank}"], _state(3)["w"] + rank)
-    ck.close()
-    mp.undo()
-    trace.dump(f"{root}/trace-{phase}-{rank}")
+    with _traced(root, f"{root}/trace-{phase}-{rank}"):
+        ck = Checkpointer([f"{root}/node{node}"], node_local=True, replicas=1, node=f"n{node}", keep=1,
+                          async_mode=None, process_group=dist.new_group(backend="gloo"))
+        if phase == "save":
+            _three_steps(ck, rank, lambda c: c.wait_replicated(60))
+        else:
+            assert _restores_step_3(ck, rank)
+        ck.close()
     os._exit(0)
 
 
@@ -155,14 +174,10 @@ def _collective(rank, world, root):
     """Two ranks' collective ``dcp.save`` into one shared directory, twice, the second over the
     first: every rank's own names are durable when its save returns (the coordinator's commit
     may follow a rank's data by no more than a broadcast)."""
-    mp = pytest.MonkeyPatch()
-    trace = Trace(root)
-    trace.install(mp)
-    for step in (1, 2):
-        dcp.save({f"w{rank}": _state(step)["w"] + rank, "step": step},
-                 storage_writer=DataStatesWriter(f"{root}/run/ckpt", overwrite=True))
-    mp.undo()
-    trace.dump(f"{root}/trace-{rank}")
+    with _traced(root, f"{root}/trace-{rank}"):
+        for step in (1, 2):
+            dcp.save({f"w{rank}": _state(step)["w"] + rank, "step": step},
+                     storage_writer=DataStatesWriter(f"{root}/run/ckpt", overwrite=True))
     os._exit(0)
 
 
@@ -207,20 +222,12 @@ def _process_mode(rank, world, root):
     ``tests/durability_site``; two tiers, retention, three steps."""
     import torch.distributed as dist
     trace_spawned(f"{root}/data", f"{root}/traces")
-    mp = pytest.MonkeyPatch()
-    trace = Trace(f"{root}/data")
-    trace.install(mp)
-    ck = Checkpointer([f"{root}/data/fast", f"{root}/data/slow"], keep=[1, 1], async_mode="process",
-                      process_group=dist.new_group(backend="gloo"))
-    for step in (1, 2, 3):
-        ck.save(step, {f"w{rank}": _state(step)["w"] + rank, "step": step})
-        ck.wait()
-        assert ck.wait_persisted(120)
-    got = {f"w{rank}": torch.zeros(1 << 16), "step": 0}
-    assert ck.load(got) == 3 and torch.equal(got[f"w{rank}"], _state(3)["w"] + rank)
-    ck.close()
-    mp.undo()
-    trace.dump(f"{root}/traces/trace-rank-{rank}")
+    with _traced(f"{root}/data", f"{root}/traces/trace-rank-{rank}"):
+        ck = Checkpointer([f"{root}/data/fast", f"{root}/data/slow"], keep=[1, 1], async_mode="process",
+                          process_group=dist.new_group(backend="gloo"))
+        _three_steps(ck, rank, lambda c: c.wait() or c.wait_persisted(120))
+        assert _restores_step_3(ck, rank)
+        ck.close()
     os._exit(0)
 
 
