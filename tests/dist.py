@@ -64,6 +64,20 @@ def _context():
     return ctx
 
 
+def run_in_process(fn, *args, timeout: float = 120) -> int | None:
+    """``fn(*args)`` in one process forked from the fork server (no thread started yet, as a
+    trainer's process is at its start); its exit code, or None where it ran past ``timeout``
+    (killed then)."""
+    p = _context().Process(target=fn, args=args)
+    p.start()
+    p.join(timeout)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        return None
+    return p.exitcode
+
+
 FAILED_GRACE_S = 20.0
 
 

@@ -15,8 +15,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from tests import crashsim
-from tests.dist import _context as dist_context
-from tests.dist import run_ranks
+from tests.dist import run_in_process, run_ranks
 from tests.durability import Trace, across, trace_spawned
 
 
@@ -105,10 +104,8 @@ def test_every_crash_scenario_keeps_the_rules_of_a_power_cut(tmp_path, name):
     a process of its own that started no thread (one forks a second save)."""
     work, out = str(tmp_path / "work"), str(tmp_path / "said")
     os.makedirs(work)
-    p = dist_context().Process(target=_scenario, args=(name, work, out))
-    p.start()
-    p.join(300)
-    assert p.exitcode == 0 and os.path.exists(out), p.exitcode
+    code = run_in_process(_scenario, name, work, out, timeout=300)
+    assert code == 0 and os.path.exists(out), code
     broken = open(out).read()
     assert not broken, broken
 
@@ -208,10 +205,7 @@ def test_a_save_under_a_directory_it_may_write_but_not_read(tmp_path):
         os.chmod(base, 0o755)
         os.mkdir(parent := os.path.join(base, "drop"))
         os.chmod(parent, 0o333)
-        p = dist_context().Process(target=_save_as_nobody, args=(parent,))
-        p.start()
-        p.join(120)
-        assert p.exitcode == 0
+        assert run_in_process(_save_as_nobody, parent) == 0
     finally:
         os.chmod(os.path.join(base, "drop"), 0o755)
         shutil.rmtree(base)

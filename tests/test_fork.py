@@ -21,18 +21,7 @@ from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.base_lock import BaseHold, removing
 from tests import crashsim
-from tests.dist import _context, run_ranks
-
-
-def _in_a_process(fn, *args, timeout: float = 120) -> int | None:
-    p = _context().Process(target=fn, args=args)
-    p.start()
-    p.join(timeout)
-    if p.is_alive():
-        p.kill()
-        p.join()
-        return None
-    return p.exitcode
+from tests.dist import run_in_process, run_ranks
 
 
 def _worker_during_a_flush(root: str) -> None:
@@ -50,7 +39,7 @@ def _worker_during_a_flush(root: str) -> None:
 
 
 def test_a_worker_forked_during_a_flush_holds_none_of_its_locks(tmp_path):
-    assert _in_a_process(_worker_during_a_flush, str(tmp_path)) == 0
+    assert run_in_process(_worker_during_a_flush, str(tmp_path)) == 0
 
 
 def _state(v: float) -> dict:
@@ -85,7 +74,7 @@ def _child_saves(root: str) -> None:
 
 
 def test_a_process_forked_after_a_save_saves_on_its_own(tmp_path):
-    assert _in_a_process(_child_saves, str(tmp_path)) == 0
+    assert run_in_process(_child_saves, str(tmp_path)) == 0
 
 
 def _replicated_then_an_epoch(rank, world, root):
