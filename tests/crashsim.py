@@ -595,6 +595,34 @@ def _checked(sc: Scenario, work: str, sentinel: bytes, *, leftovers: bool) -> li
     return found
 
 
+def verify(sc: Scenario, work: str, sentinel: bytes) -> list[str]:
+    """What a restart finds in ``work`` after the act stopped: ``check``, then the act run again
+    without faults (the next save of the same step), then ``check`` with its leftovers.  Each
+    in a child process."""
+    bad = _checked(sc, work, sentinel, leftovers=False)
+    if bad:
+        return bad
+    err = os.path.join(work, "next.err")
+
+    def next_save():
+        handler = logging.FileHandler(os.path.join(work, NEXT_LOG))
+        handler.setLevel(logging.INFO)
+        handler.setFormatter(logging.Formatter("%(relativeCreated)d %(threadName)s %(levelname)s %(message)s"))
+        lib = logging.getLogger("dcp_datastates")
+        lib.addHandler(handler)
+        lib.setLevel(logging.INFO)
+        try:
+            sc.act(work)
+        except BaseException as e:
+            with open(err, "w") as f:
+                f.write(f"{type(e).__name__}: {e}"[:600])
+            raise
+    again = _wait(_child(next_save), 180)
+    why = open(err).read() if os.path.exists(err) else ""
+    return ([] if again == 0 else [f"the next save failed (exit {again}): {why}"]) + \
+        _checked(sc, work, sentinel, leftovers=True)
+
+
 def point(sc: Scenario, golden: str, work: str, plan: Plan, out: str) -> None:
     """One crash or fault point, in a process of its own: copy the golden state, run the act
     under the plan in a child, then check."""
@@ -617,45 +645,32 @@ def point(sc: Scenario, golden: str, work: str, plan: Plan, out: str) -> None:
     if plan.mode == "record":
         res["log"] = json.load(open(logf))
     else:  # each step in a child: this process stays free of threads, so its forks are sound
-        res["violations"] = _checked(sc, work, sentinel, leftovers=False)
-        if not res["violations"]:  # the next save of the same step, without faults
-            err = os.path.join(work, "next.err")
-
-            def next_save():
-                handler = logging.FileHandler(os.path.join(work, NEXT_LOG))
-                handler.setLevel(logging.INFO)
-                handler.setFormatter(logging.Formatter("%(relativeCreated)d %(threadName)s %(levelname)s %(message)s"))
-                lib = logging.getLogger("dcp_datastates")
-                lib.addHandler(handler)
-                lib.setLevel(logging.INFO)
-                try:
-                    sc.act(work)
-                except BaseException as e:
-                    with open(err, "w") as f:
-                        f.write(f"{type(e).__name__}: {e}"[:600])
-                    raise
-            again = _wait(_child(next_save), 180)
-            why = open(err).read() if os.path.exists(err) else ""
-            res["violations"] = ([] if again == 0 else [f"the next save failed (exit {again}): {why}"]) + \
-                _checked(sc, work, sentinel, leftovers=True)
+        res["violations"] = verify(sc, work, sentinel)
     if not KEEP[0] and not res["violations"]:  # a point that failed keeps its directory
         shutil.rmtree(work, ignore_errors=True)
     with open(out, "w") as f:
         json.dump(res, f)
 
 
-def run_scenario(name: str, base: str, jobs: int, faults: bool = True, only: str | None = None,
-                 keep: bool = False) -> dict:
-    sc = {**SCENARIOS, **LONG_SCENARIOS}[name]
-    golden = os.path.join(base, name, "golden")
-    shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+def make_golden(sc: Scenario, base: str) -> str:
+    """``base/NAME/golden``: a sentinel outside the run, the run's tiers, and the scenario's
+    setup run there (in a child)."""
+    golden = os.path.join(base, sc.name, "golden")
+    shutil.rmtree(os.path.join(base, sc.name), ignore_errors=True)
     os.makedirs(os.path.join(golden, "outside"))
     with open(os.path.join(golden, "outside", "keep.bin"), "wb") as f:
         f.write(os.urandom(4096))
     for t in sc.tiers:
         os.makedirs(os.path.join(golden, t), exist_ok=True)
     if _wait(_child(lambda: sc.setup(golden)), 300) != 0:
-        raise SystemExit(f"{name}: the setup failed")
+        raise SystemExit(f"{sc.name}: the setup failed")
+    return golden
+
+
+def run_scenario(name: str, base: str, jobs: int, faults: bool = True, only: str | None = None,
+                 keep: bool = False) -> dict:
+    sc = {**SCENARIOS, **LONG_SCENARIOS}[name]
+    golden = make_golden(sc, base)
     results = os.path.join(base, name, "results")
     os.makedirs(results)
 

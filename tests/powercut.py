@@ -1,0 +1,437 @@
+"""What a power cut leaves on disk, at every point of a save, and what a restart makes of it.
+
+    python -m tests.powercut [SCENARIO ...] [--jobs N] [--json OUT]
+
+The crash harness (``tests/crashsim.py``) kills processes: the kernel still writes out all they
+wrote.  ``tests/durability.py`` checks the order of the calls against POSIX's rules.  This
+harness takes the next step: it *builds* the states a power cut may leave and restarts from
+each.  ``Disk`` wraps the ``os`` calls through which the library writes the local tiers and
+keeps a model of two views of the run directory:
+
+* the current one: every name as the calls left it;
+* the durable one: each directory's names as of its last ``fsync``, each file's bytes as of its
+  last ``fsync`` (empty if it never had one).
+
+Before every ``fsync``, rename and removal (and once the act ends) it records a crash point.
+At each point the states a power cut may leave are the durable view with the changes of some
+directories kept (a directory's entries survive or not as a whole: their order within one
+directory is the file system's; across directories POSIX promises none): every directory
+durable, every one current, each one alone current, each one alone durable; a file's bytes are
+only ever the durable ones, and, in a *torn* variant, a file written since its last ``fsync``
+(a claim record rewritten in place) is empty.  Each distinct state is written out and given to
+``crashsim.verify``: every committed step loads bit-exactly as a state saved there, the steps
+that must survive load (at the last point, the one the act reported), nothing outside the run
+changed, and the next save runs and leaves nothing of the dead attempt.
+
+The model follows one process: a scenario that forks a second save (``concurrent``) is left to
+the order check.  What it does not model: a file's data partly written (a torn write within a
+file), and metadata a file system may keep besides names and bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import stat
+import sys
+import threading
+import time
+
+from tests import crashsim
+
+ROOT_ID = 0
+CALLS = ("open", "close", "write", "pwrite", "ftruncate", "copy_file_range", "fsync", "fdatasync", "replace",
+         "rename", "mkdir", "unlink", "remove", "rmdir")
+
+
+@dataclasses.dataclass
+class Point:
+    label: str  # the call about to run ("fsync step-3/__0_0.distcp"), or "end"
+    cur: dict[int, dict[str, int]]
+    dur: dict[int, dict[str, int]]
+    data: dict[int, bytes]
+    dirty: frozenset[int]
+
+
+@dataclasses.dataclass
+class Disk:
+    """The model of ``root`` (see the module's docstring).  Ids name files and directories:
+    a rename moves an id from one name to another, so the durable view of its old directory
+    still finds it there."""
+
+    root: str
+    kind: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> "d" or "f"
+    cur: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)  # directory id -> name -> id
+    dur: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+    data: dict[int, bytes] = dataclasses.field(default_factory=dict)  # file id -> bytes at its last fsync
+    dirty: set[int] = dataclasses.field(default_factory=set)  # files written since their last fsync
+    fds: dict[int, int] = dataclasses.field(default_factory=dict)
+    names: dict[int, str] = dataclasses.field(default_factory=dict)  # fd -> its path, for the points' labels
+    points: list[Point] = dataclasses.field(default_factory=list)
+    lost: list[str] = dataclasses.field(default_factory=list)  # calls the model could not follow
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    real: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.root = os.path.abspath(self.root)
+        self.kind[ROOT_ID] = "d"
+        self._scan(self.root, ROOT_ID)
+
+    def _new(self, kind: str) -> int:
+        i = len(self.kind)
+        self.kind[i] = kind
+        if kind == "d":
+            self.cur[i], self.dur[i] = {}, {}
+        else:
+            self.data[i] = b""
+        return i
+
+    def _scan(self, path: str, did: int) -> None:
+        """What is there before the act is durable (the setup's saves were reported)."""
+        self.cur.setdefault(did, {})
+        for e in sorted(os.scandir(path), key=lambda e: e.name):
+            if e.is_dir(follow_symlinks=False):
+                i = self._new("d")
+                self._scan(e.path, i)
+            else:
+                i = self._new("f")
+                with open(e.path, "rb") as f:
+                    self.data[i] = f.read()
+            self.cur[did][e.name] = i
+        self.dur[did] = dict(self.cur[did])
+
+    # ------------------------------------------------------------------ following the calls
+    def _where(self, path) -> tuple[int, str] | None:
+        """(the id of the directory holding ``path``, its name there), or None outside ``root``."""
+        if not isinstance(path, str):
+            return None
+        p = os.path.abspath(path)
+        if not p.startswith(self.root + os.sep):
+            return None
+        parts = os.path.relpath(p, self.root).split(os.sep)
+        did = ROOT_ID
+        for name in parts[:-1]:
+            nxt = self.cur.get(did, {}).get(name)
+            if nxt is None or self.kind[nxt] != "d":
+                self.lost.append(f"{p}: its directory {name} is not in the model")
+                return None
+            did = nxt
+        return did, parts[-1]
+
+    def _id(self, path) -> int | None:
+        if isinstance(path, str) and os.path.abspath(path) == self.root:
+            return ROOT_ID
+        w = self._where(path)
+        return None if w is None else self.cur[w[0]].get(w[1])
+
+    def _point(self, label: str) -> None:
+        self.points.append(Point(label, {d: dict(e) for d, e in self.cur.items()},
+                                 {d: dict(e) for d, e in self.dur.items()}, dict(self.data),
+                                 frozenset(self.dirty)))
+
+    def _rel(self, path) -> str:
+        return os.path.relpath(os.path.abspath(path), self.root) if isinstance(path, str) else str(path)
+
+    def _read_all(self, fd: int) -> bytes:
+        """The file's bytes through a descriptor of our own (``fd`` may be O_DIRECT)."""
+        mine = self.real["open"](f"/proc/self/fd/{fd}", os.O_RDONLY)
+        try:
+            out = []
+            while chunk := os.read(mine, 1 << 20):
+                out.append(chunk)
+            return b"".join(out)
+        finally:
+            self.real["close"](mine)
+
+    def install(self, mp) -> None:
+        real = self.real
+        real.update({n: getattr(os, n) for n in CALLS})
+
+        def open_(path, flags, mode=0o777, *a, **kw):
+            with self.lock:
+                w = self._where(path)
+                before = None if w is None else self.cur[w[0]].get(w[1])
+                fd = real["open"](path, flags, mode, *a, **kw)
+                if w is not None:
+                    i = before
+                    if i is None:
+                        if not flags & os.O_CREAT:
+                            self.lost.append(f"{self._rel(path)}: opened, but the model has no such name")
+                            return fd
+                        i = self._new("f")
+                        self.cur[w[0]][w[1]] = i
+                        self.dirty.add(i)
+                    elif flags & os.O_TRUNC:
+                        self.dirty.add(i)
+                    self.fds[fd], self.names[fd] = i, self._rel(path)
+                elif isinstance(path, str) and os.path.abspath(path) == self.root:
+                    self.fds[fd], self.names[fd] = ROOT_ID, "."
+                return fd
+
+        def close(fd):
+            with self.lock:
+                self.fds.pop(fd, None)
+                return real["close"](fd)
+
+        def writer(name):
+            def call(fd, *a, **kw):
+                with self.lock:
+                    n = real[name](fd, *a, **kw)
+                    if fd in self.fds:
+                        self.dirty.add(self.fds[fd])
+                    return n
+            return call
+
+        def copy_file_range(src, dst, *a, **kw):
+            with self.lock:
+                n = real["copy_file_range"](src, dst, *a, **kw)
+                if dst in self.fds:
+                    self.dirty.add(self.fds[dst])
+                return n
+
+        def sync(name):
+            def call(fd):
+                with self.lock:
+                    i = self.fds.get(fd)
+                    if i is not None:
+                        self._point(f"{name} {self.names.get(fd)}")
+                    real[name](fd)
+                    if i is None:
+                        return
+                    if self.kind[i] == "d":
+                        self.dur[i] = dict(self.cur[i])
+                    elif stat.S_ISREG(os.fstat(fd).st_mode):
+                        self.data[i] = self._read_all(fd)
+                        self.dirty.discard(i)
+            return call
+
+        def rename(name):
+            def call(src, dst, *a, **kw):
+                with self.lock:
+                    s, d = self._where(src), self._where(dst)
+                    if s is not None or d is not None:
+                        self._point(f"{name} {self._rel(src)} -> {self._rel(dst)}")
+                    real[name](src, dst, *a, **kw)
+                    moved = None if s is None else self.cur[s[0]].pop(s[1], None)
+                    if d is not None:
+                        if moved is None:
+                            self.lost.append(f"{self._rel(dst)}: renamed from outside the model ({src})")
+                            return
+                        self.cur[d[0]][d[1]] = moved
+            return call
+
+        def mkdir(path, *a, **kw):
+            with self.lock:
+                real["mkdir"](path, *a, **kw)
+                w = self._where(path)
+                if w is not None:
+                    self.cur[w[0]][w[1]] = self._new("d")
+
+        def remover(name):
+            def call(path, *a, **kw):
+                with self.lock:
+                    w = self._where(path)
+                    if w is not None:
+                        self._point(f"{name} {self._rel(path)}")
+                    real[name](path, *a, **kw)
+                    if w is not None and self.cur[w[0]].pop(w[1], None) is None:
+                        self.lost.append(f"{self._rel(path)}: removed, but the model has no such name")
+            return call
+
+        for n, fn in (("open", open_), ("close", close), ("write", writer("write")), ("pwrite", writer("pwrite")),
+                      ("ftruncate", writer("ftruncate")), ("copy_file_range", copy_file_range),
+                      ("fsync", sync("fsync")), ("fdatasync", sync("fdatasync")), ("replace", rename("replace")),
+                      ("rename", rename("rename")), ("mkdir", mkdir), ("unlink", remover("unlink")),
+                      ("remove", remover("remove")), ("rmdir", remover("rmdir"))):
+            mp.setattr(os, n, fn)
+
+    # ------------------------------------------------------------------ the states of a cut
+    def states(self) -> tuple[list[tuple[str, tuple]], dict[str, bytes]]:
+        """Every distinct state a power cut may leave at some point: (where, tree) pairs, each
+        tree a sorted tuple of (path, sha256 of the bytes, or None for a directory), and the
+        bytes by their hash."""
+        self._point("end")
+        blobs: dict[str, bytes] = {}
+        seen: dict[tuple, str] = {}
+        for n, pt in enumerate(self.points):
+            for label, base, views, torn in self._variants(pt):
+                tree = self._tree(pt, base, views, torn, blobs)
+                if tree not in seen or pt.label == "end":  # the act has reported: the stricter check
+                    seen[tree] = f"{n}:{pt.label}: {label}"
+        return [(where, tree) for tree, where in seen.items()], blobs
+
+    @staticmethod
+    def _variants(pt: Point):
+        """(label, the view most directories take, directory -> its entries where it differs,
+        torn) for each state considered at ``pt``."""
+        dur = {d: pt.dur.get(d, {}) for d in pt.cur}
+        pending = sorted(d for d in pt.cur if pt.cur[d] != dur[d])
+        yield "all durable", dur, {}, False
+        yield "all durable, rewritten files empty", dur, {}, True
+        yield "every change kept", pt.cur, {}, False
+        yield "every change kept, rewritten files empty", pt.cur, {}, True
+        for d in pending:
+            yield f"only directory {d} kept its changes", dur, {d: pt.cur[d]}, False
+            yield f"directory {d} alone lost its changes", pt.cur, {d: dur[d]}, False
+            for name in sorted(set(pt.cur[d]) | set(dur[d])):
+                if pt.cur[d].get(name) == dur[d].get(name):
+                    continue
+                kept, lost = dict(dur[d]), dict(pt.cur[d])
+                for view, src in ((kept, pt.cur[d]), (lost, dur[d])):
+                    view.pop(name, None)
+                    if name in src:
+                        view[name] = src[name]
+                yield f"only {name} in directory {d} kept its change", dur, {d: kept}, False
+                yield f"{name} in directory {d} alone lost its change", pt.cur, {d: lost}, False
+
+    def _tree(self, pt: Point, base: dict, views: dict, torn: bool, blobs: dict[str, bytes]) -> tuple:
+        out: list[tuple[str, str | None]] = []
+
+        def walk(did: int, rel: str) -> None:
+            for name, i in sorted(views.get(did, base.get(did, {})).items()):
+                path = f"{rel}/{name}" if rel else name
+                if self.kind[i] == "d":
+                    out.append((path, None))
+                    walk(i, path)
+                else:
+                    data = b"" if torn and i in pt.dirty else pt.data.get(i, b"")
+                    h = hashlib.sha256(data).hexdigest()
+                    blobs.setdefault(h, data)
+                    out.append((path, h))
+        walk(ROOT_ID, "")
+        return tuple(out)
+
+
+def materialize(tree: tuple, blobs: dict[str, bytes], where: str) -> None:
+    os.makedirs(where)
+    for path, h in tree:
+        p = os.path.join(where, path)
+        if h is None:
+            os.makedirs(p, exist_ok=True)
+        else:
+            with open(p, "wb") as f:
+                f.write(blobs[h])
+
+
+# ----------------------------------------------------------------------- the runner
+class _SetAttr:
+    @staticmethod
+    def setattr(target, name, value) -> None:
+        setattr(target, name, value)
+
+
+def _record(sc: crashsim.Scenario, golden: str, work: str, out: str) -> None:
+    """The act once, in a child, under the model; its states written to ``out``."""
+    shutil.copytree(golden, work)
+
+    def act():
+        disk = Disk(work)
+        disk.install(_SetAttr())
+        sc.act(work)
+        for n, fn in disk.real.items():
+            setattr(os, n, fn)
+        states, blobs = disk.states()
+        os.makedirs(os.path.join(out, "blobs"))
+        for h, b in blobs.items():
+            with open(os.path.join(out, "blobs", h), "wb") as f:
+                f.write(b)
+        with open(os.path.join(out, "states.json"), "w") as f:
+            json.dump({"lost": disk.lost, "points": len(disk.points),
+                       "states": [[w, [list(e) for e in t]] for w, t in states]}, f)
+    code = crashsim._wait(crashsim._child(act), 300)
+    if code != 0:
+        raise SystemExit(f"{sc.name}: the act fails under the model (exit {code})")
+
+
+def _final(sc: crashsim.Scenario) -> crashsim.Scenario:
+    """What the act reported once it returned: its step, holding its seed, in every tier."""
+    step, seed = REPORTED[sc.name]
+    allowed = {**sc.allowed, step: {seed}}
+    return dataclasses.replace(sc, allowed=allowed, floor=step, floor_last=step if len(sc.tiers) > 1 else 0)
+
+
+# scenario -> (the step its act saves, the seed it saves there): what must load once it returned
+REPORTED = {"save": (1, 1), "overwrite": (1, 2), "async-mutation": (1, 2), "incremental-keep1": (3, 3),
+            "per-rank": (1, 2), "persist-keep1": (3, 3), "other-kind": (1, 2), "incremental-persist": (3, 3)}
+
+
+def _one(sc: crashsim.Scenario, tree: tuple, blobs: dict[str, bytes], work: str, out: str, last: bool) -> None:
+    materialize(tree, blobs, work)
+    sentinel = open(os.path.join(work, "outside", "keep.bin"), "rb").read()
+    bad = crashsim.verify(_final(sc) if last else sc, work, sentinel)
+    if not bad:
+        shutil.rmtree(work, ignore_errors=True)
+    with open(out, "w") as f:
+        json.dump(bad, f)
+
+
+def run_scenario(name: str, base: str, jobs: int, keep: bool = False) -> dict:
+    sc = {**crashsim.SCENARIOS, **crashsim.LONG_SCENARIOS}[name]
+    golden = crashsim.make_golden(sc, base)
+    rec = os.path.join(base, name, "recorded")
+    _record(sc, golden, os.path.join(base, name, "act"), rec)
+    said = json.load(open(os.path.join(rec, "states.json")))
+    blobs = {h: open(os.path.join(rec, "blobs", h), "rb").read() for h in os.listdir(os.path.join(rec, "blobs"))}
+    states = [(w, tuple(tuple(e) for e in t)) for w, t in said["states"]]
+    results = os.path.join(base, name, "results")
+    os.makedirs(results)
+    running: dict[int, int] = {}
+    for k, (where, tree) in enumerate(states):
+        while len(running) >= jobs:
+            pid, _ = os.wait()
+            running.pop(pid, None)
+        last = where.split(":", 1)[1].startswith("end")
+        pid = crashsim._child(lambda k=k, tree=tree, last=last: _one(
+            sc, tree, blobs, os.path.join(base, name, f"state-{k}"), os.path.join(results, str(k)), last))
+        running[pid] = k
+    for pid in list(running):
+        crashsim._wait(pid, 600)
+    out = {"scenario": name, "points": said["points"], "states": len(states),
+           "violations": [f"the model lost track: {v}" for v in said["lost"]]}
+    for k, (where, _) in enumerate(states):
+        try:
+            bad = json.load(open(os.path.join(results, str(k))))
+        except (OSError, ValueError):
+            bad = ["no result (the state's process died)"]
+        out["violations"] += [f"state {k} ({where}): {v}" for v in bad]
+    if not keep:
+        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    return out
+
+
+# the model follows one process; ``concurrent`` forks a second save
+SCENARIOS = [n for n in crashsim.SCENARIOS if n != "concurrent"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenarios", nargs="*", help=f"default: {' '.join(SCENARIOS)}")
+    ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    ap.add_argument("--dir", default="/tmp/dcpds-powercut")
+    ap.add_argument("--json")
+    ap.add_argument("--keep", action="store_true", help="keep the work directories")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("DCP_DATASTATES_HOST_CACHE_BYTES", str(8 << 20))
+    assert threading.active_count() == 1, "the runner must start no thread: it forks"
+    report = []
+    for name in args.scenarios or SCENARIOS:
+        t = time.monotonic()
+        r = run_scenario(name, args.dir, args.jobs, keep=args.keep)
+        r["seconds"] = round(time.monotonic() - t, 1)
+        report.append(r)
+        print(f"{name}: {r['points']} crash points, {r['states']} distinct states, "
+              f"{len(r['violations'])} violations ({r['seconds']} s)", flush=True)
+        for v in r["violations"][:20]:
+            print(f"  {v}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if any(r["violations"] for r in report) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
