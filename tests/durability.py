@@ -19,6 +19,14 @@ per directory, the names changed there since its last ``fsync``.  Its rules:
   keep: it removes a step only while a newer one is durable and, with replicas, fully
   replicated by its committed records (a rule over every directory at once flags the purge of
   step 1 while step 3's replicas arrive, step 2 whole);
+* *names before the commit*: a manifest is renamed into place only once every earlier change
+  of a name in its directory is durable (else the manifest may survive the cut and the files
+  it references, made there before it, not);
+* *uncommit before removal*: a file is removed only once the removal of every manifest of its
+  directory is durable (else the files may go and the manifest come back);
+* *removals before the claim goes*: a claim is removed only once the removals before it in its
+  directory are durable (else they may be lost with the claim gone, whose record names the
+  saves the next save cleans up after);
 * *durable when reported*: when a save is reported committed, every name it made is durable.
 
 Temporary names (a rename replaces them, or they are removed: ``.tmp``, a persist upload's
@@ -33,6 +41,8 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+
+from dcp_datastates.format.names import CLAIM_NAME, RANK_CLAIM_PREFIX, is_manifest_name
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -156,6 +166,12 @@ class Trace:
                     if st is not None and (st.st_dev, st.st_ino) in self.dirty:
                         self.broken.append(f"data before name: {dst} renamed into place from {src} "
                                            "with data not yet fsynced")
+                    d = os.path.dirname(os.path.abspath(dst))
+                    if is_manifest_name(os.path.basename(dst)):
+                        before = [f"{c.kind} {c.name}" for c in self.pending.get(d, ()) if not _transient(c.name)]
+                        if before:
+                            self.broken.append(f"names before the commit: {dst} renamed into place while "
+                                               f"{before} in its directory is not durable")
                 real[name](src, dst, *a, **kw)
                 with self.lock:
                     self._changed(dst, "rename")
@@ -180,6 +196,15 @@ class Trace:
                         if before and not _transient(os.path.basename(path)):
                             self.broken.append(f"name before removal: {path} removed while {before} "
                                                "is not durable")
+                        gone = os.path.basename(path)
+                        removed = [c.name for c in self.pending.get(d, ()) if c.kind == "remove"]
+                        uncommits = [n for n in removed if is_manifest_name(n)]
+                        if uncommits and not is_manifest_name(gone) and not _transient(gone):
+                            self.broken.append(f"uncommit before removal: {path} removed while the removal "
+                                               f"of {uncommits} is not durable")
+                        if (gone == CLAIM_NAME or gone.startswith(RANK_CLAIM_PREFIX)) and removed:
+                            self.broken.append(f"removals before the claim goes: {path} removed while the "
+                                               f"removal of {removed} is not durable")
                 real[name](path, *a, **kw)
                 if self._ours(path):
                     with self.lock:
