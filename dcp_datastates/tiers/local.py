@@ -336,6 +336,10 @@ class LocalBackend(Backend):
         return fd, align
 
     def commit(self, root: str, path: str, tmp_name: str, data: bytes, *, sync: bool) -> None:
+        """With ``sync``: the temp file's bytes durable, then the directory's names (so no file a
+        manifest references, made there before it, can be lost to a power cut while the
+        manifest's name survives: POSIX orders no two names of a directory without an ``fsync``
+        of it), then the rename, made durable."""
         tmp = os.path.join(root, tmp_name)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
@@ -347,6 +351,8 @@ class LocalBackend(Backend):
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if sync:
+            self.sync_dir(root)
         os.replace(tmp, path)
         if sync:
             self.sync_dir(root)
