@@ -185,6 +185,8 @@ def _unmanifest(run: StorageTier, marked: list[StorageTier]) -> set[str]:
         try:
             for n in [PURGED_MARK] if keep else _manifests(t):
                 t.remove(n)
+            if not keep:  # uncommitted for good before any file goes (POSIX orders no two removals)
+                t.sync_dir()
         except (OSError, CheckpointError) as e:
             log.warning("retention: could not uncommit %s (%s); skipping it", t.url, e)
             keep = True
