@@ -84,10 +84,15 @@ class SaveClaims:
                 claim.carry([m.save_id for m in kind_old])
             for n in names + kind_names:  # uncommit first: a crash from here on leaves only leftovers
                 tier.remove(n)
+            if names or kind_names:  # and for good before a file they reference goes
+                tier.sync_dir()
             if self.rank is not None:
                 tidy.superseded = old
             tidy.superseded += kind_old
-            tidy.run(protect)
+            if tidy.run(protect):
+                # the removals durable before the claim goes: after a power cut either they
+                # stand or the claim does, whose record names the saves they belonged to
+                tier.sync_dir()
             if tidy.deferred:  # the record names the save whose files stayed: the next save here removes them
                 self.abandon(tier.url)
         except (OSError, CheckpointError) as e:
