@@ -409,7 +409,9 @@ SCENARIOS = [n for n in crashsim.SCENARIOS if n != "concurrent"]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenarios", nargs="*", help=f"default: {' '.join(SCENARIOS)}")
+    ap.add_argument("scenarios", nargs="*", help=f"default: {' '.join(SCENARIOS)} (with --size large, "
+                    "the long ones too)")
+    ap.add_argument("--size", choices=list(crashsim.SIZES), default="small")
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     ap.add_argument("--dir", default="/tmp/dcpds-powercut")
     ap.add_argument("--json")
@@ -417,8 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("DCP_DATASTATES_HOST_CACHE_BYTES", str(8 << 20))
     assert threading.active_count() == 1, "the runner must start no thread: it forks"
+    crashsim.SIZE[0] = args.size
+    names = args.scenarios or SCENARIOS + (list(crashsim.LONG_SCENARIOS) if args.size == "large" else [])
     report = []
-    for name in args.scenarios or SCENARIOS:
+    for name in names:
         t = time.monotonic()
         r = run_scenario(name, args.dir, args.jobs, keep=args.keep)
         r["seconds"] = round(time.monotonic() - t, 1)

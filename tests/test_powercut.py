@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.crashsim import LONG_SCENARIOS
 from tests.powercut import SCENARIOS, Disk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,14 +55,16 @@ def test_the_model_keeps_only_what_was_made_durable(tmp_path, monkeypatch):
     assert [p.label.split()[0] for p in disk.points] == ["fsync", "replace", "unlink", "end"]
 
 
-def test_no_power_cut_loses_a_committed_byte(tmp_path):
+@pytest.mark.parametrize("size", [pytest.param("small"), pytest.param("large", marks=pytest.mark.slow)])
+def test_no_power_cut_loses_a_committed_byte(tmp_path, size):
     out = str(tmp_path / "report.json")
-    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.powercut", "--jobs", "2",
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.powercut", "--jobs", "2", "--size", size,
                         "--dir", str(tmp_path / "work"), "--json", out],
                        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
                        timeout=1800)
     report = json.load(open(out)) if os.path.exists(out) else []
-    assert [s["scenario"] for s in report] == SCENARIOS, r.stdout[-3000:] + r.stderr[-3000:]
+    want = SCENARIOS + (list(LONG_SCENARIOS) if size == "large" else [])
+    assert [s["scenario"] for s in report] == want, r.stdout[-3000:] + r.stderr[-3000:]
     for s in report:  # the act ran under the model, and left more than one state to restart from
         assert s["points"] > 3 and s["states"] > s["points"], s
     bad = [f"{s['scenario']}: {v.splitlines()[0][:400]}" for s in report for v in s["violations"]]
