@@ -12,6 +12,7 @@ that of a trainer, not of the test runner."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -96,3 +97,41 @@ def _replicated_then_an_epoch(rank, world, root):
 
 def test_a_worker_forked_after_replicated_saves_starts(tmp_path):
     run_ranks(2, _replicated_then_an_epoch, str(tmp_path))
+
+
+def _pipe_of_a_later_worker() -> None:
+    """A save went through DCP's checkpoint process and is over (its link's reader closed its
+    end); a descriptor made afterwards may take that number.  A worker forked then must keep
+    its copy: closing the old number in the child closed whatever the number named by then (a
+    DataLoader worker's result pipe)."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from dcp_datastates.session import SaveSession
+    s = SaveSession(lazy=True)
+    s.mark_snapshot()
+    over_there = pickle.loads(ForkingPickler.dumps(s))  # the copy in the checkpoint process
+    link = s._link
+    old = link.r  # the number of the link's read end
+    s.caller_ended()
+    del over_there  # that process let go of the save: the link's reader ends
+    for _ in range(500):  # and closes its end
+        if link.r < 0 or not os.path.exists(f"/proc/self/fd/{old}"):
+            break
+        time.sleep(0.01)
+    time.sleep(0.1)
+    r, w = os.pipe()
+    os.dup2(r, old)  # a later descriptor that took the number
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.fstat(old)  # the child's copy is still open
+            os._exit(0)
+        except OSError:
+            os._exit(5)
+    _, status = os.waitpid(pid, 0)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def test_a_worker_forked_after_a_process_mode_save_keeps_its_own_pipes():
+    assert run_in_process(_pipe_of_a_later_worker) == 0
