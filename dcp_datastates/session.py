@@ -225,8 +225,8 @@ class _Link:
                 os.write(self.w, _HEAD.pack(_CALLER_ENDED, 0.0, 0))
             except OSError:
                 pass  # the reader has finished already
-            os.close(self.w)
-            self.w = -1
+            fd, self.w = self.w, -1  # forgotten first: a fork from now on closes no stale number
+            os.close(fd)
 
     def _read(self) -> None:
         s = self.session
@@ -260,7 +260,10 @@ class _Link:
                 if s.failed or s.persisted:
                     break  # nothing more will come that anyone waits for
         finally:
-            os.close(self.r)
+            # forgotten before it is closed: a child forked later would close the number in
+            # its copy of whatever reuses it (``_close_links_in_child``)
+            fd, self.r = self.r, -1
+            os.close(fd)
 
 
 # A process forked from the trainer (a DataLoader worker) inherits every open pipe end; one that
