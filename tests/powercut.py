@@ -58,10 +58,12 @@ class Point:
 
 
 @dataclasses.dataclass
-class Disk:
-    """The model of ``root`` (see the module's docstring).  Ids name files and directories:
-    a rename moves an id from one name to another, so the durable view of its old directory
-    still finds it there."""
+class Model:
+    """The model of ``root`` (see the module's docstring), fed the calls as events.  Ids name
+    files and directories: a rename moves an id from one name to another, so the durable view
+    of its old directory still finds it there.  A descriptor is named by a key: its number in
+    one process (``Disk``), or (process, number) when several processes' calls are replayed
+    (``replay``)."""
 
     root: str
     kind: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> "d" or "f"
@@ -69,12 +71,10 @@ class Disk:
     dur: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
     data: dict[int, bytes] = dataclasses.field(default_factory=dict)  # file id -> bytes at its last fsync
     dirty: set[int] = dataclasses.field(default_factory=set)  # files written since their last fsync
-    fds: dict[int, int] = dataclasses.field(default_factory=dict)
-    names: dict[int, str] = dataclasses.field(default_factory=dict)  # fd -> its path, for the points' labels
+    fds: dict = dataclasses.field(default_factory=dict)  # descriptor key -> id
+    names: dict = dataclasses.field(default_factory=dict)  # descriptor key -> its path, for the labels
     points: list[Point] = dataclasses.field(default_factory=list)
     lost: list[str] = dataclasses.field(default_factory=list)  # calls the model could not follow
-    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
-    real: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root = os.path.abspath(self.root)
@@ -104,9 +104,9 @@ class Disk:
             self.cur[did][e.name] = i
         self.dur[did] = dict(self.cur[did])
 
-    # ------------------------------------------------------------------ following the calls
-    def _where(self, path) -> tuple[int, str] | None:
-        """(the id of the directory holding ``path``, its name there), or None outside ``root``."""
+    def _where(self, path, note: bool = True) -> tuple[int, str] | None:
+        """(the id of the directory holding ``path``, its name there), or None outside ``root``
+        (``note``: a path under ``root`` whose directory the model lacks is a call it lost)."""
         if not isinstance(path, str):
             return None
         p = os.path.abspath(path)
@@ -117,16 +117,18 @@ class Disk:
         for name in parts[:-1]:
             nxt = self.cur.get(did, {}).get(name)
             if nxt is None or self.kind[nxt] != "d":
-                self.lost.append(f"{p}: its directory {name} is not in the model")
+                if note:
+                    self.lost.append(f"{p}: its directory {name} is not in the model")
                 return None
             did = nxt
         return did, parts[-1]
 
-    def _id(self, path) -> int | None:
-        if isinstance(path, str) and os.path.abspath(path) == self.root:
-            return ROOT_ID
-        w = self._where(path)
-        return None if w is None else self.cur[w[0]].get(w[1])
+    def ours(self, path) -> bool:
+        """Whether a call on ``path`` is one the model follows."""
+        if not isinstance(path, str):
+            return False
+        p = os.path.abspath(path)
+        return p == self.root or p.startswith(self.root + os.sep)
 
     def _point(self, label: str) -> None:
         self.points.append(Point(label, {d: dict(e) for d, e in self.cur.items()},
@@ -136,118 +138,78 @@ class Disk:
     def _rel(self, path) -> str:
         return os.path.relpath(os.path.abspath(path), self.root) if isinstance(path, str) else str(path)
 
-    def _read_all(self, fd: int) -> bytes:
-        """The file's bytes through a descriptor of our own (``fd`` may be O_DIRECT)."""
-        mine = self.real["open"](f"/proc/self/fd/{fd}", os.O_RDONLY)
-        try:
-            out = []
-            while chunk := os.read(mine, 1 << 20):
-                out.append(chunk)
-            return b"".join(out)
-        finally:
-            self.real["close"](mine)
+    # ------------------------------------------------------------------ the events
+    def opened(self, key, path: str, flags: int) -> None:
+        if os.path.abspath(path) == self.root:
+            self.fds[key], self.names[key] = ROOT_ID, "."
+            return
+        w = self._where(path)
+        if w is None:
+            return
+        i = self.cur[w[0]].get(w[1])
+        if i is None:
+            if not flags & os.O_CREAT:
+                self.lost.append(f"{self._rel(path)}: opened, but the model has no such name")
+                return
+            i = self._new("f")
+            self.cur[w[0]][w[1]] = i
+            self.dirty.add(i)
+        elif flags & os.O_TRUNC:
+            self.dirty.add(i)
+        self.fds[key], self.names[key] = i, self._rel(path)
 
-    def install(self, mp) -> None:
-        real = self.real
-        real.update({n: getattr(os, n) for n in CALLS})
+    def closed(self, key) -> None:
+        self.fds.pop(key, None)
 
-        def open_(path, flags, mode=0o777, *a, **kw):
-            with self.lock:
-                w = self._where(path)
-                before = None if w is None else self.cur[w[0]].get(w[1])
-                fd = real["open"](path, flags, mode, *a, **kw)
-                if w is not None:
-                    i = before
-                    if i is None:
-                        if not flags & os.O_CREAT:
-                            self.lost.append(f"{self._rel(path)}: opened, but the model has no such name")
-                            return fd
-                        i = self._new("f")
-                        self.cur[w[0]][w[1]] = i
-                        self.dirty.add(i)
-                    elif flags & os.O_TRUNC:
-                        self.dirty.add(i)
-                    self.fds[fd], self.names[fd] = i, self._rel(path)
-                elif isinstance(path, str) and os.path.abspath(path) == self.root:
-                    self.fds[fd], self.names[fd] = ROOT_ID, "."
-                return fd
+    def wrote(self, key) -> None:
+        if key in self.fds:
+            self.dirty.add(self.fds[key])
 
-        def close(fd):
-            with self.lock:
-                self.fds.pop(fd, None)
-                return real["close"](fd)
+    def syncing(self, key, call: str) -> bool:
+        """Before an ``fsync`` of ``key``: a crash point.  Whether the model follows it."""
+        if key not in self.fds:
+            return False
+        self._point(f"{call} {self.names.get(key)}")
+        return True
 
-        def writer(name):
-            def call(fd, *a, **kw):
-                with self.lock:
-                    n = real[name](fd, *a, **kw)
-                    if fd in self.fds:
-                        self.dirty.add(self.fds[fd])
-                    return n
-            return call
+    def synced(self, key, data: bytes | None) -> None:
+        """After it: a directory's names, or a file's bytes (``data``), are durable."""
+        i = self.fds[key]
+        if self.kind[i] == "d":
+            self.dur[i] = dict(self.cur[i])
+        elif data is not None:
+            self.data[i] = data
+            self.dirty.discard(i)
 
-        def copy_file_range(src, dst, *a, **kw):
-            with self.lock:
-                n = real["copy_file_range"](src, dst, *a, **kw)
-                if dst in self.fds:
-                    self.dirty.add(self.fds[dst])
-                return n
+    def renaming(self, call: str, src: str, dst: str) -> None:
+        """Before a rename: a crash point."""
+        if self._where(src, False) is not None or self._where(dst, False) is not None:
+            self._point(f"{call} {self._rel(src)} -> {self._rel(dst)}")
 
-        def sync(name):
-            def call(fd):
-                with self.lock:
-                    i = self.fds.get(fd)
-                    if i is not None:
-                        self._point(f"{name} {self.names.get(fd)}")
-                    real[name](fd)
-                    if i is None:
-                        return
-                    if self.kind[i] == "d":
-                        self.dur[i] = dict(self.cur[i])
-                    elif stat.S_ISREG(os.fstat(fd).st_mode):
-                        self.data[i] = self._read_all(fd)
-                        self.dirty.discard(i)
-            return call
+    def renamed(self, src: str, dst: str) -> None:
+        s, d = self._where(src), self._where(dst)
+        moved = None if s is None else self.cur[s[0]].pop(s[1], None)
+        if d is not None:
+            if moved is None:
+                self.lost.append(f"{self._rel(dst)}: renamed from outside the model ({src})")
+                return
+            self.cur[d[0]][d[1]] = moved
 
-        def rename(name):
-            def call(src, dst, *a, **kw):
-                with self.lock:
-                    s, d = self._where(src), self._where(dst)
-                    if s is not None or d is not None:
-                        self._point(f"{name} {self._rel(src)} -> {self._rel(dst)}")
-                    real[name](src, dst, *a, **kw)
-                    moved = None if s is None else self.cur[s[0]].pop(s[1], None)
-                    if d is not None:
-                        if moved is None:
-                            self.lost.append(f"{self._rel(dst)}: renamed from outside the model ({src})")
-                            return
-                        self.cur[d[0]][d[1]] = moved
-            return call
+    def made_dir(self, path: str) -> None:
+        w = self._where(path)
+        if w is not None:
+            self.cur[w[0]][w[1]] = self._new("d")
 
-        def mkdir(path, *a, **kw):
-            with self.lock:
-                real["mkdir"](path, *a, **kw)
-                w = self._where(path)
-                if w is not None:
-                    self.cur[w[0]][w[1]] = self._new("d")
+    def removing(self, call: str, path: str) -> None:
+        """Before a removal: a crash point."""
+        if self._where(path, False) is not None:
+            self._point(f"{call} {self._rel(path)}")
 
-        def remover(name):
-            def call(path, *a, **kw):
-                with self.lock:
-                    w = self._where(path)
-                    if w is not None:
-                        self._point(f"{name} {self._rel(path)}")
-                    real[name](path, *a, **kw)
-                    if w is not None and self.cur[w[0]].pop(w[1], None) is None:
-                        self.lost.append(f"{self._rel(path)}: removed, but the model has no such name")
-            return call
+    def removed(self, path: str) -> None:
+        w = self._where(path)
+        if w is not None and self.cur[w[0]].pop(w[1], None) is None:
+            self.lost.append(f"{self._rel(path)}: removed, but the model has no such name")
 
-        for n, fn in (("open", open_), ("close", close), ("write", writer("write")), ("pwrite", writer("pwrite")),
-                      ("ftruncate", writer("ftruncate")), ("copy_file_range", copy_file_range),
-                      ("fsync", sync("fsync")), ("fdatasync", sync("fdatasync")), ("replace", rename("replace")),
-                      ("rename", rename("rename")), ("mkdir", mkdir), ("unlink", remover("unlink")),
-                      ("remove", remover("remove")), ("rmdir", remover("rmdir"))):
-            mp.setattr(os, n, fn)
 
     # ------------------------------------------------------------------ the states of a cut
     def states(self) -> tuple[list[tuple[str, tuple]], dict[str, bytes]]:
@@ -260,8 +222,7 @@ class Disk:
         for n, pt in enumerate(self.points):
             for label, base, views, torn in self._variants(pt):
                 tree = self._tree(pt, base, views, torn, blobs)
-                if tree not in seen or pt.label == "end":  # the act has reported: the stricter check
-                    seen[tree] = f"{n}:{pt.label}: {label}"
+                seen[tree] = f"{n}:{pt.label}: {label}"  # its latest point: the most reported by then"
         return [(where, tree) for tree, where in seen.items()], blobs
 
     @staticmethod
@@ -305,6 +266,75 @@ class Disk:
         walk(ROOT_ID, "")
         return tuple(out)
 
+
+def read_all(fd: int, real_open, real_close) -> bytes:
+    """A file's bytes through a descriptor of our own (``fd`` may be O_DIRECT)."""
+    mine = real_open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    try:
+        out = []
+        while chunk := os.read(mine, 1 << 20):
+            out.append(chunk)
+        return b"".join(out)
+    finally:
+        real_close(mine)
+
+
+def _wrap(real: dict, before, after, lock) -> dict:
+    """The ``os`` calls of ``CALLS``, each running ``before(call, args)`` (for the fsyncs, whose
+    crash point precedes them) and ``after(call, args, result)`` under ``lock``."""
+    def make(name):
+        def call(*a, **kw):
+            with lock:
+                before(name, a)
+                out = real[name](*a, **kw)
+                after(name, a, out)
+                return out
+        return call
+    return {n: make(n) for n in CALLS}
+
+
+@dataclasses.dataclass
+class Disk(Model):
+    """The model fed live by this process's calls (``install``)."""
+
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    real: dict = dataclasses.field(default_factory=dict)
+
+    def install(self, mp) -> None:
+        self.real.update({n: getattr(os, n) for n in CALLS})
+        pending: dict = {}
+
+        def before(name, a):
+            if name in ("fsync", "fdatasync"):
+                pending[a[0]] = self.syncing(a[0], name)
+            elif name in ("rename", "replace"):
+                self.renaming(name, a[0], a[1])
+            elif name in ("unlink", "remove", "rmdir"):
+                self.removing(name, a[0])
+
+        def after(name, a, out):
+            if name == "open":
+                if self.ours(a[0]):
+                    self.opened(out, a[0], a[1])
+            elif name == "close":
+                self.closed(a[0])
+            elif name in ("write", "pwrite", "ftruncate"):
+                self.wrote(a[0])
+            elif name == "copy_file_range":
+                self.wrote(a[1])
+            elif name == "mkdir":
+                self.made_dir(a[0])
+            elif name in ("rename", "replace"):
+                self.renamed(a[0], a[1])
+            elif name in ("unlink", "remove", "rmdir"):
+                self.removed(a[0])
+            elif name in ("fsync", "fdatasync") and pending.pop(a[0], False):
+                fd = a[0]
+                reg = self.kind[self.fds[fd]] == "f" and stat.S_ISREG(os.fstat(fd).st_mode)
+                self.synced(fd, read_all(fd, self.real["open"], self.real["close"]) if reg else None)
+
+        for n, fn in _wrap(self.real, before, after, self.lock).items():
+            mp.setattr(os, n, fn)
 
 def materialize(tree: tuple, blobs: dict[str, bytes], where: str) -> None:
     os.makedirs(where)

@@ -1,17 +1,28 @@
 """The states a power cut may leave at every point of the save scenarios, each restarted from:
-see ``tests/powercut.py``.  A first test checks the model on calls made by hand."""
+see ``tests/powercut.py``; and of saves written by several processes (two ranks, DCP's
+checkpoint process), each loaded: ``tests/powercut_ranks.py``.  A first test checks the model
+on calls made by hand."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
+from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.format.names import is_manifest_name
 from tests.crashsim import LONG_SCENARIOS
-from tests.powercut import SCENARIOS, Disk
+from tests.dist import run_ranks
+from tests.powercut import SCENARIOS, Disk, Model, materialize
+from tests.powercut_ranks import Journal, journal_spawned, replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,3 +81,148 @@ def test_no_power_cut_loses_a_committed_byte(tmp_path, size):
     bad = [f"{s['scenario']}: {v.splitlines()[0][:400]}" for s in report for v in s["violations"]]
     assert not bad, "\n".join(bad[:40])
     assert r.returncode == 0, r.stdout[-3000:]
+
+
+# ----------------------------------------------------------------------- several processes
+def _ranked(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    w = torch.randn(1 << 14, generator=g)
+    return {"w0": w, "w1": w + 1, "step": step}
+
+
+def _own(rank: int, step: int) -> dict:
+    full = _ranked(step)
+    return {f"w{rank}": full[f"w{rank}"], "step": step}
+
+
+def _loaded(path: str) -> dict | str:
+    got = {"w0": torch.zeros(1 << 14), "w1": torch.zeros(1 << 14), "step": 0}
+    try:
+        dcp.load(got, storage_reader=DataStatesReader(path), no_dist=True)
+    except BaseException as e:  # noqa: BLE001 - reported as a violation
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return got
+
+
+def _is(got: dict, step: int) -> bool:
+    want = _ranked(step)
+    return got["step"] == step and all(torch.equal(got[k], want[k]) for k in ("w0", "w1"))
+
+
+def _committed(path: str) -> bool:
+    return os.path.isdir(path) and any(is_manifest_name(n) for n in os.listdir(path))
+
+
+def _check_dir(path: str, steps: set[int], floor: int) -> list[str]:
+    """A checkpoint directory saved over in place with ``steps``: it loads as one of them, and
+    as one at least ``floor`` once that was reported."""
+    if not _committed(path):
+        return [f"{path}: no committed checkpoint, with step {floor} reported"] if floor else []
+    got = _loaded(path)
+    if isinstance(got, str):
+        return [f"{path}: committed but does not load: {got}"]
+    match = [s for s in steps if _is(got, s)]
+    if not match:
+        return [f"{path}: loads a state never saved there (step field {got['step']})"]
+    return [f"{path}: loads step {match[0]}, with step {floor} reported"] if match[0] < floor else []
+
+
+def _check_run(run: str, floor: int) -> list[str]:
+    """A run directory of ``step-N`` checkpoints: each committed one loads as step N; the
+    newest is at least ``floor``."""
+    bad, newest = [], 0
+    for d in sorted(os.listdir(run)) if os.path.isdir(run) else []:
+        path = os.path.join(run, d)
+        if not _committed(path):
+            continue
+        step = int(d.split("-")[1])
+        got = _loaded(path)
+        if isinstance(got, str):
+            bad.append(f"{path}: committed but does not load: {got}")
+        elif not _is(got, step):
+            bad.append(f"{path}: loads a state never saved there (step field {got['step']})")
+        else:
+            newest = max(newest, step)
+    if newest < floor:
+        bad.append(f"{run}: the newest loadable step is {newest}, with step {floor} reported")
+    return bad
+
+
+def _every_state(model, out: str, where: str, check) -> tuple[int, list[str]]:
+    """Each state a cut may leave, written under ``where`` and checked with the floor of its
+    point (the newest step reported before it)."""
+    model, marks = replay(model, out)
+    assert not model.lost, model.lost
+    states, blobs = model.states()
+    bad = []
+    for k, (label, tree) in enumerate(states):
+        n = int(label.split(":", 1)[0])
+        floor = max([step for at, step in marks if at <= n], default=0)
+        work = os.path.join(where, f"state-{k}")
+        materialize(tree, blobs, work)
+        bad += [f"state {k} ({label}): {v}" for v in check(work, floor)]
+        shutil.rmtree(work)
+    return len(states), bad
+
+
+def _collective_over(rank, world, root):
+    """Two ranks' collective ``dcp.save`` of step 2 over step 1 in one directory, journaled."""
+    ckpt = f"{root}/data/run/ckpt"
+    dcp.save(_own(rank, 1), storage_writer=DataStatesWriter(ckpt))
+    dist.barrier()
+    if rank == 0:  # what the journals start from: step 1, committed and durable
+        with open(f"{root}/model.pkl", "wb") as f:
+            pickle.dump(Model(f"{root}/data"), f)
+    dist.barrier()
+    mp = pytest.MonkeyPatch()
+    journal = Journal(f"{root}/data", f"{root}/journal")
+    journal.install(mp)
+    try:
+        dcp.save(_own(rank, 2), storage_writer=DataStatesWriter(ckpt, overwrite=True))
+        journal.mark(2)
+    finally:
+        mp.undo()
+    os._exit(0)
+
+
+def test_a_collective_save_over_a_committed_one_survives_any_power_cut(tmp_path):
+    run_ranks(2, _collective_over, str(tmp_path))
+    model = pickle.load(open(tmp_path / "model.pkl", "rb"))
+    n, bad = _every_state(model, str(tmp_path / "journal"), str(tmp_path / "states"),
+                          lambda work, floor: _check_dir(f"{work}/run/ckpt", {1, 2}, max(floor, 1)))
+    assert n > 10, n
+    assert not bad, "\n".join(bad[:20])
+
+
+def _in_dcps_process(rank, world, root):
+    """``Checkpointer(async_mode="process")`` on two ranks: DCP's checkpoint process writes both
+    tiers, journaled from its start; three steps, retention keeping one in each tier."""
+    journal_spawned(f"{root}/data", f"{root}/journal")
+    mp = pytest.MonkeyPatch()
+    journal = Journal(f"{root}/data", f"{root}/journal")
+    journal.install(mp)
+    try:
+        ck = Checkpointer([f"{root}/data/fast", f"{root}/data/slow"], keep=[1, 1], async_mode="process",
+                          process_group=dist.new_group(backend="gloo"))
+        for step in (1, 2, 3):
+            ck.save(step, _own(rank, step))
+            ck.wait()
+            assert ck.wait_persisted(120)
+            if rank == 0:  # the coordinator's return says every tier committed; another rank's, its own files
+                journal.mark(step)
+        ck.close()
+    finally:
+        mp.undo()
+    os._exit(0)
+
+
+def test_a_save_in_dcps_checkpoint_process_survives_any_power_cut(tmp_path):
+    os.makedirs(tmp_path / "data")
+    model = Model(str(tmp_path / "data"))
+    run_ranks(2, _in_dcps_process, str(tmp_path))
+    pids = {n.partition("-")[2] for n in os.listdir(tmp_path / "journal") if n.startswith("journal-")}
+    assert len(pids) >= 3, pids  # both ranks and at least one checkpoint process
+    n, bad = _every_state(model, str(tmp_path / "journal"), str(tmp_path / "states"),
+                          lambda work, floor: _check_run(f"{work}/fast", floor) + _check_run(f"{work}/slow", floor))
+    assert n > 20, n
+    assert not bad, "\n".join(bad[:20])
