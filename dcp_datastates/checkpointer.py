@@ -241,7 +241,10 @@ class Checkpointer:
             self._failed.append(self.step_path(0, step))
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
-        """Wait until every save so far reached the slower tiers."""
+        """Wait until every save so far reached the slower tiers: on the coordinator (rank 0
+        of the group), until each tier committed it (its manifest durable there); on another
+        rank, until its own files are durable on each tier, whose commit the coordinator makes.
+        False where a flush failed."""
         self.wait()
         ok = True
         for step, w in list(self._persisting.items()):
