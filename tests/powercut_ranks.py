@@ -15,6 +15,7 @@ with a committed manifest loads bit-exactly, as a state saved there, through
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -52,10 +53,10 @@ class Journal:
         line = json.dumps({"t": t, "pid": os.getpid(), "seq": self._seq, **ev}) + "\n"
         self.real["write"](self._fd, line.encode())
 
-    def mark(self, step: int) -> None:
-        """This process reported ``step`` saved: it must survive from now on."""
+    def mark(self, step: int, what: str = "saved", rank: int = 0) -> None:
+        """``rank`` reported ``step`` ``what`` (saved, replicated): it must stay so from now on."""
         with self.lock:
-            self._emit(time.monotonic_ns(), op="mark", step=step)
+            self._emit(time.monotonic_ns(), op="mark", step=step, what=what, rank=rank)
 
     def _blob(self, data: bytes) -> str:
         h = hashlib.sha256(data).hexdigest()
@@ -128,39 +129,89 @@ def journal_spawned(root: str, out: str) -> None:
     os.environ[ROOT_ENV], os.environ[OUT_ENV] = root, out
 
 
-def replay(model: Model, out: str) -> tuple[Model, list[tuple[int, int]]]:
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    at: int  # the index of the first crash point after it
+    step: int
+    what: str  # "saved", "replicated"
+    rank: int
+
+
+def _ready(model: Model, ev: dict) -> bool:
+    """Whether the model can follow ``ev`` now: the directory it names is there, and so is
+    the name it opens without creating, moves or removes."""
+    op = ev["op"]
+    if op not in ("open", "mkdir", "rename", "remove"):
+        return True
+    path = ev["dst"] if op == "rename" else ev["path"]
+    if model.ours(path) and os.path.abspath(path) != model.root and model._where(path, False) is None:
+        return False
+    needs = {"rename": ev.get("src"), "remove": ev.get("path")}.get(op)
+    if op == "open" and not ev["flags"] & os.O_CREAT:
+        needs = ev["path"]
+    if needs is not None and model.ours(needs) and os.path.abspath(needs) != model.root:
+        w = model._where(needs, False)
+        return w is not None and w[1] in model.cur[w[0]]
+    return True
+
+
+def _apply(model: Model, ev: dict, out: str, marks: list) -> None:
+    key, op = (ev["pid"], ev.get("fd")), ev["op"]
+    if op == "open":
+        model.opened(key, ev["path"], ev["flags"])
+    elif op == "close":
+        model.closed(key)
+    elif op == "wrote":
+        model.wrote(key)
+    elif op == "sync":
+        if model.syncing(key, ev["call"]):
+            data = None
+            if ev["sha"] is not None:
+                with open(os.path.join(out, "blobs", ev["sha"]), "rb") as f:
+                    data = f.read()
+            model.synced(key, data)
+    elif op == "rename":
+        model.renaming(ev["call"], ev["src"], ev["dst"])
+        model.renamed(ev["src"], ev["dst"])
+    elif op == "mkdir":
+        model.made_dir(ev["path"])
+    elif op == "remove":
+        model.removing(ev["call"], ev["path"])
+        model.removed(ev["path"])
+    elif op == "mark":
+        marks.append(Mark(len(model.points), ev["step"], ev["what"], ev["rank"]))
+
+
+def replay(model: Model, out: str) -> tuple[Model, list[Mark]]:
     """Every journal of ``out`` fed to ``model`` in the order of the machine's clock; and the
-    marks, as (index of the first point after it, step)."""
+    marks, each with the index of the first crash point after it.
+
+    A process preempted between a call and its reading of the clock stamps the call late, so a
+    call of another process that depended on it (made a file in the directory it made) may
+    come first.  Such a call, and the later calls of its process, wait until the model can
+    follow it."""
     events = []
     for name in os.listdir(out):
         if name.startswith("journal-"):
             with open(os.path.join(out, name)) as f:
                 events += [json.loads(line) for line in f if line.endswith("\n")]
     events.sort(key=lambda e: (e["t"], e["pid"], e["seq"]))
-    marks = []
+    marks: list[Mark] = []
+    held: dict[int, list[dict]] = {}  # process -> its calls waiting, in order
     for ev in events:
-        key, op = (ev["pid"], ev.get("fd")), ev["op"]
-        if op == "open":
-            model.opened(key, ev["path"], ev["flags"])
-        elif op == "close":
-            model.closed(key)
-        elif op == "wrote":
-            model.wrote(key)
-        elif op == "sync":
-            if model.syncing(key, ev["call"]):
-                data = None
-                if ev["sha"] is not None:
-                    with open(os.path.join(out, "blobs", ev["sha"]), "rb") as f:
-                        data = f.read()
-                model.synced(key, data)
-        elif op == "rename":
-            model.renaming(ev["call"], ev["src"], ev["dst"])
-            model.renamed(ev["src"], ev["dst"])
-        elif op == "mkdir":
-            model.made_dir(ev["path"])
-        elif op == "remove":
-            model.removing(ev["call"], ev["path"])
-            model.removed(ev["path"])
-        elif op == "mark":
-            marks.append((len(model.points), ev["step"]))
+        if ev["pid"] in held or not _ready(model, ev):
+            held.setdefault(ev["pid"], []).append(ev)
+            continue
+        _apply(model, ev, out, marks)
+        moved = True
+        while moved:  # what waited may follow now
+            moved = False
+            for pid in list(held):
+                while held[pid] and _ready(model, held[pid][0]):
+                    _apply(model, held[pid].pop(0), out, marks)
+                    moved = True
+                if not held[pid]:
+                    del held[pid]
+    for pid, evs in held.items():
+        model.lost.append(f"process {pid}: {len(evs)} calls the model never could follow, from {evs[0]}")
     return model, marks

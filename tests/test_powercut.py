@@ -19,6 +19,10 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.format.names import is_manifest_name
+from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers.manifests import load_manifest
+from dcp_datastates.tiers.replica_records import records_in
+from dcp_datastates.verify import verify_checkpoint
 from tests.crashsim import LONG_SCENARIOS
 from tests.dist import run_ranks
 from tests.powercut import SCENARIOS, Disk, Model, materialize
@@ -157,12 +161,20 @@ def _every_state(model, out: str, where: str, check) -> tuple[int, list[str]]:
     bad = []
     for k, (label, tree) in enumerate(states):
         n = int(label.split(":", 1)[0])
-        floor = max([step for at, step in marks if at <= n], default=0)
         work = os.path.join(where, f"state-{k}")
         materialize(tree, blobs, work)
-        bad += [f"state {k} ({label}): {v}" for v in check(work, floor)]
+        bad += [f"state {k} ({label}): {v}" for v in check(work, [m for m in marks if m.at <= n])]
         shutil.rmtree(work)
     return len(states), bad
+
+
+def _floor(marks, what: str = "saved", ranks: int = 1) -> int:
+    """The newest step ``ranks`` ranks reported ``what`` by then."""
+    said: dict[int, set[int]] = {}
+    for m in marks:
+        if m.what == what:
+            said.setdefault(m.step, set()).add(m.rank)
+    return max([s for s, r in said.items() if len(r) >= ranks], default=0)
 
 
 def _collective_over(rank, world, root):
@@ -179,7 +191,7 @@ def _collective_over(rank, world, root):
     journal.install(mp)
     try:
         dcp.save(_own(rank, 2), storage_writer=DataStatesWriter(ckpt, overwrite=True))
-        journal.mark(2)
+        journal.mark(2, "saved", rank)
     finally:
         mp.undo()
     os._exit(0)
@@ -189,7 +201,7 @@ def test_a_collective_save_over_a_committed_one_survives_any_power_cut(tmp_path)
     run_ranks(2, _collective_over, str(tmp_path))
     model = pickle.load(open(tmp_path / "model.pkl", "rb"))
     n, bad = _every_state(model, str(tmp_path / "journal"), str(tmp_path / "states"),
-                          lambda work, floor: _check_dir(f"{work}/run/ckpt", {1, 2}, max(floor, 1)))
+                          lambda work, marks: _check_dir(f"{work}/run/ckpt", {1, 2}, max(_floor(marks), 1)))
     assert n > 10, n
     assert not bad, "\n".join(bad[:20])
 
@@ -209,7 +221,7 @@ def _in_dcps_process(rank, world, root):
             ck.wait()
             assert ck.wait_persisted(120)
             if rank == 0:  # the coordinator's return says every tier committed; another rank's, its own files
-                journal.mark(step)
+                journal.mark(step, "saved", rank)
         ck.close()
     finally:
         mp.undo()
@@ -223,6 +235,90 @@ def test_a_save_in_dcps_checkpoint_process_survives_any_power_cut(tmp_path):
     pids = {n.partition("-")[2] for n in os.listdir(tmp_path / "journal") if n.startswith("journal-")}
     assert len(pids) >= 3, pids  # both ranks and at least one checkpoint process
     n, bad = _every_state(model, str(tmp_path / "journal"), str(tmp_path / "states"),
-                          lambda work, floor: _check_run(f"{work}/fast", floor) + _check_run(f"{work}/slow", floor))
+                          lambda work, marks: _check_run(f"{work}/fast", _floor(marks))
+                          + _check_run(f"{work}/slow", _floor(marks)))
+    assert n > 20, n
+    assert not bad, "\n".join(bad[:20])
+
+
+def _replicating(rank, world, root):
+    """Two nodes of one rank, ``Checkpointer(node_local=True, replicas=1, keep=1)``: three steps,
+    each reported saved when its save returns and replicated when ``wait_replicated`` does."""
+    mp = pytest.MonkeyPatch()
+    journal = Journal(f"{root}/data", f"{root}/journal")
+    journal.install(mp)
+    try:
+        ck = Checkpointer([f"{root}/data/node{rank}"], node_local=True, replicas=1, node=f"n{rank}", keep=1,
+                          async_mode=None, process_group=dist.new_group(backend="gloo"))
+        for step in (1, 2, 3):
+            ck.save(step, _own(rank, step))
+            journal.mark(step, "saved", rank)
+            assert ck.wait_replicated(60)
+            journal.mark(step, "replicated", rank)
+        ck.close()
+    finally:
+        mp.undo()
+    os._exit(0)
+
+
+def _check_nodes(work: str, nodes: list[str], saved: int, replicated: int) -> list[str]:
+    """Node-local copies with replicas: a step committed on some node whose every file some node
+    holds must verify as a whole (its files gathered from the nodes); the newest such step is at
+    least ``saved``, and the newest whose every file every node holds at least ``replicated``."""
+    bad, whole, everywhere = [], 0, 0
+    for n in nodes:  # what a node's replica records say it holds, it holds
+        for d in sorted(os.listdir(f"{work}/{n}")) if os.path.isdir(f"{work}/{n}") else []:
+            if not _committed(f"{work}/{n}/{d}"):
+                continue
+            tier = StorageTier(f"{work}/{n}/{d}")
+            here = set(os.listdir(tier.root))
+            for rec in records_in(tier, load_manifest(tier).save_id):
+                for rank, files in rec.held.items():
+                    if set(files) - here:
+                        bad.append(f"{n}/{d}: its record says it holds rank {rank}'s files; "
+                                   f"{sorted(set(files) - here)[:2]} are not there")
+    names = sorted({d for n in nodes for d in (os.listdir(f"{work}/{n}") if os.path.isdir(f"{work}/{n}") else [])
+                    if d.startswith("step-")})
+    for d in names:
+        holders = {n: f"{work}/{n}/{d}" for n in nodes if _committed(f"{work}/{n}/{d}")}
+        if not holders:
+            continue
+        m = load_manifest(StorageTier(next(iter(holders.values()))))
+        files = set(m.files)
+        have = {n: files & set(os.listdir(f"{work}/{n}/{d}")) if os.path.isdir(f"{work}/{n}/{d}") else set()
+                for n in nodes}
+        if set().union(*have.values()) != files:
+            continue  # not restorable from what survived: an older step must be
+        gathered = f"{work}/gathered/{d}"
+        os.makedirs(gathered)
+        src = next(iter(holders.values()))
+        for n in os.listdir(src):
+            if is_manifest_name(n):
+                shutil.copy(f"{src}/{n}", gathered)
+        for f in files:
+            shutil.copy(f"{work}/{next(n for n in nodes if f in have[n])}/{d}/{f}", gathered)
+        problems = verify_checkpoint(gathered)
+        if problems:
+            bad.append(f"{d}: every file survived, but it does not verify: {problems[:2]}")
+            continue
+        step = int(d.split("-")[1])
+        whole = max(whole, step)
+        if all(have[n] == files for n in nodes):
+            everywhere = max(everywhere, step)
+    if whole < saved:
+        bad.append(f"the newest step whose files survived is {whole}, with step {saved} reported saved")
+    if everywhere < replicated:
+        bad.append(f"the newest step held by every node is {everywhere}, with step {replicated} reported "
+                   "replicated by every rank")
+    return bad
+
+
+def test_replicated_steps_on_node_local_directories_survive_any_power_cut(tmp_path):
+    os.makedirs(tmp_path / "data")
+    model = Model(str(tmp_path / "data"))
+    run_ranks(2, _replicating, str(tmp_path))
+    n, bad = _every_state(model, str(tmp_path / "journal"), str(tmp_path / "states"),
+                          lambda work, marks: _check_nodes(work, ["node0", "node1"], _floor(marks),
+                                                           _floor(marks, "replicated", 2)))
     assert n > 20, n
     assert not bad, "\n".join(bad[:20])
