@@ -13,12 +13,13 @@ keeps a model of two views of the run directory:
   last ``fsync`` (empty if it never had one).
 
 Before every ``fsync``, rename and removal (and once the act ends) it records a crash point.
-At each point the states a power cut may leave are the durable view with the changes of some
-directories kept (a directory's entries survive or not as a whole: their order within one
-directory is the file system's; across directories POSIX promises none): every directory
-durable, every one current, each one alone current, each one alone durable; a file's bytes are
-only ever the durable ones, and, in a *torn* variant, a file written since its last ``fsync``
-(a claim record rewritten in place) is empty.  Each distinct state is written out and given to
+At each point the states a power cut may leave are the durable view with some changes kept
+(POSIX orders none of them without an ``fsync``): every directory durable, every one current,
+each one alone current and alone durable, each changed name of a directory alone kept and
+alone lost, each tree under the root alone cut (a node whose power failed while the others ran
+on, a tier on a device of its own) and alone kept; a file's bytes are only ever the durable
+ones, and, in a *torn* variant, a file written since its last ``fsync`` (a claim record
+rewritten in place) is empty.  Each distinct state is written out and given to
 ``crashsim.verify``: every committed step loads bit-exactly as a state saved there, the steps
 that must survive load (at the last point, the one the act reported), nothing outside the run
 changed, and the next save runs and leaves nothing of the dead attempt.
@@ -225,8 +226,19 @@ class Model:
                 seen[tree] = f"{n}:{pt.label}: {label}"  # its latest point: the most reported by then"
         return [(where, tree) for tree, where in seen.items()], blobs
 
-    @staticmethod
-    def _variants(pt: Point):
+    def _subtree(self, pt: Point, top: int) -> set[int]:
+        """The directories under ``top`` (itself included), in either view."""
+        out, todo = set(), [top]
+        while todo:
+            d = todo.pop()
+            if d in out:
+                continue
+            out.add(d)
+            for view in (pt.cur.get(d, {}), pt.dur.get(d, {})):
+                todo += [i for i in view.values() if self.kind[i] == "d"]
+        return out
+
+    def _variants(self, pt: Point):
         """(label, the view most directories take, directory -> its entries where it differs,
         torn) for each state considered at ``pt``."""
         dur = {d: pt.dur.get(d, {}) for d in pt.cur}
@@ -235,6 +247,14 @@ class Model:
         yield "all durable, rewritten files empty", dur, {}, True
         yield "every change kept", pt.cur, {}, False
         yield "every change kept, rewritten files empty", pt.cur, {}, True
+        # one tree alone cut (a node whose power failed while the others ran on, a tier on a
+        # device of its own), or alone kept
+        for name, top in sorted(pt.cur[ROOT_ID].items()):
+            under = self._subtree(pt, top) if self.kind[top] == "d" else set()
+            if not under & set(pending):
+                continue
+            yield f"{name}/ alone cut", pt.cur, {d: dur[d] for d in under}, False
+            yield f"{name}/ alone kept its changes", dur, {d: pt.cur[d] for d in under}, False
         for d in pending:
             yield f"only directory {d} kept its changes", dur, {d: pt.cur[d]}, False
             yield f"directory {d} alone lost its changes", pt.cur, {d: dur[d]}, False
