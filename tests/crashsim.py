@@ -735,20 +735,26 @@ def main(argv: list[str] | None = None) -> int:
     if not args.scenarios:
         args.scenarios = list(SCENARIOS) + (list(LONG_SCENARIOS) if args.size == "large" else [])
     assert threading.active_count() == 1, "the runner must start no thread: it forks"
+    return report_runs(args.scenarios, lambda name: run_scenario(
+        name, args.dir, args.jobs, faults=not args.no_faults, only=args.only, keep=args.only is not None),
+        lambda r: f"{r['operations']} operations, {r['crash_points']} crash points, "
+                  f"{r['fault_points']} fault points", args.json)
+
+
+def report_runs(names: list[str], run, said, json_path: str | None) -> int:
+    """``run(name)`` for each scenario, a line for each (``said(result)``, then its violations),
+    the results in ``json_path``; the exit code."""
     report = []
-    for name in args.scenarios:
+    for name in names:
         t = time.monotonic()
-        r = run_scenario(name, args.dir, args.jobs, faults=not args.no_faults, only=args.only,
-                         keep=args.only is not None)
+        r = run(name)
         r["seconds"] = round(time.monotonic() - t, 1)
         report.append(r)
-        print(f"{name}: {r['operations']} operations, {r['crash_points']} crash points, "
-              f"{r['fault_points']} fault points, {len(r['violations'])} violations ({r['seconds']} s)",
-              flush=True)
+        print(f"{name}: {said(r)}, {len(r['violations'])} violations ({r['seconds']} s)", flush=True)
         for v in r["violations"][:20]:
             print(f"  {v}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(report, f, indent=1)
     return 1 if any(r["violations"] for r in report) else 0
 

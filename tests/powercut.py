@@ -40,7 +40,6 @@ import shutil
 import stat
 import sys
 import threading
-import time
 
 from tests import crashsim
 
@@ -471,21 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     assert threading.active_count() == 1, "the runner must start no thread: it forks"
     crashsim.SIZE[0] = args.size
     names = args.scenarios or SCENARIOS + (list(crashsim.LONG_SCENARIOS) if args.size == "large" else [])
-    report = []
-    for name in names:
-        t = time.monotonic()
-        r = run_scenario(name, args.dir, args.jobs, keep=args.keep)
-        r["seconds"] = round(time.monotonic() - t, 1)
-        report.append(r)
-        print(f"{name}: {r['points']} crash points, {r['states']} distinct states, "
-              f"{len(r['violations'])} violations ({r['seconds']} s)", flush=True)
-        for v in r["violations"][:20]:
-            print(f"  {v}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    return 1 if any(r["violations"] for r in report) else 0
-
+    return crashsim.report_runs(names, lambda name: run_scenario(name, args.dir, args.jobs, keep=args.keep),
+                                lambda r: f"{r['points']} crash points, {r['states']} distinct states", args.json)
 
 if __name__ == "__main__":
     sys.exit(main())
