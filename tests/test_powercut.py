@@ -322,3 +322,35 @@ def test_replicated_steps_on_node_local_directories_survive_any_power_cut(tmp_pa
                                                            _floor(marks, "replicated", 2)))
     assert n > 20, n
     assert not bad, "\n".join(bad[:20])
+
+
+def _repairing(rank, world, root):
+    """The two nodes again, node 1's directory lost: ``Checkpointer.load`` restores step 3 and
+    gives node 1 back its copies from node 0, journaled."""
+    mp = pytest.MonkeyPatch()
+    journal = Journal(f"{root}/data", f"{root}/journal")
+    journal.install(mp)
+    try:
+        ck = Checkpointer([f"{root}/data/node{rank}"], node_local=True, replicas=1, node=f"n{rank}", keep=1,
+                          async_mode=None, process_group=dist.new_group(backend="gloo"))
+        got = {f"w{rank}": torch.zeros(1 << 14), "step": 0}
+        assert ck.load(got) == 3 and torch.equal(got[f"w{rank}"], _own(rank, 3)[f"w{rank}"])
+        ck.close()
+    finally:
+        mp.undo()
+    os._exit(0)
+
+
+def test_the_repair_of_a_lost_node_survives_any_power_cut(tmp_path):
+    """Step 3, saved and replicated by both ranks, stays restorable in every state the repair
+    may leave, and a node's records never name a file it lacks."""
+    os.makedirs(tmp_path / "data")
+    run_ranks(2, _replicating, str(tmp_path))
+    shutil.rmtree(tmp_path / "journal")
+    shutil.rmtree(tmp_path / "data" / "node1")
+    model = Model(str(tmp_path / "data"))  # what the repair starts from: node 0's copies, durable
+    run_ranks(2, _repairing, str(tmp_path))
+    n, bad = _every_state(model, str(tmp_path / "journal"), str(tmp_path / "states"),
+                          lambda work, marks: _check_nodes(work, ["node0", "node1"], 3, 0))
+    assert n > 5, n
+    assert not bad, "\n".join(bad[:20])
