@@ -5,6 +5,7 @@ on calls made by hand."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -177,6 +178,24 @@ def _floor(marks, what: str = "saved", ranks: int = 1) -> int:
     return max([s for s, r in said.items() if len(r) >= ranks], default=0)
 
 
+@contextlib.contextmanager
+def _journaled(root: str):
+    """This rank's calls under ``root/data`` journaled into ``root/journal`` while the block runs."""
+    mp = pytest.MonkeyPatch()
+    journal = Journal(f"{root}/data", f"{root}/journal")
+    journal.install(mp)
+    try:
+        yield journal
+    finally:
+        mp.undo()
+
+
+def _on_node(rank: int, root: str) -> Checkpointer:
+    """Node ``rank``'s ``Checkpointer``: its own node-local directory, one replica, one step kept."""
+    return Checkpointer([f"{root}/data/node{rank}"], node_local=True, replicas=1, node=f"n{rank}", keep=1,
+                        async_mode=None, process_group=dist.new_group(backend="gloo"))
+
+
 def _collective_over(rank, world, root):
     """Two ranks' collective ``dcp.save`` of step 2 over step 1 in one directory, journaled."""
     ckpt = f"{root}/data/run/ckpt"
@@ -186,14 +205,9 @@ def _collective_over(rank, world, root):
         with open(f"{root}/model.pkl", "wb") as f:
             pickle.dump(Model(f"{root}/data"), f)
     dist.barrier()
-    mp = pytest.MonkeyPatch()
-    journal = Journal(f"{root}/data", f"{root}/journal")
-    journal.install(mp)
-    try:
+    with _journaled(root) as journal:
         dcp.save(_own(rank, 2), storage_writer=DataStatesWriter(ckpt, overwrite=True))
         journal.mark(2, "saved", rank)
-    finally:
-        mp.undo()
     os._exit(0)
 
 
@@ -210,10 +224,7 @@ def _in_dcps_process(rank, world, root):
     """``Checkpointer(async_mode="process")`` on two ranks: DCP's checkpoint process writes both
     tiers, journaled from its start; three steps, retention keeping one in each tier."""
     journal_spawned(f"{root}/data", f"{root}/journal")
-    mp = pytest.MonkeyPatch()
-    journal = Journal(f"{root}/data", f"{root}/journal")
-    journal.install(mp)
-    try:
+    with _journaled(root) as journal:
         ck = Checkpointer([f"{root}/data/fast", f"{root}/data/slow"], keep=[1, 1], async_mode="process",
                           process_group=dist.new_group(backend="gloo"))
         for step in (1, 2, 3):
@@ -223,8 +234,6 @@ def _in_dcps_process(rank, world, root):
             if rank == 0:  # the coordinator's return says every tier committed; another rank's, its own files
                 journal.mark(step, "saved", rank)
         ck.close()
-    finally:
-        mp.undo()
     os._exit(0)
 
 
@@ -244,20 +253,14 @@ def test_a_save_in_dcps_checkpoint_process_survives_any_power_cut(tmp_path):
 def _replicating(rank, world, root):
     """Two nodes of one rank, ``Checkpointer(node_local=True, replicas=1, keep=1)``: three steps,
     each reported saved when its save returns and replicated when ``wait_replicated`` does."""
-    mp = pytest.MonkeyPatch()
-    journal = Journal(f"{root}/data", f"{root}/journal")
-    journal.install(mp)
-    try:
-        ck = Checkpointer([f"{root}/data/node{rank}"], node_local=True, replicas=1, node=f"n{rank}", keep=1,
-                          async_mode=None, process_group=dist.new_group(backend="gloo"))
+    with _journaled(root) as journal:
+        ck = _on_node(rank, root)
         for step in (1, 2, 3):
             ck.save(step, _own(rank, step))
             journal.mark(step, "saved", rank)
             assert ck.wait_replicated(60)
             journal.mark(step, "replicated", rank)
         ck.close()
-    finally:
-        mp.undo()
     os._exit(0)
 
 
@@ -327,17 +330,11 @@ def test_replicated_steps_on_node_local_directories_survive_any_power_cut(tmp_pa
 def _repairing(rank, world, root):
     """The two nodes again, node 1's directory lost: ``Checkpointer.load`` restores step 3 and
     gives node 1 back its copies from node 0, journaled."""
-    mp = pytest.MonkeyPatch()
-    journal = Journal(f"{root}/data", f"{root}/journal")
-    journal.install(mp)
-    try:
-        ck = Checkpointer([f"{root}/data/node{rank}"], node_local=True, replicas=1, node=f"n{rank}", keep=1,
-                          async_mode=None, process_group=dist.new_group(backend="gloo"))
+    with _journaled(root):
+        ck = _on_node(rank, root)
         got = {f"w{rank}": torch.zeros(1 << 14), "step": 0}
         assert ck.load(got) == 3 and torch.equal(got[f"w{rank}"], _own(rank, 3)[f"w{rank}"])
         ck.close()
-    finally:
-        mp.undo()
     os._exit(0)
 
 
