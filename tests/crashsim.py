@@ -10,6 +10,9 @@ let go a claim, copy a file to a slower tier.  Then, for every operation k:
 
 * **crash**: a fresh process runs the scenario and dies (``os._exit``) right after operation
   k; for a commit also between its durable temp file and its rename;
+* **job** (``test_save_crash_points.py``, ``test_replica_crash_points.py``): every process of
+  a multi-rank job, and every process they started, is killed by SIGKILL right after one
+  rank's operation k (``kill_job``), as a launcher ends a job;
 * **fault**: operation k fails with EIO (writes and commits also with ENOSPC, and with a short
   write: half the bytes, then ENOSPC), and the scenario goes on as the library decides.
 
@@ -33,6 +36,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -63,7 +67,7 @@ WRITES = {"pwrite", "commit", "lock-write", "copy"}
 # ------------------------------------------------------------- the plan and the wrapper
 @dataclasses.dataclass
 class Plan:
-    mode: str = "off"  # "record", "crash", "crash-mid", "fault", "hang", "off"
+    mode: str = "off"  # "record", "crash", "crash-mid", "job", "fault", "hang", "off"
     k: int = 0
     err: str = "EIO"  # "EIO", "ENOSPC", "short"
     log: list[str] = dataclasses.field(default_factory=list)
@@ -75,6 +79,9 @@ class Plan:
     log_file: str | None = None
     match: str | None = None  # count only the operations whose "name file" starts with this
     hang_s: float = 0.0  # mode "hang": operation k waits this long, then runs (a stuck disk)
+    # mode "job": the folder in which each process of the job wrote its pid (``join_job``);
+    # operation k kills them all, with every process they started, as a launcher ends a job
+    job: str | None = None
 
 
 PLAN = Plan()
@@ -104,15 +111,17 @@ def _take_armed() -> None:
     PLAN.mode, PLAN.k, PLAN.err, PLAN.log_file = spec["mode"], spec["k"], spec["err"], spec["log_file"]
     PLAN.match = spec.get("match")
     PLAN.hang_s = spec.get("hang_s", 0.0)
+    PLAN.job = spec.get("job")
 
 
 def arm(path: str, mode: str, k: int, log_file: str, err: str = "EIO", match: str | None = None,
-        hang_s: float = 0.0) -> None:
+        hang_s: float = 0.0, job: str | None = None) -> None:
     """Write the plan an armed process takes at its next storage operation (atomically)."""
     if os.path.exists(path):  # a new plan: a new modification time, whatever the clock's step
         time.sleep(0.01)
     with open(path + ".tmp", "w") as f:
-        json.dump({"mode": mode, "k": k, "err": err, "log_file": log_file, "match": match, "hang_s": hang_s}, f)
+        json.dump({"mode": mode, "k": k, "err": err, "log_file": log_file, "match": match, "hang_s": hang_s,
+                   "job": job}, f)
     os.replace(path + ".tmp", path)
 
 
@@ -166,6 +175,41 @@ def _op(name: str, path: str) -> int:
 def _after(k: int) -> None:
     if PLAN.mode == "crash" and k == PLAN.k:
         os._exit(CRASHED)
+    if PLAN.mode == "job" and k == PLAN.k:
+        assert PLAN.job is not None
+        kill_job(PLAN.job)
+
+
+def join_job(folder: str) -> None:
+    """Write this process's pid into ``folder``: a process of the job ``kill_job`` ends."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, str(os.getpid())), "w") as f:
+        f.write("")
+
+
+def kill_job(folder: str) -> None:
+    """SIGKILL every process that wrote its pid into ``folder`` and every process they
+    started (DCP's checkpoint process, a replica helper), then die: every rank of a job ends
+    at once wherever it is, and none of them gets to clean up after its save."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    todo, me = [int(n) for n in os.listdir(folder)], os.getpid()
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        if pid != me:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    os._exit(CRASHED)
 
 
 def _short(k: int, name: str) -> bool:

@@ -5,14 +5,16 @@ Two nodes of two gloo ranks, each node its own directory, ``Checkpointer(node_lo
 replicas=1)``.  Step 1 is saved and fully replicated; step 2 is saved and, while it replicates,
 rank 2 (on node 1: it sends its files to rank 0 and receives rank 0's) dies right after its
 replication thread's k-th storage operation (a crash point), or that operation fails with EIO
-(a fault point), for every k the thread makes.  Then fresh jobs restore: with both nodes, with
-node 1's directory lost and with node 0's.  The invariants, at every point:
+(a fault point), or every rank is killed there with the processes it started (the whole job,
+as its launcher ends it), for every k the thread makes.  Then fresh jobs restore: with both
+nodes, with node 1's directory lost and with node 0's.  The invariants, at every point:
 
 * with nothing lost, step 2 comes back bit-exactly (it committed on both nodes before it
   replicated);
 * with a node lost, a step comes back bit-exactly, never one older than step 1 (fully
   replicated before), and never nothing;
-* a step whose replication the point cut short is not reported fully replicated."""
+* a step whose replication the point cut short is not reported fully replicated (with the
+  whole job killed, a step is taken as reported only where every rank reported it)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -97,6 +100,7 @@ def _act(rank, world, base, kind, mode, k, err):
     hook, is the one that dies or fails; rank 2 itself goes on."""
     node = rank // PER_NODE
     helper = kind == "helper"
+    folder = _join(base, mode)
     if helper:
         os.environ[SENDER_ENV] = "process"
         if rank == TARGET:  # the helper it starts takes the plan from the file written below
@@ -108,10 +112,11 @@ def _act(rank, world, base, kind, mode, k, err):
     assert job.wait_replicated(60), "step 1 must replicate in full"
     dist.barrier()
     if rank == TARGET and helper:
-        crashsim.arm(os.path.join(base, "plan.json"), mode, k, os.path.join(base, "helper-ops"), err)
+        crashsim.arm(os.path.join(base, "plan.json"), mode, k, os.path.join(base, "helper-ops"), err, job=folder)
     elif rank == TARGET:
         crashsim.PLAN.log.clear()
         crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = mode, k, err, THREAD
+        crashsim.PLAN.job = folder
     try:
         job.save(2, _state(rank, 2))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - rank 2 may die before DCP's
@@ -119,12 +124,24 @@ def _act(rank, world, base, kind, mode, k, err):
         # dcp.save then raises here although the step committed; the restores tell
         logging.getLogger(__name__).warning("step 2's save raised on rank %d: %s", rank, first_line(e, 200))
     ok = job.wait_replicated(120)
-    with open(os.path.join(base, f"replicated-{rank}"), "w") as f:
+    report = os.path.join(base, f"replicated-{rank}")
+    with open(report + ".tmp", "w") as f:  # whole or not at all: the job may be killed meanwhile
         f.write(json.dumps(ok))
+    os.rename(report + ".tmp", report)
     if rank == TARGET and mode == "record":
         with open(os.path.join(base, "ops.json"), "w") as f:
             json.dump(_helper_ops(base) if helper else crashsim.PLAN.log, f)
     os._exit(0)  # rank 2 may be dead: no teardown collectives
+
+
+def _join(base: str, mode: str) -> str | None:
+    """Mode "job": the folder of the job's pids (``crashsim.kill_job``), this rank's written
+    into it before any rank's point can come (every rank's first save is collective)."""
+    if mode != "job":
+        return None
+    crashsim.join_job(folder := os.path.join(base, "job"))
+    dist.barrier()
+    return folder
 
 
 def _helper_ops(base: str) -> list[str]:
@@ -166,13 +183,18 @@ def _restores(rank, world, runs):
 
 
 def _run(fn, *args) -> list[int]:
-    """The ranks' exit codes: a rank dead at its crash point exits with ``crashsim.CRASHED``."""
+    """The exit codes of the ranks that did not end cleanly: a rank dead at its crash point
+    exits with ``crashsim.CRASHED``, one killed with the job by SIGKILL."""
     try:
         run_ranks(WORLD, fn, *args, timeout=180)
     except AssertionError as e:
-        if f"{crashsim.CRASHED}" not in str(e) or "exited with codes" not in str(e):
+        said = str(e).strip().splitlines()[-1]
+        if not said.startswith("ranks exited with codes "):
             raise
-        return [crashsim.CRASHED]
+        codes = json.loads(said.removeprefix("ranks exited with codes "))
+        if not set(codes) <= {crashsim.CRASHED, -signal.SIGKILL}:
+            raise
+        return codes
     return []
 
 
@@ -183,8 +205,8 @@ def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO") -> list[st
     codes = _run(_act, base, kind, mode, k, err)
     where = f"{mode} at operation {k}"
     # a helper's death ends the helper, not its rank: the helper's own count tells
-    reached = len(_helper_ops(base)) >= k if kind == "helper" else codes == [crashsim.CRASHED]
-    if mode == "crash" and not reached:
+    reached = len(_helper_ops(base)) >= k if kind == "helper" else crashsim.CRASHED in codes
+    if mode in ("crash", "job") and not reached:
         return [f"{where}: rank {TARGET} never reached it"]
     reports = {r: json.load(open(path)) for r in range(WORLD)
                if os.path.exists(path := os.path.join(base, f"replicated-{r}"))}
@@ -192,7 +214,8 @@ def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO") -> list[st
     if mode == "fault" and len(reports) < WORLD:
         bad.append(f"{where}: ranks {sorted(set(range(WORLD)) - set(reports))} never finished the step")
     # a step every living rank reports fully replicated survives the loss of any one node
-    full = all(reports.values())
+    # (with the whole job killed, only one every rank reported)
+    full = all(reports.values()) and (mode != "job" or len(reports) == WORLD)
     saved = os.path.join(base, "saved")
     os.makedirs(saved)
     for n in (0, 1):
@@ -228,7 +251,10 @@ def _operations(base: str, kind: str) -> list[str]:
                                        pytest.param("plain", "crash", marks=pytest.mark.slow),
                                        pytest.param("plain", "fault", marks=pytest.mark.slow),
                                        pytest.param("helper", "crash", marks=pytest.mark.slow),
-                                       pytest.param("helper", "fault", marks=pytest.mark.slow)])
+                                       pytest.param("helper", "fault", marks=pytest.mark.slow),
+                                       pytest.param("checkpointer", "job", marks=pytest.mark.slow),
+                                       pytest.param("plain", "job", marks=pytest.mark.slow),
+                                       pytest.param("helper", "job", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_step(tmp_path, kind, mode):
     ops = _operations(str(tmp_path / "record"), kind)
     assert len(ops) >= 6, ops  # receive, keep and publish rank 0's files, and the record
@@ -258,10 +284,12 @@ def _repair(rank, world, base, kind, mode, k, err):
     replicas of node 0's, the records) under the plan.  This restore may fail at a fault point; the next one may not."""
     if rank == TARGET:
         crashsim.install()
+    folder = _join(base, mode)
     job = _job(kind, base, rank // PER_NODE)
     if rank == TARGET:
         crashsim.PLAN.log.clear()
         crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = mode, k, err, "dcpds-replicas"
+        crashsim.PLAN.job = folder
     try:
         job.load(_template(rank))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - allowed at a fault point: the
@@ -279,7 +307,9 @@ def _repair(rank, world, base, kind, mode, k, err):
 @pytest.mark.parametrize("kind,mode", [pytest.param("checkpointer", "crash", marks=pytest.mark.slow),
                                        pytest.param("checkpointer", "fault", marks=pytest.mark.slow),
                                        ("incremental", "crash"),
-                                       pytest.param("incremental", "fault", marks=pytest.mark.slow)])
+                                       pytest.param("incremental", "fault", marks=pytest.mark.slow),
+                                       pytest.param("checkpointer", "job", marks=pytest.mark.slow),
+                                       pytest.param("incremental", "job", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_path, kind, mode):
     """Node 1 is replaced; its repair dies (or fails) at each of rank 2's storage operations;
     a fresh job then restores step 2 bit-exactly from what is left (node 0 holds it all).
@@ -304,7 +334,7 @@ def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_
             bad.append(f"{mode} at operation {k} ({ops[k - 1]}): the restore under it: "
                        f"{str(e).strip().splitlines()[-1][:300]}")
             continue
-        if mode == "crash" and codes != [crashsim.CRASHED]:
+        if mode in ("crash", "job") and crashsim.CRASHED not in codes:
             # a directory both ranks of node 1 write into is made by whichever comes first: the
             # count may be one short of the recording's, every operation still a point
             if k <= len(ops) - sum(op.startswith("mkdir ") for op in ops):

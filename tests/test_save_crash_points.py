@@ -5,7 +5,9 @@ Two gloo ranks save into one shared directory (a parallel file system's, as both
 A first save is committed; then, while every rank saves again, one rank (the coordinator, rank
 0, which also commits the manifest and runs retention, or rank 1) dies right after its k-th
 storage operation (any of its threads: a crash point), or that operation fails with EIO (a
-fault point), for every k it makes.  Then a fresh 2-rank job checks:
+fault point), or the whole job is killed there (every rank and every process they started, by
+SIGKILL, as a launcher ends a job when a node fails: no rank cleans up after its save), for
+every k it makes.  Then a fresh 2-rank job checks:
 
 * every directory with a committed manifest loads bit-exactly as a state saved there;
 * the newest loadable state is never older than the one committed before, and is the new one
@@ -36,6 +38,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -140,12 +143,16 @@ def _act(rank, world, run, kind, target, mode, k):
     """``kind`` "process": the storage operations are those of the target's checkpoint process
     (DCP's PROCESS mode), which DCP starts at the save with the plan's hook; the rank goes on."""
     base = os.path.dirname(run)
+    folder = os.path.join(base, "job") if mode == "job" else None
+    if folder is not None:  # every rank (and what it starts) dies at the target's point
+        crashsim.join_job(folder)
+        torch.distributed.barrier()
     if rank == target and kind == "process":
         crashsim.wrap_spawned(os.path.join(base, "plan.json"))
-        crashsim.arm(os.path.join(base, "plan.json"), mode, k, os.path.join(base, "process-ops"))
+        crashsim.arm(os.path.join(base, "plan.json"), mode, k, os.path.join(base, "process-ops"), job=folder)
     elif rank == target:
         crashsim.install()  # every local tier made from now on is counted
-        crashsim.PLAN.mode, crashsim.PLAN.k = mode, k
+        crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.job = mode, k, folder
     job = _Job(kind, run)
     try:
         job.save(2, timeout=20)  # the coordinator waits that long for a dead rank's upload
@@ -223,11 +230,14 @@ def _check(rank, world, run, kind, newest_at_least):
 
 
 def _run(fn, *args) -> bool:
-    """Whether a rank died at its crash point (exit code ``crashsim.CRASHED``)."""
+    """Whether a rank died at its crash point (exit code ``crashsim.CRASHED``), or was killed
+    with the job at one (SIGKILL)."""
     try:
         run_ranks(WORLD, fn, *args, timeout=180)
     except AssertionError as e:
-        if f"{crashsim.CRASHED}" not in str(e) or "exited with codes" not in str(e):
+        said = str(e).strip().splitlines()[-1]
+        if not said.startswith("ranks exited with codes") or not (
+                str(crashsim.CRASHED) in said or str(-signal.SIGKILL) in said):
             raise
         return True
     return False
@@ -244,7 +254,7 @@ def _point(golden: str, base: str, kind: str, target: int, mode: str, k: int, re
         return [f"{where}: the save under it: {str(e).strip().splitlines()[-1][:300]}"]
     if kind == "process":  # the checkpoint process died, not its rank
         crashed = len(_process_ops(run)) >= k
-    if mode == "crash" and not crashed:
+    if mode in ("crash", "job") and not crashed:
         return [] if k > reachable else [f"{where}: never reached"]
     said = {r: open(p).read() for r in range(WORLD) if os.path.exists(p := os.path.join(base, f"said-{r}"))}
     bad = []
@@ -270,12 +280,13 @@ def _point(golden: str, base: str, kind: str, target: int, mode: str, k: int, re
     return bad
 
 
-# every kind, the ranks targeted in it, both modes; the coordinator's crash points with two
-# tiers and in place run in CI, the rest in ``make test-long``
+# every kind, the ranks targeted in it, every mode; the coordinator's crash points with two
+# tiers and in place, and the whole job killed at rank 1's with two tiers, run in CI, the rest
+# in ``make test-long``
 ROWS = [(kind, target, mode) for kind, targets in (("checkpointer", (0, 1)), ("overwrite", (0, 1)), ("async", (0,)),
                                                    ("two-tier", (0, 1)), ("process", (0, 1)))
-        for target in targets for mode in ("crash", "fault")]
-IN_CI = {("two-tier", 0, "crash"), ("overwrite", 0, "crash")}
+        for target in targets for mode in ("crash", "fault", "job")]
+IN_CI = {("two-tier", 0, "crash"), ("overwrite", 0, "crash"), ("two-tier", 1, "job")}
 
 
 @pytest.mark.parametrize("kind,target,mode", [r if r in IN_CI else pytest.param(*r, marks=pytest.mark.slow)
