@@ -1,7 +1,7 @@
 """Restore after a lost node from peer replicas (issue 36), against a restore with nothing lost
 and DCP's ``FileSystemReader``, in one run.
 
-    python benchmarks/bench_replica_restore.py [--nodes 4] [--mib 64] [--reps 3] [--json OUT]
+    python benchmarks/bench_replica_restore.py [--nodes 4] [--mib 64] [--reps 3] [--cold] [--json OUT]
 
 ``--nodes`` nodes of two gloo ranks each are simulated on this machine, each node its own
 node-local directory; every rank holds a ``--mib`` MiB shard of one tensor (a DTensor sharded
@@ -12,8 +12,10 @@ then the load); and the same state saved once with ``dcp.save`` and ``FileSystem
 one shared directory is loaded with ``dcp.load`` and ``FileSystemReader`` (``dcp``).  Each
 figure is the slowest rank's wall time of the load call, median over ``--reps`` rounds, the
 methods interleaved.  Every file stays in the page cache (one disk, no cache dropping): the
-figures are the repair's and the load's own cost, not the drive's.  Also reported: the bytes
-the replacement node holds afterwards against the whole step.
+figures are the repair's and the load's own cost, not the drive's.  With ``--cold`` every file
+of the run is dropped from the page cache before each restore (``POSIX_FADV_DONTNEED``, no root
+needed), so each restore reads the drive.  Also reported: the bytes the replacement node holds
+afterwards against the whole step.
 """
 
 from __future__ import annotations
@@ -98,6 +100,18 @@ def _run(world: int, phase: str, base: str, mib: int) -> float:
     return took
 
 
+def _evict(root: str) -> None:
+    """Drop every file under ``root`` from the page cache (written back first)."""
+    for d, _, names in os.walk(root):
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.startswith(("data-", "part-")))
 
@@ -108,8 +122,10 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=64, help="MiB of state per rank")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dcpds-replica-restore"))
+    ap.add_argument("--cold", action="store_true", help="drop the run's files from the page cache before each restore")
     ap.add_argument("--json")
     a = ap.parse_args()
+    cold = _evict if a.cold else (lambda root: None)
     world = a.nodes * PER_NODE
     runs: dict[str, list[float]] = {"intact": [], "node_lost": [], "dcp": []}
     held = whole = 0
@@ -122,9 +138,12 @@ def main() -> int:
             d = os.path.join(a.dir, f"node{n}", "step-1")
             files.update({f: os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.startswith(("data-", "part-"))})
         whole = sum(files.values())
+        cold(a.dir)
         runs["intact"].append(_run(world, "intact", a.dir, a.mib))
+        cold(a.dir)
         runs["dcp"].append(_run(world, "dcp", a.dir, a.mib))
         shutil.rmtree(os.path.join(a.dir, "node1"))
+        cold(a.dir)
         runs["node_lost"].append(_run(world, "node_lost", a.dir, a.mib))
         held = _bytes(os.path.join(a.dir, "node1", "step-1"))
         print(f"rep {rep}: " + ", ".join(f"{m} {v[-1]:.2f}s" for m, v in runs.items())
@@ -139,7 +158,8 @@ def main() -> int:
           f"keeps {200 / a.nodes:.0f}%)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"nodes": a.nodes, "per_node": PER_NODE, "mib_per_rank": a.mib, "runs": runs, "median": med,
+            json.dump({"nodes": a.nodes, "per_node": PER_NODE, "mib_per_rank": a.mib, "cold": a.cold, "runs": runs,
+                       "median": med,
                        "new_node_bytes": held, "step_bytes": whole,
                        "date": time.strftime("%Y-%m-%d")}, f, indent=1)
     return 0

@@ -198,7 +198,10 @@ class DataStatesReader(StorageReader):
         """DCP: read every item of ``plan`` (coverage checked first, every block verified,
         slower tiers used for what the first cannot serve) and hand it to ``planner``."""
         with paused_gc():  # a few records and buffers per item, none cyclic
-            self._read_plan(plan, planner)
+            if self._local is None:
+                self._read_plan(plan, planner)
+            else:
+                self._read_node_local(plan, planner, self._local)
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -239,13 +242,27 @@ class DataStatesReader(StorageReader):
         raise errors[0]
 
     # ------------------------------------------------------------------ reads
-    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _read_node_local(self, plan: LoadPlan, planner: LoadPlanner, local: NodeLocalLoad) -> None:
+        """A node-local load reads what its node holds once, checking each block as it reads
+        (``NodeLocalLoad``); where a copy turns out damaged or missing on any rank, every rank
+        reads again once its node's copies are checked whole and the bad ones replaced."""
+        failed: BaseException | None = None
+        try:
+            self._read_plan(plan, planner)
+        except Exception as e:  # noqa: BLE001 - raised below unless read again: every rank must vote
+            failed = e
+        if local.again(failed):
+            self._read_plan(plan, planner, verify_copies=self.verify)
+        elif failed is not None:
+            raise failed
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner, verify_copies: bool = False) -> None:
         tiers = self._tiers()
         m = self.manifest or self._load_manifest()
         self.manifest = m
         stats = self.stats = ReadStats()
         if self._local is not None:
-            self._local.before_reads(m, plan.items)
+            self._local.before_reads(m, plan.items, verify_copies)
         coop = self._cooperation(plan)
         try:
             tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]

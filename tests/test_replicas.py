@@ -272,6 +272,42 @@ def test_a_node_that_cannot_store_the_manifest_sent_to_it_leaves_no_rank_waiting
     assert not os.path.exists(os.path.join(base, "node1", "step-5", MANIFEST_NAME))
 
 
+def _count_reads(node: int, base: str) -> None:
+    """Tally the bytes this rank reads from its node's copy of step 5's data files, per file,
+    into base/reads-n<node>-<pid> (JSON)."""
+    real, tally = StorageTier.read_into, {}
+    path = os.path.join(base, f"reads-n{node}-{os.getpid()}")
+
+    def read_into(self, name, offset, buf, **kw):
+        got = real(self, name, offset, buf, **kw)
+        if self.url.endswith(os.path.join(f"node{node}", "step-5")) and name.startswith("data-"):
+            tally[name] = tally.get(name, 0) + got
+            with open(path, "w") as f:
+                json.dump(tally, f)
+        return got
+
+    StorageTier.read_into = read_into
+
+
+def test_a_restore_with_nothing_lost_reads_each_file_once(tmp_path):
+    """Every node holds its files intact: the repair checks them by size and reads none, the
+    load reads each byte once and checks it against its block digests (a copy found damaged
+    then is repaired and read again: ``test_a_corrupt_copy_is_replaced_by_a_good_replica``)."""
+    base = str(tmp_path)
+    _killed(4, base, False)
+    run_ranks(4, _restore, base, False, 5, None, 1, _count_reads)
+    for node in (0, 1):
+        step = os.path.join(base, f"node{node}", "step-5")
+        read: dict[str, int] = {}
+        for n in os.listdir(base):
+            if n.startswith(f"reads-n{node}-"):
+                for name, got in json.load(open(os.path.join(base, n))).items():
+                    read[name] = read.get(name, 0) + got
+        assert read, node
+        for name, got in read.items():
+            assert got <= os.path.getsize(os.path.join(step, name)), (node, name, got, read)
+
+
 def _flip_middle(path: str) -> None:
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)

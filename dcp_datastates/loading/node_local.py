@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from ..errors import ChecksumMismatch, DataFileError, ManifestError, first_line
 from ..format.model import Chunk, Manifest
 from ..format.names import rank_file_of
 from ..tiers.replica_repair import NodeRepair
@@ -26,10 +27,17 @@ from ..tiers.storage import StorageTier
 log = logging.getLogger(__name__)
 
 
+# what a read of a damaged, cut or missing copy raises (``loading/files.py``): a copy another
+# node holds may serve it
+DAMAGE = (ChecksumMismatch, DataFileError, ManifestError, OSError)
+
+
 class NodeLocalLoad:
     """One load's repair of this node's directory, as the reader drives it: ``before_manifest``
     (the survey: a collective in ``read_metadata``), then ``before_reads`` (this node given
-    what its ranks read: a collective at the start of ``read_data``)."""
+    what its ranks read that it lacks: a collective at the start of ``read_data``), then, after
+    the reads, ``again`` (a collective: whether some rank met a damaged copy, and if so the
+    survey once more, before the reads are made again with ``before_reads(verify=True)``)."""
 
     def __init__(self, repair: NodeRepair) -> None:
         self.repair = repair
@@ -50,16 +58,34 @@ class NodeLocalLoad:
             log.warning("%s: some files are on no node; the load reads them from the fallback tiers or "
                         "fails naming them", self.repair.tier.url)
 
-    def before_reads(self, m: Manifest, items: Iterable[ReadItem]) -> None:
+    def before_reads(self, m: Manifest, items: Iterable[ReadItem], verify: bool = False) -> None:
         """A rank whose plan names what the manifest lacks asks for nothing and fails when it
-        reads, naming the record; it still takes part."""
+        reads, naming the record; it still takes part.  ``verify``: what the node holds is
+        hashed and checked against its recorded digests first (``NodeRepair.fetch``)."""
         try:
             needs: set[str] | None = files_read(m, items)
         except Exception as e:  # noqa: BLE001 - logged; the collective must not be skipped
             log.warning("%s: the files this rank reads could not be told before the load (%s)",
                         self.repair.tier.url, e)
             needs = None
-        self.repair.fetch(needs)
+        self.repair.fetch(needs, verify)
+
+    def again(self, failed: BaseException | None) -> bool:
+        """After this rank's reads (``failed``: what they raised, None where they did not), on
+        every rank of the load's group: whether some rank's reads met a damaged, cut or missing
+        copy.  If so, the survey runs again (what the nodes hold has changed since the first),
+        and every rank is to read again after ``before_reads(verify=True)``."""
+        votes: list = [None] * dist.get_world_size(self.repair.pg)
+        dist.all_gather_object(votes, isinstance(failed, DAMAGE), group=self.repair.pg)
+        if not any(votes):
+            return False
+        log.warning("%s: rank(s) %s read a damaged or missing copy%s; every node checks what its ranks read "
+                    "against the recorded digests, takes good copies from the others, and the load reads again",
+                    self.repair.label, [r for r, v in enumerate(votes) if v],
+                    f" (here: {first_line(failed, 300)})" if failed is not None else "")
+        self.repair.forget()
+        self.before_manifest()
+        return True
 
 
 def chunk_files(chunk: Chunk) -> set[str]:

@@ -8,10 +8,13 @@ replicated (``replicas.py``).  Collectives over the replicator's group, in two s
    reads the file list from its own node's copy (sent only where a node has none); the answer
    is whether every file the manifest lists is held, at its size, on some node.
 2. ``NodeRepair.fetch`` (once each rank knows its load plan, ``loading/node_local.py``): each node
-   hashes the files its ranks read that it holds, checks them against their recorded digests,
-   and receives those it lacks or holds damaged, each from a node that holds it.  A node never
-   receives a file its ranks do not read: a node lost from a large job is given back its share,
-   not the whole checkpoint."""
+   receives the files its ranks read that it lacks, each from a node that holds it, checked on
+   arrival against the digest recorded when it was replicated.  What a node holds at its size
+   is read once, by the load, which checks every block against its digest; where some rank's
+   load meets a damaged copy, every rank surveys again and fetches with ``verify``: a node then
+   hashes what its ranks read, and receives what it holds damaged too.  A node never receives
+   a file its ranks do not read: a node lost from a large job is given back its share, not the
+   whole checkpoint."""
 
 from __future__ import annotations
 
@@ -205,6 +208,10 @@ class NodeRepair:
         self._survey: Survey | None = None
         self._complete: bool | None = None
 
+    def forget(self) -> None:
+        """Survey anew at the next ``survey`` (what the nodes hold has changed since)."""
+        self._survey, self._complete, self._earlier = None, None, []
+
     def _gather(self, obj) -> list:
         return self.rep.group.all_gather_object(obj)
 
@@ -303,29 +310,30 @@ class NodeRepair:
             return None
         return self.rep.group.broadcast_object(got, first)
 
-    def fetch(self, needs: Iterable[str] | None) -> bool:
+    def fetch(self, needs: Iterable[str] | None, verify: bool = False) -> bool:
         """Step 2 (a collective): this node given the files its ranks read (``needs``: this
         rank's; None: it reads nothing from this node, or could not tell) and, with replicas,
-        its place among them (``_places``).  What its ranks read is hashed first and checked
-        against its recorded digest; a copy it keeps only for others is checked by size (a
-        node that receives it checks its digest).  The ranks of a node share the hashing and
+        its place among them (``_places``).  A file it holds at its size is kept unread (the
+        load checks each block it reads); with ``verify``, what its ranks read is hashed first
+        and checked against its recorded digest, and received again where it does not match.
+        Whatever it receives is checked on arrival.  The ranks of a node share the hashing and
         the transfers (the ``i``-th file or move of a node to its ``i``-th rank, modulo their
         number).  Returns whether every node holds every file it was to hold; False at once
         where the survey found no manifest on any node (every rank knows it alike: the load
         then reads a slower tier)."""
-        return self.rep.in_turn(lambda: self._fetched(needs), self.label)
+        return self.rep.in_turn(lambda: self._fetched(needs, verify), self.label)
 
-    def _fetched(self, needs: Iterable[str] | None) -> bool:
+    def _fetched(self, needs: Iterable[str] | None, verify: bool) -> bool:
         s = self._survey
         if s is None:
             return False
         needs = set(needs) if needs is not None else None
-        ok = self._fetch(s, needs)
+        ok = self._fetch(s, needs, verify)
         for e in self._earlier:  # the same on every rank (``survey``)
-            ok = e.fetch(needs) and ok
+            ok = e.fetch(needs, verify) and ok
         return ok
 
-    def _fetch(self, s: Survey, needs: Iterable[str] | None) -> bool:
+    def _fetch(self, s: Survey, needs: Iterable[str] | None, verify: bool) -> bool:
         t0, hashed, received = time.perf_counter(), 0, 0
         reads: dict[str, set[str]] = {n: set() for n in self.ranks}
         mine = sorted(n for n in needs if n in s.files) if needs is not None else None
@@ -339,7 +347,7 @@ class NodeRepair:
         for name in sorted(per_node[self.node])[mates.index(self.rep.peers.me)::len(mates)]:
             if s.listings.get(self.node, _NOTHING).sizes.get(name) != s.files[name]:
                 lacking.append(name)
-            elif name in reads[self.node] and name in s.recorded:
+            elif verify and name in reads[self.node] and name in s.recorded:
                 hashed += s.files[name]
                 if _digest(self.tier, name) != s.recorded[name]:
                     log.warning("%s: this node's copy of %s does not match its recorded digest", self.label, name)
