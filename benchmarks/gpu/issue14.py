@@ -98,11 +98,37 @@ def rss() -> int:
     return 0
 
 
+def _kib_fields(path: str, names: tuple[str, ...]) -> dict[str, int]:
+    out = {}
+    with open(path) as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in names:
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+# where host memory can hide from VmRSS: pinned pages (VmPin, VmLck), the anonymous, file-backed
+# and shared parts of RSS, and the machine's used memory (MemTotal - MemAvailable), which grows
+# with any pinned allocation, however the driver maps it
+_STATUS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmPin", "VmLck")
+
+
+def mem_status() -> dict[str, float]:
+    """This process's memory counters and the machine's used memory, in GB."""
+    got = _kib_fields("/proc/self/status", _STATUS)
+    info = _kib_fields("/proc/meminfo", ("MemTotal", "MemAvailable"))
+    got["machine_used"] = info.get("MemTotal", 0) - info.get("MemAvailable", 0)
+    return {k: round(v / 1e9, 3) for k, v in got.items()}
+
+
 class PeakRSS:
-    """Samples RSS every 10 ms on a thread while open."""
+    """Samples RSS every 10 ms on a thread while open; the other counters (``mem_status``) at
+    the start and the end."""
 
     def __enter__(self):
         self.start = self.peak = rss()
+        self.status_start = mem_status()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -116,6 +142,7 @@ class PeakRSS:
         self._stop.set()
         self._t.join()
         self.peak = max(self.peak, rss())
+        self.status_end = mem_status()
 
 
 def drop_page_cache(paths: list[str]) -> str:
@@ -374,7 +401,8 @@ def main() -> int:
             del prepared
             res = {"stall_s": [round(v, 3) for v in stalls], "commit_s": [round(v, 2) for v in commits],
                    "rss_growth_GB": round((mem.peak - mem.start) / 1e9, 2),
-                   "rss_start_GB": round(mem.start / 1e9, 2), "rss_end_GB": round(rss() / 1e9, 2)}
+                   "rss_start_GB": round(mem.start / 1e9, 2), "rss_end_GB": round(rss() / 1e9, 2),
+                   "mem_start_GB": mem.status_start, "mem_end_GB": mem.status_end}
             if len(stalls) > 1:
                 steady = sum(stalls[1:]) / len(stalls[1:])
                 res["first_vs_steady"] = round(stalls[0] / max(steady, 1e-9), 2)
