@@ -272,21 +272,36 @@ def test_a_node_that_cannot_store_the_manifest_sent_to_it_leaves_no_rank_waiting
     assert not os.path.exists(os.path.join(base, "node1", "step-5", MANIFEST_NAME))
 
 
-def _count_reads(node: int, base: str) -> None:
-    """Tally the bytes this rank reads from its node's copy of step 5's data files, per file,
-    into base/reads-n<node>-<pid> (JSON)."""
-    real, tally = StorageTier.read_into, {}
-    path = os.path.join(base, f"reads-n{node}-{os.getpid()}")
+def _on_reads(seen) -> None:
+    """Call ``seen(path, nbytes)`` before every read this process makes from a stored file:
+    through the storage seam (``StorageTier.read_into``: the repair's hashing and sending, the
+    reader's batched small reads) and through the reader's open descriptors (``read_range``)."""
+    from dcp_datastates.loading import files as loading_files
+    real_into, real_range = StorageTier.read_into, loading_files.read_range
 
     def read_into(self, name, offset, buf, **kw):
-        got = real(self, name, offset, buf, **kw)
-        if self.url.endswith(os.path.join(f"node{node}", "step-5")) and name.startswith("data-"):
-            tally[name] = tally.get(name, 0) + got
-            with open(path, "w") as f:
-                json.dump(tally, f)
-        return got
+        seen(os.path.join(self.url, name), memoryview(buf).nbytes)
+        return real_into(self, name, offset, buf, **kw)
 
-    StorageTier.read_into = read_into
+    def read_range(fd, offset, mv, *args, **kw):
+        seen(os.readlink(f"/proc/self/fd/{fd}"), mv.nbytes)
+        return real_range(fd, offset, mv, *args, **kw)
+
+    StorageTier.read_into, loading_files.read_range = read_into, read_range
+
+
+def _count_reads(node: int, base: str) -> None:
+    """Tally the bytes this rank asks of its node's copy of step 5's data files, per file, into
+    base/reads-n<node>-<pid> (JSON)."""
+    tally: dict[str, int] = {}
+    out, step = os.path.join(base, f"reads-n{node}-{os.getpid()}"), os.path.join(base, f"node{node}", "step-5")
+
+    def seen(path: str, nbytes: int) -> None:
+        if os.path.dirname(path) == step and os.path.basename(path).startswith("data-"):
+            tally[os.path.basename(path)] = tally.get(os.path.basename(path), 0) + nbytes
+            with open(out, "w") as f:
+                json.dump(tally, f)
+    _on_reads(seen)
 
 
 def test_a_restore_with_nothing_lost_reads_each_file_once(tmp_path):
@@ -327,6 +342,34 @@ def test_a_corrupt_copy_is_replaced_by_a_good_replica(tmp_path):
     run_ranks(4, _restore, base, False, 5)
     with open(os.path.join(step, bad), "rb") as a, open(os.path.join(base, "node1", "step-5", bad), "rb") as b:
         assert a.read() == b.read()
+
+
+def _unreadable_until_replaced(node: int, base: str) -> None:
+    """Node 0's copy of rank 0's data file of step 5 fails every read with EIO (a bad sector)
+    until another file is put in its place."""
+    if node != 0:
+        return
+    step = os.path.join(base, "node0", "step-5")
+    path = os.path.join(step, next(n for n in sorted(os.listdir(step)) if n.startswith("data-r00000-")))
+    bad = os.stat(path).st_ino
+
+    def seen(p: str, nbytes: int) -> None:
+        if p == path and os.stat(path).st_ino == bad:
+            raise OSError(errno.EIO, "Input/output error", path)
+    _on_reads(seen)
+
+
+def test_a_copy_that_cannot_be_read_is_replaced_by_a_good_replica(tmp_path):
+    """Node 0's own copy of rank 0's data file fails its reads: the load's first reads fail, every
+    node checks what its ranks read, the unreadable copy is replaced by node 1's replica and
+    step 5 loads bit-exactly, in the same call."""
+    base = str(tmp_path)
+    _killed(4, base, False)
+    step = os.path.join(base, "node0", "step-5")
+    name = next(n for n in sorted(os.listdir(step)) if n.startswith("data-r00000-"))
+    before = os.stat(os.path.join(step, name)).st_ino
+    run_ranks(4, _restore, base, False, 5, None, 1, _unreadable_until_replaced)
+    assert os.stat(os.path.join(step, name)).st_ino != before
 
 
 def _reads_damaged(node: int, base: str) -> None:
