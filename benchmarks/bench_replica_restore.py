@@ -102,14 +102,9 @@ def _run(world: int, phase: str, base: str, mib: int) -> float:
 
 def _evict(root: str) -> None:
     """Drop every file under ``root`` from the page cache (written back first)."""
-    for d, _, names in os.walk(root):
-        for n in names:
-            fd = os.open(os.path.join(d, n), os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    from dcp_datastates.tiers.direct_io import evict_from_page_cache
+    for d, _, _names in os.walk(root):
+        evict_from_page_cache(d)
 
 
 def _bytes(path: str) -> int:
