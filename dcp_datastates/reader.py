@@ -15,10 +15,7 @@ import io
 import logging
 import math
 import pickle
-import time
 from collections import defaultdict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 import torch.distributed as dist
@@ -30,8 +27,6 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from .engine import upload
-from .engine.upload import DeviceUpload
 from .errors import (
     ChecksumMismatch,
     CoverageError,
@@ -44,14 +39,14 @@ from .format.model import ValueEntry
 from .format.values import decode_value
 from .gcpause import paused_gc
 from .loading.cooperative import Cooperation, cooperative_for, group_for
-from .loading.files import Fetcher, FileSet, ReadStats
+from .loading.files import ReadStats
 from .loading.metadata import manifest_to_metadata
 from .loading.node_local import NodeLocalLoad
-from .loading.ranges import COALESCE_GAP, batches, coalesce
+from .loading.reads import ReadOptions, read_tasks
 from .loading.tasks import ReadTask, SmallTask, is_whole, small_whole
 from .options import url_tuple
 from .planner import deliver_object
-from .tiers import StorageTier, read_path
+from .tiers import StorageTier
 from .tiers.manifests import load_manifest
 from .tiers.replica_repair import NodeRepair
 
@@ -125,6 +120,7 @@ class DataStatesReader(StorageReader):
         self.fallback = list(url_tuple(fallback))
         self.fallback_options = fallback_options
         self.o_direct = o_direct
+        self._options = ReadOptions(self.thread_count, verify, o_direct)
         self.save_id = save_id
         self.cooperative = cooperative
         self.process_group = process_group
@@ -200,8 +196,8 @@ class DataStatesReader(StorageReader):
         with paused_gc():  # a few records and buffers per item, none cyclic
             if self._local is None:
                 self._read_plan(plan, planner)
-            else:
-                self._read_node_local(plan, planner, self._local)
+            else:  # read again where some rank met a damaged copy, once the copies are checked
+                self._local.read(lambda check: self._read_plan(plan, planner, check), self.verify)
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -242,20 +238,6 @@ class DataStatesReader(StorageReader):
         raise errors[0]
 
     # ------------------------------------------------------------------ reads
-    def _read_node_local(self, plan: LoadPlan, planner: LoadPlanner, local: NodeLocalLoad) -> None:
-        """A node-local load reads what its node holds once, checking each block as it reads
-        (``NodeLocalLoad``); where a copy turns out damaged or missing on any rank, every rank
-        reads again once its node's copies are checked whole and the bad ones replaced."""
-        failed: BaseException | None = None
-        try:
-            self._read_plan(plan, planner)
-        except Exception as e:  # noqa: BLE001 - raised below unless read again: every rank must vote
-            failed = e
-        if local.again(failed):
-            self._read_plan(plan, planner, verify_copies=self.verify)
-        elif failed is not None:
-            raise failed
-
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner, verify_copies: bool = False) -> None:
         tiers = self._tiers()
         m = self.manifest or self._load_manifest()
@@ -272,39 +254,7 @@ class DataStatesReader(StorageReader):
             if coop is not None:  # the other ranks are about to ask: say this rank failed, then raise
                 coop.plan(None, m.block_size)
             raise
-        stats.bytes_needed = sum(t.needed for t in tasks)
-        gpu = [t for t in tasks if t.dest is not None and t.dest.device.type == "cuda"]
-        up = DeviceUpload({t.dest.device for t in gpu if t.dest is not None}) if gpu and upload.usable() else None
-        for t in gpu:
-            t.attach_upload(up)
-        share = coop.plan(tasks, m.block_size) if coop is not None else None
-        files = FileSet(tiers, m.homes)
-        fetch = Fetcher(files, stats, verify=self.verify, o_direct=self.o_direct)
-        try:
-            total = sum(t.buf_size for t in tasks)
-            if self.o_direct == "auto" and total >= read_path.PROBE_MIN_LOAD:
-                fetch.probe(tasks, self.thread_count)
-            reads = share.reads if share is not None else [(t, i) for t in tasks for i in range(len(t.ranges))]
-            # threads pay off for large reads; for small ones they only contend for the GIL
-            threads = max(1, min(self.thread_count, total // (4 << 20)))
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads, thread_name_prefix="dcpds-read") as pool:
-                if share is not None and coop is not None:
-                    coop.open(share)  # receives posted; each block is sent once the range holding it is read
-                    failed = _fetch_all(pool, fetch, reads, done=lambda pieces: coop.ready(share, pieces))
-                else:
-                    failed = _fetch_all(pool, fetch, reads)
-                stats.read_s = time.perf_counter() - t0
-                if share is not None and coop is not None:  # the exchange ends; what it could not bring is read
-                    coop.finish(share, fetch, [p for run, _e in failed for p in run], stats, verify=self.verify)
-                if failed:
-                    raise failed[0][1]
-                for _ in pool.map(lambda b: [t.finalize() for t in b], batches(tasks, lambda t: t.buf_size)):
-                    pass
-            if up is not None:
-                up.finish()  # every upload landed before the planner sees the tensors
-        finally:
-            files.close()
+        share = read_tasks(tasks, tiers, m.homes, m.block_size, coop, stats, self._options)
         self._deliver_all(tasks, planner)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if len(tiers) > 1 and stats.served:
@@ -447,38 +397,6 @@ def _deliver(ri: ReadItem, planner, value, *, tensor: bool = False) -> None:
 class LoadTerms:
     """What the coordinator tells every rank about a load: whether it is cooperative."""
     cooperative: bool
-
-
-def _fetch_all(pool: ThreadPoolExecutor, fetch: Fetcher, reads: list,
-               done: Callable[[list], None] | None = None) -> list:
-    """Read ``reads`` (pieces of tasks) on ``pool``: runs of small ones coalesced, the rest one
-    by one; the first error raises.  With ``done`` (a cooperative load), called on this thread
-    with the pieces of each run or batch as it ends, failed or not: no gap is read between
-    pieces (its bytes are another rank's to read), and a run or batch that failed, whatever
-    the error, is returned as ``(pieces, error)`` while the rest are read on: the peers waiting
-    for its blocks learn they were not read, then the caller raises."""
-    runs, pieces = coalesce(reads, gap=COALESCE_GAP if done is None else 0)
-
-    def each(run: list) -> None:
-        for p in run:
-            fetch.piece(*p)
-
-    jobs = [(fetch.run, run) for run in runs]
-    jobs += [(each, b) for b in batches(pieces, lambda p: p[0].ranges[p[1]].nbytes)]
-    if done is None:
-        for _ in pool.map(lambda j: j[0](j[1]), jobs):
-            pass
-        return []
-    failed = []
-    futures = {pool.submit(fn, batch): batch for fn, batch in jobs}
-    for f in as_completed(futures):
-        e = f.exception()
-        if e is not None:
-            if not isinstance(e, Exception):  # an interrupt: nothing to wait for
-                raise e
-            failed.append((futures[f], e))  # raised once the peers know what was not read
-        done(futures[f])
-    return failed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -69,6 +69,21 @@ class NodeLocalLoad:
                         self.repair.tier.url, e)
             needs = None
         self.repair.fetch(needs, verify)
+
+    def read(self, read: Callable[[bool], None], verify: bool) -> None:
+        """This rank's reads (``read``, one pass; its argument: whether ``before_reads`` checks
+        the node's copies whole first), made once; and again, on every rank, where some rank's
+        pass met a damaged, cut or missing copy (``again``), with the copies checked
+        (``verify``: the load's own setting) and the bad ones replaced from other nodes."""
+        failed: BaseException | None = None
+        try:
+            read(False)
+        except Exception as e:  # noqa: BLE001 - raised below unless read again: every rank must vote
+            failed = e
+        if self.again(failed):
+            read(verify)
+        elif failed is not None:
+            raise failed
 
     def again(self, failed: BaseException | None) -> bool:
         """After this rank's reads (``failed``: what they raised, None where they did not), on
