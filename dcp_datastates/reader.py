@@ -238,7 +238,8 @@ class DataStatesReader(StorageReader):
         raise errors[0]
 
     # ------------------------------------------------------------------ reads
-    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner, verify_copies: bool = False) -> None:
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner, verify_copies: bool = False) -> bool:
+        """One pass of this rank's reads; whether a tier other than the first served some."""
         tiers = self._tiers()
         m = self.manifest or self._load_manifest()
         self.manifest = m
@@ -265,6 +266,7 @@ class DataStatesReader(StorageReader):
                      "ranks; plan %.3f s, reads %.3f s, exchange %.3f s", rank, stats.bytes_read / 2**20,
                      stats.bytes_received / 2**20, stats.bytes_sent / 2**20, stats.plan_s, stats.read_s,
                      stats.exchange_s)
+        return any(url != tiers[0].url for url in stats.served)
 
     def _cooperation(self, plan: LoadPlan) -> Cooperation | None:
         """The cooperative load the coordinator agreed on for every rank (``LoadTerms``)."""

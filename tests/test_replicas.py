@@ -372,6 +372,33 @@ def test_a_copy_that_cannot_be_read_is_replaced_by_a_good_replica(tmp_path):
     assert os.stat(os.path.join(step, name)).st_ino != before
 
 
+def _restore_step_4(rank, world, base):
+    """Restore step 4, which the persistent tier holds too, with node 0's copy of rank 0's data
+    file of it rotted (done by the test before)."""
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    ckpt = Checkpointer(_tiers(base, node, True), node_local=True, persist_every=3, replicas=1,
+                        node=f"n{node}", process_group=dist.new_group(backend="gloo"))
+    sd = _state(model, opt)
+    assert ckpt.load(sd, step=4) == 4
+    assert sd["extra"]["step"] == 4
+    ckpt.close()
+
+
+def test_a_damaged_copy_read_from_the_persistent_tier_is_repaired_on_its_node(tmp_path):
+    """Node 0's copy of a file of step 4 rots; the persistent tier holds step 4, so the load
+    reads that file from there and succeeds; the node's copy is still replaced by the good
+    replica, so that the next restore reads it from the node again."""
+    base = str(tmp_path)
+    _killed(4, base, True)
+    step = os.path.join(base, "node0", "step-4")
+    bad = next(n for n in sorted(os.listdir(step)) if n.startswith("data-r00000-"))
+    _flip_middle(os.path.join(step, bad))
+    run_ranks(4, _restore_step_4, base)
+    with open(os.path.join(step, bad), "rb") as a, open(os.path.join(base, "node1", "step-4", bad), "rb") as b:
+        assert a.read() == b.read()
+
+
 def _reads_damaged(node: int, base: str) -> None:
     """Storage on nodes 0 and 2 whose copy of rank 2's data file of step 5 reads back damaged
     (a failing device; its size still right) in the first of their processes to read it."""

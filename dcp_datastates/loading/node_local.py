@@ -41,6 +41,7 @@ class NodeLocalLoad:
 
     def __init__(self, repair: NodeRepair) -> None:
         self.repair = repair
+        self._needs: set[str] | None = None  # the files this rank's reads need (``before_reads``)
 
     @classmethod
     def of(cls, tier: StorageTier, process_group=None, node: str | None = None,
@@ -63,44 +64,60 @@ class NodeLocalLoad:
         reads, naming the record; it still takes part.  ``verify``: what the node holds is
         hashed and checked against its recorded digests first (``NodeRepair.fetch``)."""
         try:
-            needs: set[str] | None = files_read(m, items)
+            self._needs = files_read(m, items)
         except Exception as e:  # noqa: BLE001 - logged; the collective must not be skipped
             log.warning("%s: the files this rank reads could not be told before the load (%s)",
                         self.repair.tier.url, e)
-            needs = None
-        self.repair.fetch(needs, verify)
+            self._needs = None
+        self.repair.fetch(self._needs, verify)
 
-    def read(self, read: Callable[[bool], None], verify: bool) -> None:
+    def read(self, read: Callable[[bool], bool], verify: bool) -> None:
         """This rank's reads (``read``, one pass; its argument: whether ``before_reads`` checks
-        the node's copies whole first), made once; and again, on every rank, where some rank's
-        pass met a damaged, cut or missing copy (``again``), with the copies checked
-        (``verify``: the load's own setting) and the bad ones replaced from other nodes."""
+        the node's copies whole first; it returns whether a slower tier served some of them),
+        made once; and again, on every rank, where some rank's pass met a damaged, cut or
+        missing copy (``again``), with the copies checked (``verify``: the load's own setting)
+        and the bad ones replaced from other nodes.  Where a slower tier served what a node's
+        copy could not, the load stands and the copies are checked and replaced all the same,
+        so that the next restore reads them from the nodes again."""
         failed: BaseException | None = None
+        elsewhere = False
         try:
-            read(False)
+            elsewhere = read(False)
         except Exception as e:  # noqa: BLE001 - raised below unless read again: every rank must vote
             failed = e
-        if self.again(failed):
+        damaged, any_elsewhere = self.again(failed, elsewhere)
+        if damaged:
             read(verify)
-        elif failed is not None:
+            return
+        if any_elsewhere:  # on every rank, before any raises: a collective
+            self.repair.fetch(self._needs, True)
+        if failed is not None:
             raise failed
 
-    def again(self, failed: BaseException | None) -> bool:
-        """After this rank's reads (``failed``: what they raised, None where they did not), on
-        every rank of the load's group: whether some rank's reads met a damaged, cut or missing
-        copy.  If so, the survey runs again (what the nodes hold has changed since the first),
-        and every rank is to read again after ``before_reads(verify=True)``."""
+    def again(self, failed: BaseException | None, elsewhere: bool) -> tuple[bool, bool]:
+        """After this rank's reads (``failed``: what they raised, None where they did not;
+        ``elsewhere``: whether a slower tier served some), on every rank of the load's group:
+        whether some rank's reads met a damaged, cut or missing copy, and whether some rank
+        read from a slower tier.  If either, the survey runs again (what the nodes hold may
+        have changed since the first)."""
         votes: list = [None] * dist.get_world_size(self.repair.pg)
-        dist.all_gather_object(votes, isinstance(failed, DAMAGE), group=self.repair.pg)
-        if not any(votes):
-            return False
-        log.warning("%s: rank(s) %s read a damaged or missing copy%s; every node checks what its ranks read "
-                    "against the recorded digests, takes good copies from the others, and the load reads again",
-                    self.repair.label, [r for r, v in enumerate(votes) if v],
-                    f" (here: {first_line(failed, 300)})" if failed is not None else "")
+        dist.all_gather_object(votes, (isinstance(failed, DAMAGE), elsewhere), group=self.repair.pg)
+        damaged = [r for r, v in enumerate(votes) if v[0]]
+        served = [r for r, v in enumerate(votes) if v[1]]
+        if not damaged and not served:
+            return False, False
+        here = f" (here: {first_line(failed, 300)})" if failed is not None else ""
+        if damaged:
+            log.warning("%s: rank(s) %s read a damaged or missing copy%s; every node checks what its ranks read "
+                        "against the recorded digests, takes good copies from the others, and the load reads "
+                        "again", self.repair.label, damaged, here)
+        else:
+            log.warning("%s: rank(s) %s read from a slower tier what their node's copy could not serve; every "
+                        "node checks what its ranks read against the recorded digests and takes good copies "
+                        "from the others", self.repair.label, served)
         self.repair.forget()
         self.before_manifest()
-        return True
+        return bool(damaged), bool(served)
 
 
 def chunk_files(chunk: Chunk) -> set[str]:
