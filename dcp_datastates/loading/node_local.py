@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -32,12 +33,21 @@ log = logging.getLogger(__name__)
 DAMAGE = (ChecksumMismatch, DataFileError, ManifestError, OSError)
 
 
+@dataclass(frozen=True)
+class ReadsSeen:
+    """What every rank's first pass of reads met (``NodeLocalLoad.again``)."""
+
+    damaged: bool  # some rank met a damaged, cut or missing copy: every rank reads again
+    served_elsewhere: bool  # some rank read from a slower tier what its node's copy could not serve
+
+
 class NodeLocalLoad:
     """One load's repair of this node's directory, as the reader drives it: ``before_manifest``
     (the survey: a collective in ``read_metadata``), then ``before_reads`` (this node given
-    what its ranks read that it lacks: a collective at the start of ``read_data``), then, after
-    the reads, ``again`` (a collective: whether some rank met a damaged copy, and if so the
-    survey once more, before the reads are made again with ``before_reads(verify=True)``)."""
+    what its ranks read that it lacks: a collective at the start of ``read_data``), the reads
+    themselves through ``read``, and after them ``again`` (a collective: whether some rank met a
+    damaged copy, or read from a slower tier; if so the survey once more, then the checked
+    fetch, and the reads made again where a copy was damaged)."""
 
     def __init__(self, repair: NodeRepair) -> None:
         self.repair = repair
@@ -85,16 +95,16 @@ class NodeLocalLoad:
             elsewhere = read(False)
         except Exception as e:  # noqa: BLE001 - raised below unless read again: every rank must vote
             failed = e
-        damaged, any_elsewhere = self.again(failed, elsewhere)
-        if damaged:
+        seen = self.again(failed, elsewhere)
+        if seen.damaged:
             read(verify)
             return
-        if any_elsewhere:  # on every rank, before any raises: a collective
+        if seen.served_elsewhere:  # on every rank, before any raises: a collective
             self.repair.fetch(self._needs, True)
         if failed is not None:
             raise failed
 
-    def again(self, failed: BaseException | None, elsewhere: bool) -> tuple[bool, bool]:
+    def again(self, failed: BaseException | None, elsewhere: bool) -> "ReadsSeen":
         """After this rank's reads (``failed``: what they raised, None where they did not;
         ``elsewhere``: whether a slower tier served some), on every rank of the load's group:
         whether some rank's reads met a damaged, cut or missing copy, and whether some rank
@@ -105,7 +115,7 @@ class NodeLocalLoad:
         damaged = [r for r, v in enumerate(votes) if v[0]]
         served = [r for r, v in enumerate(votes) if v[1]]
         if not damaged and not served:
-            return False, False
+            return ReadsSeen(False, False)
         here = f" (here: {first_line(failed, 300)})" if failed is not None else ""
         if damaged:
             log.warning("%s: rank(s) %s read a damaged or missing copy%s; every node checks what its ranks read "
@@ -117,7 +127,7 @@ class NodeLocalLoad:
                         "from the others", self.repair.label, served)
         self.repair.forget()
         self.before_manifest()
-        return bool(damaged), bool(served)
+        return ReadsSeen(bool(damaged), bool(served))
 
 
 def chunk_files(chunk: Chunk) -> set[str]:
