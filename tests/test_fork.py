@@ -11,6 +11,7 @@ that of a trainer, not of the test runner."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -121,7 +122,14 @@ def _pipe_of_a_later_worker() -> None:
         time.sleep(0.01)
     time.sleep(0.1)
     r, w = os.pipe()
-    os.dup2(r, old)  # a later descriptor that took the number
+    for _ in range(500):  # a later descriptor that took the number
+        try:
+            os.dup2(r, old)
+            break
+        except OSError as e:  # EBUSY: another thread is opening a file under that number now
+            if e.errno != errno.EBUSY:
+                raise
+            time.sleep(0.01)
     pid = os.fork()
     if pid == 0:
         try:
