@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
-import time
+import threading
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -100,36 +100,50 @@ def test_a_worker_forked_after_replicated_saves_starts(tmp_path):
     run_ranks(2, _replicated_then_an_epoch, str(tmp_path))
 
 
-def _pipe_of_a_later_worker() -> None:
-    """A save went through DCP's checkpoint process and is over (its link's reader closed its
-    end); a descriptor made afterwards may take that number.  A worker forked then must keep
-    its copy: closing the old number in the child closed whatever the number named by then (a
-    DataLoader worker's result pipe)."""
+def _a_later_descriptor_under_a_closed_links_number() -> int | None:
+    """One save through the checkpoint process, over; then a new pipe under the number its
+    link's reader had.  The number, or None where nothing new could take it this time."""
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
     from dcp_datastates.session import SaveSession
     s = SaveSession(lazy=True)
     s.mark_snapshot()
-    over_there = pickle.loads(ForkingPickler.dumps(s))  # the copy in the checkpoint process
+    # the copy in the checkpoint process; its pipe end travels through multiprocessing's
+    # resource sharer, as it does when DCP queues the save for that process
+    over_there = pickle.loads(ForkingPickler.dumps(s))
     link = s._link
     old = link.r  # the number of the link's read end
+    readers = [t for t in threading.enumerate() if t.name == "dcp-datastates-save-link"]
     s.caller_ended()
-    del over_there  # that process let go of the save: the link's reader ends
-    for _ in range(500):  # and closes its end
-        if link.r < 0 or not os.path.exists(f"/proc/self/fd/{old}"):
+    del over_there  # that process let go of the save: the link's reader ends and closes its end
+    for t in readers:  # joined, not polled: a loaded machine may keep the reader from its close
+        t.join(60)  # for longer than any sleep, and the close would then hit the pipe below
+    if any(t.is_alive() for t in readers):
+        os._exit(6)  # the reader never ended: a different failure from the one tested here
+    r, _w = os.pipe()
+    try:
+        os.dup2(r, old)
+    except OSError as e:
+        # EBUSY: the resource sharer's thread, back in accept(), reserved the freed number
+        # (Linux reserves accept's descriptor before it waits), so no later pipe can have it
+        if e.errno != errno.EBUSY:
+            raise
+        return None
+    return old
+
+
+def _pipe_of_a_later_worker() -> None:
+    """A save went through DCP's checkpoint process and is over (its link's reader closed its
+    end); a descriptor made afterwards may take that number.  A worker forked then must keep
+    its copy: closing the old number in the child closed whatever the number named by then (a
+    DataLoader worker's result pipe)."""
+    for _ in range(50):  # until a later pipe holds the number (it mostly does at once)
+        old = _a_later_descriptor_under_a_closed_links_number()
+        if old is not None:
             break
-        time.sleep(0.01)
-    time.sleep(0.1)
-    r, w = os.pipe()
-    for _ in range(500):  # a later descriptor that took the number
-        try:
-            os.dup2(r, old)
-            break
-        except OSError as e:  # EBUSY: another thread is opening a file under that number now
-            if e.errno != errno.EBUSY:
-                raise
-            time.sleep(0.01)
+    else:
+        os._exit(7)  # the case never arose: the test proved nothing
     pid = os.fork()
     if pid == 0:
         try:
