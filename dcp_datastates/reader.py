@@ -255,7 +255,8 @@ class DataStatesReader(StorageReader):
             if coop is not None:  # the other ranks are about to ask: say this rank failed, then raise
                 coop.plan(None, m.block_size)
             raise
-        share = read_tasks(tasks, tiers, m.homes, m.block_size, coop, stats, self._options)
+        borrowed = self._local.borrowed() if self._local is not None else None
+        share = read_tasks(tasks, tiers, m.homes, m.block_size, coop, stats, self._options, borrowed)
         self._deliver_all(tasks, planner)
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if len(tiers) > 1 and stats.served:

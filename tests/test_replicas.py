@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from dcp_datastates import Checkpointer, DataStatesWriter
+from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.format.names import (
     MANIFEST_NAME,
     TEMP_INFIX,
@@ -1085,3 +1085,99 @@ def test_what_a_member_sends_is_unpickled_into_plain_types_and_records_only():
     assert replica_group._objects(pickle.dumps(sent)) == sent
     with pytest.raises(pickle.UnpicklingError, match="posix.system"):
         replica_group._objects(pickle.dumps(os.system))
+
+
+def _small_items_save(rank, world, base, plain):
+    """Four nodes of one rank, an FSDP2 model and Adam: each parameter's ``step`` counter is a
+    plain tensor every rank holds, which DCP's dedup gives to one rank (DCP's planner spreads
+    them over the ranks, ours gives them to the lowest); every rank reads every one."""
+    model, opt = _model(world)
+    _train(model, opt, 1)
+    sd = _state(model, opt)
+    if plain:
+        import torch.distributed.checkpoint as dcp
+        w = DataStatesWriter(os.path.join(base, f"node{rank}", "step-1"), replicas=1, node=f"n{rank}")
+        dcp.save(sd, storage_writer=w)
+        assert w.wait_replicated(60)
+    else:
+        ck = Checkpointer([os.path.join(base, f"node{rank}")], node_local=True, replicas=1, node=f"n{rank}",
+                          async_mode=None, process_group=dist.new_group(backend="gloo"))
+        ck.save(1, sd)
+        assert ck.wait_replicated(60)
+        ck.close()
+    want = _flat(_state(model, opt))  # a collective: on every rank
+    if rank == 0:
+        torch.save(want, os.path.join(base, "want.pt"))
+    os._exit(0)  # the replica group's threads: no teardown
+
+
+def _small_items_load(rank, world, base, plain):
+    model, opt = _model(world)
+    sd = _state(model, opt)
+    if plain:
+        import torch.distributed.checkpoint as dcp
+        dcp.load(sd, storage_reader=DataStatesReader(os.path.join(base, f"node{rank}", "step-1"),
+                                                     node_local=True, node=f"n{rank}"))
+    else:
+        ck = Checkpointer([os.path.join(base, f"node{rank}")], node_local=True, replicas=1, node=f"n{rank}",
+                          async_mode=None, process_group=dist.new_group(backend="gloo"))
+        assert ck.load(sd) == 1
+        ck.close()
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    want = torch.load(os.path.join(base, "want.pt"), weights_only=True)
+    have = _flat(_state(model, opt))
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(have[k], v), k
+    os._exit(0)
+
+
+def _data_writers(base: str, node: int) -> set[int]:
+    return {int(n[6:11]) for n in os.listdir(os.path.join(base, f"node{node}", "step-1")) if n.startswith("data-r")}
+
+
+@pytest.mark.parametrize("plain", [pytest.param(True, id="dcp.save-dcp.load"),
+                                   pytest.param(False, id="Checkpointer")])
+def test_a_node_is_never_given_whole_files_for_the_small_tensors_its_ranks_read(tmp_path, plain):
+    """A node keeps its own ranks' files and its replicas of the previous node's, and nothing
+    more: the small replicated tensors its ranks read from other ranks' files (an optimizer's
+    step counters, which DCP's dedup writes on one rank each) come as those bytes alone, not
+    as the whole files around them (at scale, every node would receive most of the step)."""
+    base = str(tmp_path)
+    run_ranks(4, _small_items_save, base, plain)
+    places = {n: {n, (n - 1) % 4} for n in range(4)}
+    assert {n: _data_writers(base, n) for n in range(4)} == places
+    run_ranks(4, _small_items_load, base, plain)  # nothing lost
+    assert {n: _data_writers(base, n) for n in range(4)} == places
+    shutil.rmtree(os.path.join(base, "node2"))  # a node lost: it gets its places back, no more
+    run_ranks(4, _small_items_load, base, plain)
+    if plain:  # a plain reader is not told the replicas: the node gets its own rank's files back
+        places[2] = {2}
+    assert {n: _data_writers(base, n) for n in range(4)} == places
+
+
+def _borrowed_then_purged(rank, world, base):
+    model, opt = _model(world)
+    ck = Checkpointer([os.path.join(base, f"node{rank}")], node_local=True, replicas=1, node=f"n{rank}", keep=1,
+                      async_mode=None, process_group=dist.new_group(backend="gloo"))
+    _train(model, opt, 1)
+    ck.save(1, _state(model, opt))
+    assert ck.wait_replicated(60)
+    assert ck.load(_state(model, opt)) == 1
+    dist.barrier()
+    borrowed = [n for r in range(world) for n in os.listdir(os.path.join(base, f"node{r}", "step-1"))
+                if n.startswith(".borrowed")]
+    assert borrowed  # some rank read another node's small tensors as ranges
+    for step in (2, 3):
+        _train(model, opt, step)
+        ck.save(step, _state(model, opt))
+        assert ck.wait_replicated(60)
+    ck.close()
+    dist.barrier()
+    # step 1 went whole (step 2 may stay: the newest fully replicated when step 3's save purged)
+    assert "step-1" not in os.listdir(os.path.join(base, f"node{rank}")), os.listdir(os.path.join(base, f"node{rank}"))
+    os._exit(0)
+
+
+def test_retention_removes_the_ranges_a_load_borrowed_with_their_step(tmp_path):
+    run_ranks(4, _borrowed_then_purged, str(tmp_path))

@@ -22,6 +22,9 @@ UPLOADED_PREFIX = ".uploaded.rank-"  # a rank finished uploading to a slow tier
 FAILED_PREFIX = ".failed.rank-"  # a rank gave up uploading to a slow tier
 TEMP_INFIX = ".tmp-"  # commit_bytes writes NAME.tmp-XXXXXXXX, then renames it
 REPLICA_PREFIX = ".replicas.rank-"  # a rank's record of a step's peer replicas (replicas.py)
+# a rank's byte ranges of files its node does not hold, fetched for a load from another node's
+# copy (tiers/replica_repair.py): a subdirectory of the node's step directory, never a copy
+BORROWED_PREFIX = ".borrowed.rank-"
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 SAVE_ID = re.compile(r"^[0-9a-f]{12}$")
@@ -30,6 +33,7 @@ _DATA_PART = re.compile(r"^data-r(\d{5})-([0-9a-f]{12})-(\d{2})\.dsd\.part$")
 PART_FILE = re.compile(r"^part-r(\d{5,7})-([0-9a-f]{12})\.dsm(?:\.part)?$")  # a rank's metadata (format 4)
 _RANK_MANIFEST = re.compile(r"^\.manifest\.rank-(\d{5})(?:\.([0-9a-f]{12}))?$")
 _REPLICA_RECORD = re.compile(r"^\.replicas\.rank-(\d{5,7})\.([0-9a-f]{12})$")
+_BORROWED = re.compile(r"^\.borrowed\.rank-(\d{5,7})$")
 _MARKER = re.compile(r"^\.(?:uploaded|failed)\.rank-(\d{5})\.([0-9a-f]{12})$")
 
 
@@ -157,6 +161,15 @@ def marker_save_id(name: str) -> str | None:
 def is_temp_manifest(name: str) -> bool:
     base, sep, _ = name.partition(TEMP_INFIX)
     return bool(sep) and is_manifest_name(base)
+
+
+def borrowed_dir_name(rank: int) -> str:
+    """The subdirectory of a node's step directory where rank ``rank`` keeps what it borrowed."""
+    return f"{BORROWED_PREFIX}{rank:05d}"
+
+
+def is_borrowed_dir(name: str) -> bool:
+    return _BORROWED.match(name) is not None
 
 
 def is_ours(name: str) -> bool:

@@ -65,9 +65,13 @@ _MISSING = -1  # a file a tier does not hold, remembered as such (never a descri
 class FileSet:
     """Open file descriptors per (tier, file), opened on first use; missing files remembered."""
 
-    def __init__(self, tiers: list[StorageTier], homes: dict[str, str]) -> None:
+    def __init__(self, tiers: list[StorageTier], homes: dict[str, str],
+                 borrowed: dict[str, StorageTier] | None = None) -> None:
         self.tiers = tiers
         self.homes = homes
+        # files the first tier (a node's own directory) serves from the ranges this rank was
+        # sent of them (``tiers/replica_repair.py``): the directory that holds those ranges
+        self.borrowed = borrowed or {}
         self._fds: dict[tuple[int, str], int | None] = {}
         self._siblings: dict[tuple[int, str], StorageTier] = {}
         # O_DIRECT descriptor and its alignment per (tier, file); (None, None) where refused
@@ -87,8 +91,11 @@ class FileSet:
             return True
 
     def tier_for(self, ti: int, name: str) -> StorageTier:
-        """The directory of tier ``ti`` that holds ``name``: the checkpoint's own, or the
-        earlier checkpoint of the run that an incremental save took the file from."""
+        """The directory of tier ``ti`` that holds ``name``: the checkpoint's own, the earlier
+        checkpoint of the run that an incremental save took the file from, or (the first tier)
+        where this rank keeps the ranges of it that it was sent."""
+        if ti == 0 and name in self.borrowed:
+            return self.borrowed[name]
         home = self.homes.get(name)
         if home is None:
             return self.tiers[ti]

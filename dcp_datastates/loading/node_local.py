@@ -19,9 +19,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..errors import ChecksumMismatch, DataFileError, ManifestError, first_line
+from ..format.assemble import SMALL_ITEM_BYTES
 from ..format.model import Chunk, Manifest
-from ..format.names import rank_file_of
-from ..tiers.replica_repair import NodeRepair
+from ..format.names import is_packed_file, rank_file_of
+from ..tiers.replica_repair import NodeRepair, Reads
 from ..tiers.replicator import shared_replicator
 from ..tiers.storage import StorageTier
 
@@ -51,7 +52,7 @@ class NodeLocalLoad:
 
     def __init__(self, repair: NodeRepair) -> None:
         self.repair = repair
-        self._needs: set[str] | None = None  # the files this rank's reads need (``before_reads``)
+        self._needs: Reads | None = None  # what this rank's reads need (``before_reads``)
 
     @classmethod
     def of(cls, tier: StorageTier, process_group=None, node: str | None = None,
@@ -80,6 +81,12 @@ class NodeLocalLoad:
                         self.repair.tier.url, e)
             self._needs = None
         self.repair.fetch(self._needs, verify)
+
+    def borrowed(self) -> dict[str, StorageTier]:
+        """The files this rank's reads take from the ranges it was sent (``before_reads``),
+        with the directory that holds them."""
+        tier = self.repair.borrowed_tier
+        return {name: tier for name in self.repair.borrowed}
 
     def read(self, read: Callable[[bool], bool], verify: bool) -> None:
         """This rank's reads (``read``, one pass; its argument: whether ``before_reads`` checks
@@ -138,14 +145,17 @@ def chunk_files(chunk: Chunk) -> set[str]:
     return out
 
 
-def files_read(m: Manifest, items: Iterable[ReadItem]) -> set[str]:
-    """The files of ``m`` that loading ``items`` reads, by whole ranks: every file of each rank
-    whose part or data a record the plan reads is in (a node holds all the files of a rank or
-    none, as replication leaves them and as ``verify --node-local`` expects), with those of an
-    earlier checkpoint an incremental save took from it (its ``homes``) under the name of the
-    rank that wrote them there.  A record this rank cannot find adds nothing (the read raises,
-    naming it)."""
+def files_read(m: Manifest, items: Iterable[ReadItem]) -> Reads:
+    """What loading ``items`` reads of ``m``'s files.  Whole files, by whole ranks: every file
+    of each rank whose part holds a record the plan reads (a node holds all the files of a rank
+    or none, as replication leaves them and as ``verify --node-local`` expects), with those of
+    an earlier checkpoint an incremental save took from it (its ``homes``) under the name of
+    the rank that wrote them there.  A small record the index holds itself (a plain tensor of
+    at most ``SMALL_ITEM_BYTES``, of one rank's writing, that every rank reads: an optimizer's
+    step counter) is read as the byte ranges of its segments, where they are stored as they are in memory in this save's
+    own files.  A record this rank cannot find adds nothing (the read raises, naming it)."""
     named: set[str] = set()  # files records name directly
+    ranges: dict[str, set[tuple[int, int]]] = defaultdict(set)
     writers: set[int] = set()
     for ri in items:
         fqn = ri.storage_index.fqn
@@ -162,13 +172,18 @@ def files_read(m: Manifest, items: Iterable[ReadItem]) -> set[str]:
         if w is not None:
             writers.add(w)
         elif (chunk := entry.record_at(ri.storage_index.index, key)) is not None:
-            named |= chunk_files(chunk)
+            if chunk.extent is not None and chunk.extent.nbytes <= SMALL_ITEM_BYTES and all(
+                    s.file not in m.homes and not is_packed_file(s.file) for s in chunk.extent.segs):
+                for s in chunk.extent.segs:
+                    ranges[s.file].add((s.offset, s.nbytes))
+            else:
+                named |= chunk_files(chunk)
     by_rank: dict[int, set[str]] = defaultdict(set)
     for name in m.files:
         if (got := rank_file_of(name)) is not None:
             by_rank[got[0]].add(name)
     writers |= {got[0] for name in named if (got := rank_file_of(name)) is not None}
-    out = {n for n in named if n in m.files}
+    whole = {n for n in named if n in m.files}
     for w in writers:
-        out |= by_rank.get(w, set())
-    return out
+        whole |= by_rank.get(w, set())
+    return Reads(frozenset(whole), {n: tuple(sorted(rs)) for n, rs in ranges.items() if n in m.files and n not in whole})

@@ -34,9 +34,11 @@ class ReadOptions:
 
 
 def read_tasks(tasks: Sequence[ReadTask | SmallTask], tiers: list[StorageTier], homes: dict[str, str],
-               block_size: int, coop: Cooperation | None, stats: ReadStats, opts: ReadOptions) -> SharePlan | None:
+               block_size: int, coop: Cooperation | None, stats: ReadStats, opts: ReadOptions,
+               borrowed: dict[str, StorageTier] | None = None) -> SharePlan | None:
     """Read ``tasks`` into their destinations from ``tiers`` (``homes``: the files kept in
-    earlier checkpoints an incremental save references); the first error raises, once the
+    earlier checkpoints an incremental save references; ``borrowed``: files the first tier
+    serves from the ranges this rank was sent, ``FileSet``); the first error raises, once the
     cooperative exchange, if any, has ended.  Returns the cooperative share read (None: none)."""
     stats.bytes_needed = sum(t.needed for t in tasks)
     gpu = [t for t in tasks if t.dest is not None and t.dest.device.type == "cuda"]
@@ -44,7 +46,7 @@ def read_tasks(tasks: Sequence[ReadTask | SmallTask], tiers: list[StorageTier], 
     for t in gpu:
         t.attach_upload(up)
     share = coop.plan(tasks, block_size) if coop is not None else None
-    files = FileSet(tiers, homes)
+    files = FileSet(tiers, homes, borrowed)
     fetch = Fetcher(files, stats, verify=opts.verify, o_direct=opts.o_direct)
     try:
         total = sum(t.buf_size for t in tasks)

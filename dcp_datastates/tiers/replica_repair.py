@@ -30,16 +30,18 @@ import xxhash
 from ..errors import CheckpointError
 from ..format.names import (
     MANIFEST_NAME,
+    borrowed_dir_name,
     data_file_save_id,
     rank_file_of,
     replica_record_name,
     replica_record_of,
 )
 from ..format.replica_record import ReplicaRecord
+from .borrowed import clear_borrowed
 from .manifests import load_manifest, manifest_head
-from .replica_group import ReplicaGroup
+from .replica_moves import Borrow, Move, Wire
 from .replica_records import read_record
-from .replicas import PIECE, Landing, piece_buffer
+from .replicas import PIECE
 from .replicator import Replicator
 from .storage import StorageTier
 
@@ -60,13 +62,16 @@ _NOTHING = Listing({}, {}, None)
 
 
 @dataclass(frozen=True)
-class Move:
-    """One file sent from one node's first rank to another's (group positions)."""
+class Reads:
+    """What one rank's load reads of a save's files: ``whole`` files, and byte ``ranges``
+    (file -> sorted (offset, length) pairs) of files it reads only small records of (a plain
+    tensor every rank held, which DCP's dedup had one rank write).  A node that lacks such a
+    file, and holds no place for it, is sent those ranges for that rank, not the file: at scale
+    every node would otherwise receive the whole files of the many ranks that wrote one such
+    tensor each."""
 
-    name: str
-    src: int
-    dst: int
-    size: int
+    whole: frozenset[str]
+    ranges: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -207,6 +212,15 @@ class NodeRepair:
         self.leader = self.ranks[self.node][0] == rep.peers.me  # hashes and receives its node's manifest
         self._survey: Survey | None = None
         self._complete: bool | None = None
+        self.borrowed: set[str] = set()  # the files this rank was sent ranges of (``fetch``)
+        self._wire = Wire(rep.group, rep.peers.me, rep.peers.ranks, tier, label)
+
+    @property
+    def borrowed_tier(self) -> StorageTier:
+        """Where this rank keeps the ranges it was sent: a subdirectory of its node's step
+        directory, each file there holding only those ranges (read by this rank's load alone,
+        never listed as a copy)."""
+        return self.tier.child(borrowed_dir_name(self.rep.peers.rank))
 
     def forget(self) -> None:
         """Survey anew at the next ``survey`` (what the nodes hold has changed since)."""
@@ -274,7 +288,7 @@ class NodeRepair:
         moves = [Move(MANIFEST_NAME, self.ranks[holders[i % len(holders)]][0], self.ranks[n][0],
                       listings[holders[0]].sizes[MANIFEST_NAME])
                  for i, n in enumerate(sorted(self.ranks)) if MANIFEST_NAME not in listings.get(n, _NOTHING).sizes]
-        self._transfer(moves, {MANIFEST_NAME: want})
+        self._wire.files(moves, {MANIFEST_NAME: want})
         self.rep.group.barrier()  # every manifest received is committed before it is read
         here = listings.get(self.node, _NOTHING)
         # a manifest received (none was here) was kept only with the digest wanted; one of
@@ -310,12 +324,14 @@ class NodeRepair:
             return None
         return self.rep.group.broadcast_object(got, first)
 
-    def fetch(self, needs: Iterable[str] | None, verify: bool = False) -> bool:
+    def fetch(self, needs: Reads | None, verify: bool = False) -> bool:
         """Step 2 (a collective): this node given the files its ranks read (``needs``: this
         rank's; None: it reads nothing from this node, or could not tell) and, with replicas,
-        its place among them (``_places``).  A file it holds at its size is kept unread (the
-        load checks each block it reads); with ``verify``, what its ranks read is hashed first
-        and checked against its recorded digest, and received again where it does not match.
+        its place among them (``_places``); this rank sent the ranges it reads of files its node
+        lacks and holds no place for (``borrowed``).  A file it holds at its size is kept unread
+        (the load checks each block it reads); with ``verify``, what its ranks read is hashed
+        first and checked against its recorded digest, and received again where it does not
+        match, and a file read by ranges is fetched whole (a checked copy).
         Whatever it receives is checked on arrival.  The ranks of a node share the hashing and
         the transfers (the ``i``-th file or move of a node to its ``i``-th rank, modulo their
         number).  Returns whether every node holds every file it was to hold; False at once
@@ -323,24 +339,28 @@ class NodeRepair:
         then reads a slower tier)."""
         return self.rep.in_turn(lambda: self._fetched(needs, verify), self.label)
 
-    def _fetched(self, needs: Iterable[str] | None, verify: bool) -> bool:
+    def _fetched(self, needs: Reads | None, verify: bool) -> bool:
         s = self._survey
+        self.borrowed = set()
+        if self.given is None:  # what an earlier load was sent (another save's, or this one's again)
+            clear_borrowed(self.borrowed_tier)
         if s is None:
             return False
-        needs = set(needs) if needs is not None else None
         ok = self._fetch(s, needs, verify)
         for e in self._earlier:  # the same on every rank (``survey``)
             ok = e.fetch(needs, verify) and ok
         return ok
 
-    def _fetch(self, s: Survey, needs: Iterable[str] | None, verify: bool) -> bool:
+    def _fetch(self, s: Survey, needs: Reads | None, verify: bool) -> bool:
         t0, hashed, received = time.perf_counter(), 0, 0
         reads: dict[str, set[str]] = {n: set() for n in self.ranks}
-        mine = sorted(n for n in needs if n in s.files) if needs is not None else None
-        for pos, got in enumerate(self._gather(mine)):
+        places = self._places(s)
+        mine, ranges = self._wanted(s, needs, verify, places[self.node])
+        borrows: list[tuple[int, str]] = []  # (group position, file): ranges it reads
+        for pos, (got, borrowing) in enumerate(self._gather((mine, sorted(ranges)))):
             if got:
                 reads[self.rep.peers.nodes.nodes[pos]].update(n for n in got if n in s.files)
-        places = self._places(s)
+            borrows += [(pos, n) for n in borrowing if n in s.files]
         per_node = {n: reads[n] | places[n] for n in self.ranks}
         mates = self.ranks[self.node]
         lacking: list[str] = []  # of this rank's share of the node's list; what its ranks read, hashed
@@ -372,14 +392,16 @@ class NodeRepair:
                                       self.ranks[node][i % len(self.ranks[node])], s.files[name]))
             if not moves:
                 break
-            kept = self._transfer(moves, s.recorded)
+            kept = self._wire.files(moves, s.recorded)
             received += sum(s.files[n] for n in kept)
             for node, names in self._gather((self.node, sorted(kept))):
                 want[node].difference_update(names)
         missing = sorted(f for fs in want.values() for f in fs)
-        if hashed or received or self.given is None:
-            log.info("%s: rank %d hashed %.1f MiB and received %.1f MiB for this node in %.2f s", self.label,
-                     self.rep.peers.rank, hashed / 2**20, received / 2**20, time.perf_counter() - t0)
+        lent = self._lend(s, [b for b in borrows if b[1] not in per_node[self.rep.peers.nodes.nodes[b[0]]]], ranges)
+        if hashed or received or lent or self.given is None:
+            log.info("%s: rank %d hashed %.1f MiB and received %.1f MiB for this node, and %.1f KiB of "
+                     "%d file(s) it reads a little of, in %.2f s", self.label, self.rep.peers.rank, hashed / 2**20,
+                     received / 2**20, lent / 2**10, len(self.borrowed), time.perf_counter() - t0)
         if missing:
             log.warning("%s: %d file(s) have no good copy on any node (first: %s)", self.label, len(missing), missing[0])
         if self._places_known(s):
@@ -389,25 +411,61 @@ class NodeRepair:
             self._record(s, now)
         return not missing
 
+    def _wanted(self, s: Survey, needs: Reads | None, verify: bool,
+                place: set[str]) -> tuple[list[str] | None, dict[str, tuple[tuple[int, int], ...]]]:
+        """This rank's files to ask for whole (None: it could not tell), and the ranges it
+        asks for alone: of files its node lacks at their size and holds no place for.  With
+        ``verify`` every file is asked for whole (its copy checked against its digest)."""
+        if needs is None:
+            return None, {}
+        whole = set(needs.whole)
+        held = s.listings.get(self.node, _NOTHING).sizes
+        ranges: dict[str, tuple[tuple[int, int], ...]] = {}
+        for name, rs in needs.ranges.items():
+            if name not in s.files or name in whole:
+                continue
+            if verify:  # hashed where the node holds it, received whole where it does not match
+                whole.add(name)
+            elif name not in place and held.get(name) != s.files[name]:
+                ranges[name] = rs
+        return sorted(n for n in whole if n in s.files), ranges
+
+    def _lend(self, s: Survey, borrows: list[tuple[int, str]],
+              ranges: dict[str, tuple[tuple[int, int], ...]]) -> int:
+        """Each rank's ranges of the files in ``borrows`` (group position, file; the same list on
+        every rank) sent to it from a node that holds the file, spread over the holders and
+        their ranks; the bytes this rank received."""
+        moves = []
+        for i, (pos, name) in enumerate(borrows):
+            src = s.holders(name)
+            if not src:
+                continue  # on no node: the load reads it from a slower tier or fails naming it
+            pick = src[i % len(src)]
+            moves.append(Borrow(name, self.ranks[pick][i % len(self.ranks[pick])], pos))
+        kept, got = self._wire.ranges(moves, ranges, self.borrowed_tier)
+        self.borrowed |= kept
+        return got
+
     def _places_known(self, s: Survey) -> bool:
         """Whether the save was made by this group's ranks with replicas (its places known)."""
         p = self.rep.peers
         return bool(p.replicas) and s.world == len(p.ranks)
 
     def _places(self, s: Survey) -> dict[str, set[str]]:
-        """Each node's files by its place: with replicas, on the save's ranks, those of its own
-        ranks and those it holds for the ranks whose replicas it keeps, so that a replaced node
+        """Each node's files by its place: on the save's ranks, those of its own ranks, and with
+        replicas those it holds for the ranks whose replicas it keeps, so that a replaced node
         is given back its files and its copies of others', not the whole step."""
         out: dict[str, set[str]] = {n: set() for n in self.ranks}
-        if not self._places_known(s):
-            return out
         p = self.rep.peers
+        if s.world != len(p.ranks):
+            return out
+        replicas = p.replicas if self._places_known(s) else 0
         member = {g: i for i, g in enumerate(p.ranks)}
         for rank, files in s.writers().items():
             if rank in member:
                 i = member[rank]
                 out[p.nodes.nodes[i]] |= files
-                for k in range(1, p.replicas + 1):
+                for k in range(1, replicas + 1):
                     out[p.nodes.nodes[p.nodes.peer(i, k)]] |= files
         return out
 
@@ -434,80 +492,3 @@ class NodeRepair:
             self.tier.commit_bytes(name, rec.to_bytes())
         except (OSError, CheckpointError) as e:  # the copies stay; a later repair vouches for fewer
             log.warning("%s: rank %d's replica record could not be written again: %s", self.label, p.rank, e)
-
-    def _transfer(self, moves: list[Move], digests: dict[str, str]) -> set[str]:
-        """Send each of ``moves`` (every rank walks the same list in the same order); the names
-        this rank received and kept."""
-        me, kept = self.rep.peers.me, set()
-        for mv in moves:
-            if me not in (mv.src, mv.dst):
-                continue
-            peer = mv.dst if me == mv.src else mv.src
-            if me == mv.src:
-                _send_file(self.rep.group, self.tier, mv.name, mv.size, peer)
-                continue
-            ok = _recv_file(self.rep.group, self.tier, mv.name, mv.size, peer, digests[mv.name])
-            if ok:
-                kept.add(mv.name)
-            log.log(logging.INFO if ok else logging.WARNING, "%s: %s %s from rank %d", self.label,
-                    "restored" if ok else "could not restore", mv.name, self.rep.peers.ranks[mv.src])
-        return kept
-
-
-def _send_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, peer: int) -> None:
-    """Send ``size`` bytes of ``name`` and their digest; a file that cannot be read goes as
-    zeros with a digest of zeros, which its receiver drops (and neither side waits)."""
-    buf = torch.empty(PIECE, dtype=torch.uint8)
-    h = xxhash.xxh3_128()
-    ok = True
-    for a in range(0, size, PIECE):
-        n = min(PIECE, size - a)
-        if ok:
-            try:
-                tier.read_into(name, a, buf[:n].numpy())
-            except (OSError, CheckpointError) as e:
-                log.warning("%s/%s cannot be read to send to group member %d: %s", tier.url, name, peer, e)
-                ok = False
-        if not ok:
-            buf[:n].zero_()
-        h.update(buf[:n].numpy().data)
-        group.send(buf[:n], peer)
-    tail = h.digest() if ok else bytes(16)
-    group.send(torch.frombuffer(bytearray(tail), dtype=torch.uint8), peer)
-
-
-def _recv_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, peer: int, digest: str) -> bool:
-    """Receive ``name`` into ``tier``; keep it only when its bytes match ``digest``.  Where this
-    node's storage cannot take it, the bytes are still received (the sender, and every rank
-    after it in the moves, stays in step) and dropped: False."""
-    buf = piece_buffer()
-    landing: Landing | None = None
-    try:
-        tier.makedirs()
-        landing = Landing(tier, name)
-    except OSError as e:
-        log.warning("%s/%s cannot be stored here (%s): received and dropped", tier.url, name, e)
-    try:
-        for a in range(0, size, PIECE):
-            n = min(PIECE, size - a)
-            group.recv(buf[:n], peer)
-            if landing is not None:
-                try:
-                    landing.write(buf, n, a)
-                except OSError as e:
-                    log.warning("%s/%s cannot be stored here (%s): received and dropped", tier.url, name, e)
-                    landing.abort()
-                    landing = None
-        tail = torch.empty(16, dtype=torch.uint8)
-        group.recv(tail, peer)
-    except BaseException:
-        if landing is not None:
-            landing.abort()
-        raise
-    if landing is None:
-        return False
-    try:
-        return landing.keep(tail.numpy().tobytes() if landing.hash.hexdigest() == digest else b"")
-    except OSError as e:
-        log.warning("%s/%s cannot be stored here (%s): dropped", tier.url, name, e)
-        return False

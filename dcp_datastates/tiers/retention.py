@@ -37,8 +37,17 @@ from collections.abc import Sequence
 
 from ..errors import CheckpointError
 from ..format.model import Manifest
-from ..format.names import PURGED_MARK, REPLICA_LOCK, STEP_DIR, is_manifest_name, is_ours, replica_record_of
+from ..format.names import (
+    PURGED_MARK,
+    REPLICA_LOCK,
+    STEP_DIR,
+    is_borrowed_dir,
+    is_manifest_name,
+    is_ours,
+    replica_record_of,
+)
 from .base_lock import removing
+from .borrowed import clear_borrowed
 from .claim import bases_in_flight, claimed
 from .manifests import manifest_is_ours
 from .storage import StorageTier
@@ -201,6 +210,10 @@ def _sweep(t: StorageTier, keep: set[str]) -> bool:
         return False  # unreadable user of it, committed again since, or being saved now
     foreign = []
     for n, kind in t.entries():
+        if kind == "dir" and is_borrowed_dir(n):  # what a load was sent for its reads alone
+            if not clear_borrowed(t.child(n)):
+                foreign.append(f"{n} ({kind})")
+            continue
         if kind != "file" or not is_ours(n):
             foreign.append(f"{n} ({kind})" if kind != "file" else n)
             continue
