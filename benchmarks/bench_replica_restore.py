@@ -1,7 +1,7 @@
 """Restore after a lost node from peer replicas (issue 36), against a restore with nothing lost
 and DCP's ``FileSystemReader``, in one run.
 
-    python benchmarks/bench_replica_restore.py [--nodes 4] [--mib 64] [--reps 3] [--cold] [--json OUT]
+    python benchmarks/bench_replica_restore.py [--nodes 4] [--mib 64] [--small 0] [--reps 3] [--cold] [--json OUT]
 
 ``--nodes`` nodes of two gloo ranks each are simulated on this machine, each node its own
 node-local directory; every rank holds a ``--mib`` MiB shard of one tensor (a DTensor sharded
@@ -15,7 +15,9 @@ methods interleaved.  Every file stays in the page cache (one disk, no cache dro
 figures are the repair's and the load's own cost, not the drive's.  With ``--cold`` every file
 of the run is dropped from the page cache before each restore (``POSIX_FADV_DONTNEED``, no root
 needed), so each restore reads the drive.  Also reported: the bytes the replacement node holds
-afterwards against the whole step.
+afterwards against the whole step.  ``--small N`` adds N plain scalar tensors every rank holds
+(an optimizer's step counters), which DCP's dedup has one rank write and every rank reads: also
+reported, the bytes every node's directory grew by in the restore with nothing lost.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 PER_NODE = 2
 
 
-def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, out) -> None:
+def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, small: int, out) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -48,7 +50,8 @@ def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, out
     rows = (mib << 20) // 4 // 256  # float32 rows of 256 per rank
     torch.manual_seed(0)
     full = torch.randn(rows * world, 256) if phase == "save" else torch.zeros(rows * world, 256)
-    state = {"w": distribute_tensor(full, mesh, [Shard(0)])}
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]),
+             "steps": {f"s{i}": torch.tensor(float(i) if phase == "save" else -1.0) for i in range(small)}}
     pg = dist.new_group(backend="gloo")
     took = 0.0
     if phase == "save":
@@ -75,6 +78,7 @@ def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, out
         torch.manual_seed(0)
         want = torch.randn(rows * world, 256)
         assert torch.equal(state["w"].to_local(), want[rank * rows:(rank + 1) * rows]), "not bit-exact"
+        assert all(float(v) == i for i, v in enumerate(state["steps"].values())), "not bit-exact"
     got: list = [None] * world
     dist.all_gather_object(got, took)
     if rank == 0:
@@ -82,14 +86,14 @@ def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, out
     dist.destroy_process_group()
 
 
-def _run(world: int, phase: str, base: str, mib: int) -> float:
+def _run(world: int, phase: str, base: str, mib: int, small: int) -> float:
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, phase, base, mib, q)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, phase, base, mib, small, q)) for r in range(world)]
     for p in procs:
         p.start()
     took = q.get(timeout=1800)
@@ -115,6 +119,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--mib", type=int, default=64, help="MiB of state per rank")
+    ap.add_argument("--small", type=int, default=0, help="plain scalar tensors every rank holds")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dcpds-replica-restore"))
     ap.add_argument("--cold", action="store_true", help="drop the run's files from the page cache before each restore")
@@ -124,38 +129,48 @@ def main() -> int:
     world = a.nodes * PER_NODE
     runs: dict[str, list[float]] = {"intact": [], "node_lost": [], "dcp": []}
     held = whole = 0
+    grown: list[int] = []  # bytes all nodes' directories grew by in the restore with nothing lost
+
+    def nodes_bytes() -> int:
+        return sum(_bytes(os.path.join(a.dir, f"node{n}", "step-1")) for n in range(a.nodes))
     for rep in range(a.reps):
         shutil.rmtree(a.dir, ignore_errors=True)
         os.makedirs(a.dir)
-        _run(world, "save", a.dir, a.mib)
+        _run(world, "save", a.dir, a.mib, a.small)
         files = {}  # every file of the step, once, from whichever nodes hold it
         for n in range(a.nodes):
             d = os.path.join(a.dir, f"node{n}", "step-1")
             files.update({f: os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.startswith(("data-", "part-"))})
         whole = sum(files.values())
         cold(a.dir)
-        runs["intact"].append(_run(world, "intact", a.dir, a.mib))
+        before = nodes_bytes()
+        runs["intact"].append(_run(world, "intact", a.dir, a.mib, a.small))
+        grown.append(nodes_bytes() - before)
         cold(a.dir)
-        runs["dcp"].append(_run(world, "dcp", a.dir, a.mib))
+        runs["dcp"].append(_run(world, "dcp", a.dir, a.mib, a.small))
         shutil.rmtree(os.path.join(a.dir, "node1"))
         cold(a.dir)
-        runs["node_lost"].append(_run(world, "node_lost", a.dir, a.mib))
+        runs["node_lost"].append(_run(world, "node_lost", a.dir, a.mib, a.small))
         held = _bytes(os.path.join(a.dir, "node1", "step-1"))
         print(f"rep {rep}: " + ", ".join(f"{m} {v[-1]:.2f}s" for m, v in runs.items())
-              + f"; the new node holds {held / 2**20:.0f} MiB of the {whole / 2**20:.0f} MiB step", flush=True)
+              + f"; the new node holds {held / 2**20:.0f} MiB of the {whole / 2**20:.0f} MiB step; the nodes "
+              f"grew by {grown[-1] / 2**20:.0f} MiB with nothing lost", flush=True)
     shutil.rmtree(a.dir, ignore_errors=True)
     med = {m: statistics.median(v) for m, v in runs.items()}
-    print(f"\n{a.nodes} nodes of {PER_NODE} ranks, {a.mib} MiB a rank ({world * a.mib} MiB), median of {a.reps}:")
+    print(f"\n{a.nodes} nodes of {PER_NODE} ranks, {a.mib} MiB a rank ({world * a.mib} MiB), {a.small} small "
+          f"tensors, median of {a.reps}:")
     for m, v in med.items():
         print(f"{m:<10} {v:.2f}s  ({v / med['dcp']:.2f}x dcp.load with FileSystemReader)")
     print(f"the replacement node holds {held / 2**20:.0f} MiB of the {whole / 2**20:.0f} MiB step "
           f"({held / max(whole, 1) * 100:.0f}%; its own ranks' share is {100 / a.nodes:.0f}%, with the replicas it "
           f"keeps {200 / a.nodes:.0f}%)")
+    print(f"with nothing lost, the nodes' directories grew by {statistics.median(grown) / 2**20:.1f} MiB (median)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"nodes": a.nodes, "per_node": PER_NODE, "mib_per_rank": a.mib, "cold": a.cold, "runs": runs,
                        "median": med,
-                       "new_node_bytes": held, "step_bytes": whole,
+                       "new_node_bytes": held, "step_bytes": whole, "small": a.small,
+                       "intact_growth_bytes": grown,
                        "date": time.strftime("%Y-%m-%d")}, f, indent=1)
     return 0
 
