@@ -148,14 +148,19 @@ def _restore(rank, world, base, pfs, expect, nodes=None, replicas=1, setup=None)
     sd = _state(model, opt)
     got = ckpt.load(sd)
     assert got == expect, got
+    _assert_restored(model, opt, sd, base)
+    assert sd["extra"]["step"] == expect
+    ckpt.close()
+
+
+def _assert_restored(model, opt, sd: dict, base: str) -> None:
+    """The loaded ``sd`` put into the model and optimizer equals the state saved in base/want.pt."""
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     want = torch.load(os.path.join(base, "want.pt"), weights_only=True)
     have = _flat(_state(model, opt))
     for k, v in want.items():
         if isinstance(v, torch.Tensor):
             assert torch.equal(have[k], v), k
-    assert sd["extra"]["step"] == expect
-    ckpt.close()
 
 
 def _count_repair_traffic(node: int, base: str) -> None:
@@ -1123,12 +1128,7 @@ def _small_items_load(rank, world, base, plain):
                           async_mode=None, process_group=dist.new_group(backend="gloo"))
         assert ck.load(sd) == 1
         ck.close()
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    want = torch.load(os.path.join(base, "want.pt"), weights_only=True)
-    have = _flat(_state(model, opt))
-    for k, v in want.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(have[k], v), k
+    _assert_restored(model, opt, sd, base)
     os._exit(0)
 
 
