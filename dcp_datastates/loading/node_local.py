@@ -152,8 +152,9 @@ def files_read(m: Manifest, items: Iterable[ReadItem]) -> Reads:
     an earlier checkpoint an incremental save took from it (its ``homes``) under the name of
     the rank that wrote them there.  A small record the index holds itself (a plain tensor of
     at most ``SMALL_ITEM_BYTES``, of one rank's writing, that every rank reads: an optimizer's
-    step counter) is read as the byte ranges of its segments, where they are stored as they are in memory in this save's
-    own files.  A record this rank cannot find adds nothing (the read raises, naming it)."""
+    step counter) is read as the byte ranges of its segments, where they are stored as they
+    are in memory in this save's own files.  A record this rank cannot find adds nothing (the
+    read raises, naming it)."""
     named: set[str] = set()  # files records name directly
     ranges: dict[str, set[tuple[int, int]]] = defaultdict(set)
     writers: set[int] = set()

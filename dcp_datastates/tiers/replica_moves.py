@@ -11,6 +11,7 @@ no pair falls out of step."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -170,16 +171,28 @@ def _send_ranges(group: ReplicaGroup, tier: StorageTier, name: str, peer: int) -
     ranges = asked.view(-1, 2).tolist()
     total = sum(size for _off, size in ranges)
     buf = torch.empty(min(PIECE, total), dtype=torch.uint8)
-    for start in range(0, total, PIECE):
-        n = min(PIECE, total - start)
-        for at, off, size in _stream(ranges, start, n):
-            try:
-                got = tier.read_into(name, off, buf[at:at + size].numpy())
-            except (OSError, CheckpointError) as e:
-                log.warning("%s/%s cannot be read to send to group member %d: %s", tier.url, name, peer, e)
+    fd, readable = None, True
+    try:  # one descriptor for every range (None: this filesystem reads by path)
+        fd = tier.backend.open_read(tier.path(name), tier.url)
+    except (OSError, CheckpointError) as e:
+        log.warning("%s/%s cannot be read to send to group member %d: %s", tier.url, name, peer, e)
+        readable = False
+    try:
+        for start in range(0, total, PIECE):
+            n = min(PIECE, total - start)
+            for at, off, size in _stream(ranges, start, n):
                 got = 0
-            buf[at + got:at + size].zero_()
-        group.send(buf[:n], peer)
+                if readable:
+                    try:
+                        got = tier.read_into(name, off, buf[at:at + size].numpy(), fd=fd)
+                    except (OSError, CheckpointError) as e:
+                        log.warning("%s/%s cannot be read to send to group member %d: %s", tier.url, name, peer, e)
+                        readable = False
+                buf[at + got:at + size].zero_()
+            group.send(buf[:n], peer)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _recv_ranges(group: ReplicaGroup, tier: StorageTier, name: str, ranges: tuple[tuple[int, int], ...],

@@ -459,13 +459,12 @@ class NodeRepair:
         p = self.rep.peers
         if s.world != len(p.ranks):
             return out
-        replicas = p.replicas if self._places_known(s) else 0
         member = {g: i for i, g in enumerate(p.ranks)}
         for rank, files in s.writers().items():
             if rank in member:
                 i = member[rank]
                 out[p.nodes.nodes[i]] |= files
-                for k in range(1, replicas + 1):
+                for k in range(1, p.replicas + 1):
                     out[p.nodes.nodes[p.nodes.peer(i, k)]] |= files
         return out
 
