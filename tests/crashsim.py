@@ -59,6 +59,7 @@ from dcp_datastates.tiers import storage as storage_mod
 from dcp_datastates.tiers.backend import Backend, HeldLock, Sink
 from dcp_datastates.tiers.local import LocalBackend
 from dcp_datastates.tiers.tidy import run_references
+from tests.dist import run_ranks
 
 CRASHED = 77
 WRITES = {"pwrite", "commit", "lock-write", "copy"}
@@ -380,6 +381,22 @@ class RecBackend(Backend):
         out = self.inner.create_exclusive(path, data)
         _after(k)
         return out
+
+
+def ranks_at_point(world: int, fn, *args) -> list[int]:
+    """Run ``fn`` on ``world`` gloo ranks (``tests.dist.run_ranks``); the exit codes of those
+    that died at the point (``CRASHED``, or SIGKILL with the job).  Any other failure raises."""
+    try:
+        run_ranks(world, fn, *args, timeout=180)
+    except AssertionError as e:
+        said = str(e).strip().splitlines()[-1]
+        if not said.startswith("ranks exited with codes "):
+            raise
+        codes = json.loads(said.removeprefix("ranks exited with codes "))
+        if not set(codes) <= {CRASHED, -signal.SIGKILL}:
+            raise
+        return codes
+    return []
 
 
 def install() -> None:

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 
 import pytest
 import torch
@@ -124,22 +123,6 @@ def _restore(rank, world, base, shape):
     os._exit(0)
 
 
-def _run(world: int, fn, *args) -> list[int]:
-    """The exit codes of the ranks that died at the point (``crashsim.CRASHED``, or SIGKILL with
-    the job); any other failure raises."""
-    try:
-        run_ranks(world, fn, *args, timeout=180)
-    except AssertionError as e:
-        said = str(e).strip().splitlines()[-1]
-        if not said.startswith("ranks exited with codes "):
-            raise
-        codes = json.loads(said.removeprefix("ranks exited with codes "))
-        if not set(codes) <= {crashsim.CRASHED, -signal.SIGKILL}:
-            raise
-        return codes
-    return []
-
-
 def _borrowed(base: str) -> list[str]:
     return [f"node{n}/{d}" for n in range(SAVED_NODES) if os.path.isdir(s := os.path.join(base, f"node{n}", "step-2"))
             for d in os.listdir(s) if d.startswith(".borrowed")]
@@ -168,7 +151,7 @@ def test_every_crash_and_fault_point_of_a_repair_with_borrows_leaves_the_step_re
         os.makedirs(os.path.join(golden, "node1"))  # not used by the job: it stays empty
     record = str(tmp_path / "record")
     shutil.copytree(golden, record)
-    _run(world, _repair, record, shape, target, "record", 0)
+    crashsim.ranks_at_point(world, _repair, record, shape, target, "record", 0)
     ops = json.load(open(os.path.join(record, "ops.json")))
     assert _borrowed(record), "a rank borrowed the small tensor's bytes"
     if (shape, target) in BORROWS:  # its points are those of the ranges it stores
@@ -180,7 +163,7 @@ def test_every_crash_and_fault_point_of_a_repair_with_borrows_leaves_the_step_re
         base = str(tmp_path / f"{mode}-{k}")
         shutil.copytree(golden, base)
         try:
-            codes = _run(world, _repair, base, shape, target, mode, k)
+            codes = crashsim.ranks_at_point(world, _repair, base, shape, target, mode, k)
         except AssertionError as e:  # a rank that failed or hung under the plan, not at its point
             bad.append(f"{mode} at operation {k} ({ops[k - 1]}): the restore under it: "
                        f"{str(e).strip().splitlines()[-1][:300]}")

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 
 import pytest
 import torch
@@ -182,27 +181,11 @@ def _restores(rank, world, runs):
     os._exit(0)
 
 
-def _run(fn, *args) -> list[int]:
-    """The exit codes of the ranks that did not end cleanly: a rank dead at its crash point
-    exits with ``crashsim.CRASHED``, one killed with the job by SIGKILL."""
-    try:
-        run_ranks(WORLD, fn, *args, timeout=180)
-    except AssertionError as e:
-        said = str(e).strip().splitlines()[-1]
-        if not said.startswith("ranks exited with codes "):
-            raise
-        codes = json.loads(said.removeprefix("ranks exited with codes "))
-        if not set(codes) <= {crashsim.CRASHED, -signal.SIGKILL}:
-            raise
-        return codes
-    return []
-
-
 def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO") -> list[str]:
     """One crash or fault point, then the restores; the invariants it broke."""
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
-    codes = _run(_act, base, kind, mode, k, err)
+    codes = crashsim.ranks_at_point(WORLD, _act, base, kind, mode, k, err)
     where = f"{mode} at operation {k}"
     # a helper's death ends the helper, not its rank: the helper's own count tells
     reached = len(_helper_ops(base)) >= k if kind == "helper" else crashsim.CRASHED in codes
@@ -241,7 +224,7 @@ def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO") -> list[st
 def _operations(base: str, kind: str) -> list[str]:
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
-    _run(_act, base, kind, "record", 0, "EIO")
+    crashsim.ranks_at_point(WORLD, _act, base, kind, "record", 0, "EIO")
     return json.load(open(os.path.join(base, "ops.json")))
 
 
@@ -317,11 +300,11 @@ def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_
     repair fills too."""
     golden = str(tmp_path / "golden")
     os.makedirs(golden)
-    _run(_saved_twice, golden, kind)
+    crashsim.ranks_at_point(WORLD, _saved_twice, golden, kind)
     shutil.rmtree(os.path.join(golden, "node1"))
     record = str(tmp_path / "record")
     shutil.copytree(golden, record)
-    _run(_repair, record, kind, "record", 0, "EIO")
+    crashsim.ranks_at_point(WORLD, _repair, record, kind, "record", 0, "EIO")
     ops = json.load(open(os.path.join(record, "ops.json")))
     assert len(ops) >= 8, ops  # the manifest, node 1's ranks' files and node 0's, the records
     bad = []
@@ -329,7 +312,7 @@ def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_
         base = str(tmp_path / f"{mode}-{k}")
         shutil.copytree(golden, base)
         try:
-            codes = _run(_repair, base, kind, mode, k, "EIO")
+            codes = crashsim.ranks_at_point(WORLD, _repair, base, kind, mode, k, "EIO")
         except AssertionError as e:  # a rank that failed or hung under the plan, not at its point
             bad.append(f"{mode} at operation {k} ({ops[k - 1]}): the restore under it: "
                        f"{str(e).strip().splitlines()[-1][:300]}")
