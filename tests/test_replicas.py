@@ -1090,6 +1090,15 @@ def test_what_a_member_sends_is_unpickled_into_plain_types_and_records_only():
     assert replica_group._objects(pickle.dumps(sent)) == sent
     with pytest.raises(pickle.UnpicklingError, match="posix.system"):
         replica_group._objects(pickle.dumps(os.system))
+    # nor a function of the library's, or anything reached through one of its modules' names
+    for module, name in (("dcp_datastates.tiers.borrowed", "clear_borrowed"),
+                         ("dcp_datastates.tiers.replica_group", "os.getpid"),
+                         ("dcp_datastates.tiers.replica_group", "ReplicaGroup")):
+        calls = (pickle.PROTO + bytes([4]) + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module.encode()
+                 + pickle.SHORT_BINUNICODE + bytes([len(name)]) + name.encode() + pickle.STACK_GLOBAL
+                 + pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.STOP)
+        with pytest.raises(pickle.UnpicklingError, match=name):
+            replica_group._objects(calls)
 
 
 def _small_items_save(rank, world, base, plain):

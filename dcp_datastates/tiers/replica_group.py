@@ -22,7 +22,9 @@ unpickled into Python's plain types and this library's records only (``_PeerObje
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import enum
 import io
 import logging
 import pickle
@@ -160,13 +162,17 @@ def _root(src: int) -> dist.BroadcastOptions:
 
 
 class _PeerObjects(pickle.Unpickler):
-    """Unpickles what a member sent: Python's plain types and this library's records, nothing
-    else (no class or function another module names is looked up, so no code runs from it)."""
+    """Unpickles what a member sent: Python's plain types and this library's records (its
+    dataclasses and enums, named directly by their module), nothing else: no function, and no
+    other class, of the library or of any module, is looked up, so no code runs from it."""
 
     def find_class(self, module: str, name: str):
-        if module == "dcp_datastates" or module.startswith("dcp_datastates.") or (
-                module == "builtins" and name in _PLAIN):
+        if module == "builtins" and name in _PLAIN:
             return super().find_class(module, name)
+        if (module == "dcp_datastates" or module.startswith("dcp_datastates.")) and "." not in name:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
         raise pickle.UnpicklingError(f"a replica group member sent a {module}.{name}, which is not one of "
                                      "the objects members exchange")
 
