@@ -161,7 +161,14 @@ class DataStatesReader(StorageReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         """DCP: the committed manifest (fastest tier holding a valid one) as DCP's ``Metadata``;
-        with ``node_local``, once every node holds the manifest (``NodeLocalLoad``)."""
+        with ``node_local``, once every node holds the manifest (``NodeLocalLoad``).
+
+        DCP asks again for a rank's own metadata (``rank=``) on the ranks whose first call
+        failed, and on those alone; a checkpoint has no such metadata, so that call fails at
+        once and never joins a collective the other ranks will not make (the node-local survey)."""
+        if kwargs.get("rank") is not None:
+            raise NotACheckpointError("dcp-datastates keeps one manifest per checkpoint, no rank-local "
+                                      f"metadata for rank {kwargs['rank']}", checkpoint=self.path)
         if self._given_repair is not None:
             self._local = NodeLocalLoad(self._given_repair)
         elif self.node_local:

@@ -340,6 +340,30 @@ def test_one_node_fewer_loads_resharded_from_the_survivors_replicas(tmp_path):
     run_ranks(PER_NODE, _load_on_one_node, base)  # 4 ranks' state onto 2, from node 0's copy alone
 
 
+def _load_where_a_node_cannot_store(rank, world, base):
+    """Node 1's directory is a plain file: its repair cannot store the manifest it is sent, so
+    its ranks find no manifest.  DCP then asks their readers for rank-local metadata, on those
+    ranks alone; a reader that surveyed the nodes again there (a collective) hung the job."""
+    node = rank // PER_NODE
+    model, opt = _model(world)
+    t = time.monotonic()
+    with pytest.raises(CheckpointException) as got:
+        dcp.load(_state(model, opt), storage_reader=DataStatesReader(_dir(base, node), node_local=True,
+                                                                     node=f"n{node}"))
+    assert time.monotonic() - t < 60
+    if node == 1:
+        assert "does not exist" in str(got.value) or "not a directory" in str(got.value).lower(), got.value
+
+
+def test_a_node_that_cannot_store_the_manifest_fails_the_load_on_every_rank(tmp_path):
+    base = str(tmp_path)
+    run_ranks(2 * PER_NODE, _save_four, base)
+    shutil.rmtree(os.path.join(base, "node1"))
+    with open(os.path.join(base, "node1"), "w") as f:
+        f.write("not a directory")
+    run_ranks(2 * PER_NODE, _load_where_a_node_cannot_store, base, timeout=120)
+
+
 def test_a_nodes_commit_never_removes_another_ranks_manifest_in_progress(tmp_path):
     """Every rank of a node commits the step's manifest there (``Checkpointer``), possibly at
     the same moment: one's tidy-up of the replaced save must not take the other's temporary
