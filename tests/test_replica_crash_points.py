@@ -292,7 +292,9 @@ def _repair(rank, world, base, kind, mode, k, err):
                                        ("incremental", "crash"),
                                        pytest.param("incremental", "fault", marks=pytest.mark.slow),
                                        pytest.param("checkpointer", "job", marks=pytest.mark.slow),
-                                       pytest.param("incremental", "job", marks=pytest.mark.slow)])
+                                       pytest.param("incremental", "job", marks=pytest.mark.slow),
+                                       pytest.param("plain", "crash", marks=pytest.mark.slow),
+                                       pytest.param("plain", "fault", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_path, kind, mode):
     """Node 1 is replaced; its repair dies (or fails) at each of rank 2's storage operations;
     a fresh job then restores step 2 bit-exactly from what is left (node 0 holds it all).

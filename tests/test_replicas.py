@@ -37,6 +37,7 @@ from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest, manifest_head
 from dcp_datastates.tiers.replica_group import ReplicaGroup, ReplicaVote
 from dcp_datastates.tiers.replica_helper import SENDER_ENV
+from dcp_datastates.tiers.replica_records import read_record
 from dcp_datastates.tiers.replicator import TIMEOUT_ENV
 from tests.dist import run_ranks
 
@@ -1159,10 +1160,11 @@ def test_a_node_is_never_given_whole_files_for_the_small_tensors_its_ranks_read(
     run_ranks(4, _small_items_load, base, plain)  # nothing lost
     assert {n: _data_writers(base, n) for n in range(4)} == places
     shutil.rmtree(os.path.join(base, "node2"))  # a node lost: it gets its places back, no more
-    run_ranks(4, _small_items_load, base, plain)
-    if plain:  # a plain reader is not told the replicas: the node gets its own rank's files back
-        places[2] = {2}
+    run_ranks(4, _small_items_load, base, plain)  # a plain reader takes the replicas from the save's records
     assert {n: _data_writers(base, n) for n in range(4)} == places
+    node2 = StorageTier(os.path.join(base, "node2", "step-1"))
+    rec = read_record(node2, 2, manifest_head(node2).save_id)  # written again, and true again
+    assert rec is not None and rec.complete and rec.confirmed == [3] and set(rec.held) == {1}, rec
 
 
 def _borrowed_then_purged(rank, world, base):

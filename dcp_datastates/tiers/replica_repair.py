@@ -51,11 +51,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Listing:
     """What one node holds of a save: each step file's size, the digests its replica records
-    give (its own files' and those it holds for others), and its manifest's digest."""
+    give (its own files' and those it holds for others), its manifest's digest, and the
+    replicas the save wanted (its records'; 0 where none is here)."""
 
     sizes: dict[str, int]
     recorded: dict[str, str]
     manifest: str | None
+    wanted: int = 0
 
 
 _NOTHING = Listing({}, {}, None)
@@ -98,6 +100,10 @@ class Survey:
     # file -> the nodes holding it at its size, sorted: made once from the listings, which the
     # repair never changes (asking each node per file cost files x nodes: seconds at 16k ranks)
     _holding: dict[str, list[str]] | None = field(default=None, init=False, repr=False)
+
+    def wanted(self) -> int:
+        """The replicas the save wanted, by the replica records any node holds (0: none)."""
+        return max((x.wanted for x in self.listings.values()), default=0)
 
     def writers(self) -> dict[int, set[str]]:
         """The files each rank wrote (its data files and metadata part)."""
@@ -151,19 +157,21 @@ def _listing(tier: StorageTier, save_id: str, share: int = 0, shares: int = 1) -
         return _NOTHING
     recorded: dict[str, str] = {}
     sizes: dict[str, int] = {}
+    wanted = 0
     for name in names[share::shares]:
         rec_of = replica_record_of(name)
         if rec_of is not None:
             rec = read_record(tier, rec_of[0], save_id) if rec_of[1] == save_id else None
             for f, v in _digests_in(rec):
                 recorded[f] = v
+            wanted = max(wanted, rec.replicas if rec is not None else 0)
         elif name == MANIFEST_NAME or data_file_save_id(name) == save_id:
             try:
                 sizes[name] = tier.size(name)
             except OSError:
                 continue
     manifest = _digest(tier, MANIFEST_NAME) if share == 0 and MANIFEST_NAME in names else None
-    return Listing(sizes, recorded, manifest)
+    return Listing(sizes, recorded, manifest, wanted)
 
 
 def _digests_in(rec: ReplicaRecord | None) -> Iterable[tuple[str, str]]:
@@ -181,12 +189,13 @@ def _merged(parts: Iterable[Listing]) -> Listing:
     """One node's listing from its ranks' shares."""
     sizes: dict[str, int] = {}
     recorded: dict[str, str] = {}
-    manifest = None
+    manifest, wanted = None, 0
     for x in parts:
         sizes.update(x.sizes)
         recorded.update(x.recorded)
         manifest = manifest or x.manifest
-    return Listing(sizes, recorded, manifest)
+        wanted = max(wanted, x.wanted)
+    return Listing(sizes, recorded, manifest, wanted)
 
 
 class NodeRepair:
@@ -448,8 +457,23 @@ class NodeRepair:
 
     def _places_known(self, s: Survey) -> bool:
         """Whether the save was made by this group's ranks with replicas (its places known)."""
+        return self._copies(s)[0] > 0
+
+    def _copies(self, s: Survey) -> tuple[int, int]:
+        """The replicas whose places this repair gives back, and the copies a record of it
+        wants: on the save's world, this job's replicas, or where it keeps none (a plain
+        reader is not told them) those the save's own records want, as far as this job's
+        nodes can hold them; (0, 0) on another world or on nodes of unequal rank counts."""
         p = self.rep.peers
-        return bool(p.replicas) and s.world == len(p.ranks)
+        if s.world != len(p.ranks):
+            return 0, 0
+        if p.replicas:
+            return p.replicas, p.wanted
+        names, ranks = p.nodes.layout()
+        if len({len(v) for v in ranks.values()}) != 1:
+            return 0, 0
+        wanted = s.wanted()
+        return min(wanted, len(names) - 1), wanted
 
     def _places(self, s: Survey) -> dict[str, set[str]]:
         """Each node's files by its place: on the save's ranks, those of its own ranks, and with
@@ -459,12 +483,13 @@ class NodeRepair:
         p = self.rep.peers
         if s.world != len(p.ranks):
             return out
+        copies = self._copies(s)[0]
         member = {g: i for i, g in enumerate(p.ranks)}
         for rank, files in s.writers().items():
             if rank in member:
                 i = member[rank]
                 out[p.nodes.nodes[i]] |= files
-                for k in range(1, p.replicas + 1):
+                for k in range(1, copies + 1):
                     out[p.nodes.nodes[p.nodes.peer(i, k)]] |= files
         return out
 
@@ -481,13 +506,14 @@ class NodeRepair:
                 return
             of = s.writers()
             mine = of.get(p.rank, set())
-            confirmed = [p.ranks[q] for k in range(1, p.replicas + 1)
+            copies, wanted = self._copies(s)
+            confirmed = [p.ranks[q] for k in range(1, copies + 1)
                          if mine <= now.get(p.nodes.nodes[q := p.nodes.peer(p.me, k)], set())]
             held = {}
-            for k in range(1, p.replicas + 1):
+            for k in range(1, copies + 1):
                 src = p.ranks[p.nodes.sender(p.me, k)]
                 held[src] = {f: s.entry(f) for f in sorted(of.get(src, set()) & now.get(self.node, set()))}
-            rec = ReplicaRecord(p.rank, save, p.wanted, {f: s.entry(f) for f in sorted(mine)}, confirmed, held)
+            rec = ReplicaRecord(p.rank, save, wanted, {f: s.entry(f) for f in sorted(mine)}, confirmed, held)
             self.tier.commit_bytes(name, rec.to_bytes())
         except (OSError, CheckpointError) as e:  # the copies stay; a later repair vouches for fewer
             log.warning("%s: rank %d's replica record could not be written again: %s", self.label, p.rank, e)
