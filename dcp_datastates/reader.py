@@ -127,6 +127,7 @@ class DataStatesReader(StorageReader):
         self.node_local, self.node = node_local, node
         self._given_repair = _node_repair  # ``Checkpointer``'s, surveyed before the load
         self._local: NodeLocalLoad | None = None
+        self._metadata_failure: Exception | None = None  # why this load's ``read_metadata`` failed
         self.manifest: Manifest | None = None
         self.manifest_tier: str | None = None  # the tier the manifest came from
         self.stats = ReadStats()  # the last load's
@@ -158,6 +159,7 @@ class DataStatesReader(StorageReader):
             self._given_repair = None  # it was of another directory
         self.manifest = None
         self._local = None
+        self._metadata_failure = None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         """DCP: the committed manifest (fastest tier holding a valid one) as DCP's ``Metadata``;
@@ -165,10 +167,20 @@ class DataStatesReader(StorageReader):
 
         DCP asks again for a rank's own metadata (``rank=``) on the ranks whose first call
         failed, and on those alone; a checkpoint has no such metadata, so that call fails at
-        once and never joins a collective the other ranks will not make (the node-local survey)."""
+        once with the first call's reason and never joins a collective the other ranks will
+        not make (the node-local survey)."""
         if kwargs.get("rank") is not None:
+            if self._metadata_failure is not None:
+                raise self._metadata_failure
             raise NotACheckpointError("dcp-datastates keeps one manifest per checkpoint, no rank-local "
                                       f"metadata for rank {kwargs['rank']}", checkpoint=self.path)
+        try:
+            return self._read_metadata()
+        except Exception as e:  # re-raised: kept only to give DCP's second call the same reason
+            self._metadata_failure = e
+            raise
+
+    def _read_metadata(self) -> Metadata:
         if self._given_repair is not None:
             self._local = NodeLocalLoad(self._given_repair)
         elif self.node_local:
