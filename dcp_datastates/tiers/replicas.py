@@ -25,6 +25,7 @@ what exists, its records say what is missing, and the log says ``degraded``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -86,11 +87,24 @@ class NodeMap:
         return cls(tuple(got))
 
     def layout(self) -> tuple[list[str], dict[str, list[int]]]:
+        """The node names, sorted, and each node's ranks (callers must not change them)."""
+        return self._layout[0], self._layout[1]
+
+    @functools.cached_property
+    def _layout(self) -> tuple[list[str], dict[str, list[int]], list[tuple[int, int]]]:
+        """``layout`` and each rank's (node's place in it, rank's place on its node): made once,
+        as ``peer`` and ``sender`` are asked for every rank of a step (a repair at 16,384 ranks
+        made it again per call: 30 s)."""
         names = sorted(set(self.nodes))
         ranks: dict[str, list[int]] = {n: [] for n in names}
         for r, n in enumerate(self.nodes):
             ranks[n].append(r)
-        return names, ranks
+        index = {n: i for i, n in enumerate(names)}
+        where = [(0, 0)] * len(self.nodes)
+        for n, rs in ranks.items():
+            for j, r in enumerate(rs):
+                where[r] = (index[n], j)
+        return names, ranks, where
 
     def usable(self, k: int) -> int:
         """How many of ``k`` replicas can each go to another node (fewer nodes: fewer replicas,
@@ -106,17 +120,17 @@ class NodeMap:
 
     def peer(self, rank: int, k: int) -> int:
         """The rank that holds the ``k``-th replica (1-based) of ``rank``'s files."""
-        names, ranks = self.layout()
-        i = names.index(self.nodes[rank])
-        j = ranks[self.nodes[rank]].index(rank)
-        return ranks[names[(i + k) % len(names)]][j]
+        return self._ring(rank, k)
 
     def sender(self, rank: int, k: int) -> int:
         """The rank whose ``k``-th replica ``rank`` holds."""
-        names, ranks = self.layout()
-        i = names.index(self.nodes[rank])
-        j = ranks[self.nodes[rank]].index(rank)
-        return ranks[names[(i - k) % len(names)]][j]
+        return self._ring(rank, -k)
+
+    def _ring(self, rank: int, k: int) -> int:
+        """The rank in ``rank``'s place on the node ``k`` places on in the ring of nodes."""
+        names, ranks, where = self._layout
+        i, j = where[rank]
+        return ranks[names[(i + k) % len(names)]][j]
 
 
 def piece_buffer() -> torch.Tensor:
