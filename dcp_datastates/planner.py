@@ -49,8 +49,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, cre
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .errors import CheckpointError
-from .format.assemble import SMALL_ITEM_BYTES
-from .format.limits import FormatViolation
+from .format.limits import SMALL_ITEM_BYTES, FormatViolation
 from .format.model import ChunkMetadataView, TensorEntry
 from .format.v4.rules import Geometry, Mesh, RuleTable, ShardRule, merge_tables, salt
 from .gcpause import paused_gc

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.format.model import small_ranges
 from dcp_datastates.format.names import (
     MANIFEST_NAME,
     TEMP_INFIX,
@@ -1192,3 +1193,55 @@ def _borrowed_then_purged(rank, world, base):
 
 def test_retention_removes_the_ranges_a_load_borrowed_with_their_step(tmp_path):
     run_ranks(4, _borrowed_then_purged, str(tmp_path))
+
+
+def _count_messages(base: str) -> None:
+    """Tally this rank's point-to-point messages (sends and receives) and the bytes its
+    all-reductions carry, during the load, into base/messages-RANK."""
+    real = {n: getattr(ReplicaGroup, n) for n in ("send", "recv", "exchange", "all_reduce_max")
+            if hasattr(ReplicaGroup, n)}
+    path = os.path.join(base, f"messages-{dist.get_rank()}")
+    seen = {"p2p": 0, "reduced": 0}
+
+    def note() -> None:
+        with open(path, "w") as f:
+            json.dump(seen, f)
+
+    def wrap(name, fn):
+        def call(self, t, *args, **kw):
+            if name == "all_reduce_max":
+                seen["reduced"] += t.numel() * t.element_size()
+            else:
+                seen["p2p"] += 1
+            note()
+            return fn(self, t, *args, **kw)
+        return call
+    for name, fn in real.items():
+        setattr(ReplicaGroup, name, wrap(name, fn))
+    note()
+
+
+def _small_items_counted_load(rank, world, base, plain):
+    _count_messages(base)
+    _small_items_load(rank, world, base, plain)
+
+
+@pytest.mark.parametrize("plain", [pytest.param(True, id="dcp.save-dcp.load"),
+                                   pytest.param(False, id="Checkpointer")])
+def test_the_small_tensors_every_rank_reads_travel_in_collectives_not_per_rank_and_file(tmp_path, plain):
+    """DCP's planner spreads the small replicated tensors (each parameter's Adam step) over the
+    ranks, so at scale every rank reads such bytes from hundreds of files its node lacks (ours
+    gives them to rank 0, whose file then every other node lacks).  A restore where no node
+    lost anything sends them in all-reductions of the bytes some rank lacks (once, whatever
+    the number of ranks), never in a message per rank and file: no rank sends or receives
+    anything point-to-point, and what the reductions carry stays within a few times the small
+    tensors' own bytes."""
+    base = str(tmp_path)
+    run_ranks(4, _small_items_save, base, plain)
+    run_ranks(4, _small_items_counted_load, base, plain)
+    seen = [json.load(open(os.path.join(base, f"messages-{r}"))) for r in range(4)]
+    assert all(s["p2p"] == 0 for s in seen), seen
+    m = load_manifest(StorageTier(os.path.join(base, "node0", "step-1")))
+    small = sum(n for _f, _o, n in small_ranges(m))
+    assert 0 < small and all(0 < s["reduced"] <= 4 * small + 4096 for s in seen), (seen, small)
+    assert {n: _data_writers(base, n) for n in range(4)} == {n: {n, (n - 1) % 4} for n in range(4)}

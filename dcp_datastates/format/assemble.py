@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..errors import CheckpointError
 from .build import build_manifest
 from .dtypes import dtype_name
-from .limits import FormatViolation
+from .limits import SMALL_ITEM_BYTES, FormatViolation
 from .manifest import encode_index, encode_part
 from .model import Chunk, Extent, Manifest
 from .names import data_file_stripe, part_file_name
@@ -37,8 +37,6 @@ from .v4.rules import RuleTable
 
 # the index's key of the one result a format 4 rank sends (its part record)
 PART_INDEX = MetadataIndex("\x00dcp_datastates.part")
-# a chunk of a tensor without a sharding rule at most this large is held whole in the index
-SMALL_ITEM_BYTES = 64 << 10
 
 
 def planner_paths(metadata: Metadata) -> dict[str, list]:

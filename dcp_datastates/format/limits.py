@@ -24,6 +24,8 @@ MAX_TREE_DEPTH = 32  # nesting of registered providers in one chunk
 MAX_VALUE_BYTES = 1 << 30  # one encoded value
 MAX_CONTAINER_LEN = 1 << 24  # elements of one list or map inside a value
 MAX_EXT_DEPTH = 32  # nesting of extension types inside a value
+# a chunk of a tensor without a sharding rule at most this large is held whole in the index
+SMALL_ITEM_BYTES = 64 << 10
 
 INT64 = np.dtype("<i8")  # every integer column of versions 3 and 4, little-endian on disk
 NO_INTS = np.zeros(0, dtype=INT64)  # an empty int64 column, shared: never written to

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from ..errors import ManifestError
 from .checksum import BLOCK_SIZE, join_digests, split_digests
 from .codec import MAX_STORED
-from .limits import FormatViolation
+from .limits import SMALL_ITEM_BYTES, FormatViolation
 from .names import is_packed_file
 
 FORMAT_VERSION = 3  # written now; manifest.py reads the versions it lists
@@ -229,6 +229,10 @@ class PartIndex(Protocol):
 
     def check_part(self, rank: int) -> None:
         """Read and check rank ``rank``'s part, head and digest tail (``ManifestError``)."""
+        ...
+
+    def inline_records(self) -> list[Chunk]:
+        """The records the index holds itself (small plain chunks of tensors without a rule)."""
         ...
 
 
@@ -519,3 +523,22 @@ class ChunkMetadataView(Sequence):
 
     def __reduce__(self):
         return (list, (self._all(),))
+
+
+def small_segs(m: Manifest, chunk: Chunk) -> list[Seg] | None:
+    """The segments of ``chunk`` where it is a small plain record (at most ``SMALL_ITEM_BYTES``)
+    stored as it is in memory in ``m``'s own files: a node-local load whose node lacks such a
+    file is sent these bytes alone, not the file (``tiers/replica_repair.py``).  None otherwise."""
+    e = chunk.extent
+    if e is None or e.nbytes > SMALL_ITEM_BYTES or any(s.file in m.homes or is_packed_file(s.file) for s in e.segs):
+        return None
+    return e.segs
+
+
+def small_ranges(m: Manifest) -> tuple[tuple[str, int, int], ...]:
+    """Every (file, offset, length) of ``small_segs`` among the records ``m`` holds itself (a
+    format 4 index's inline records; every record of an earlier version), sorted: the same on
+    every rank that reads the same manifest, and no larger than the manifest."""
+    records = m.index.inline_records() if m.index is not None else [c for t in m.tensors.values() for c in t.chunks]
+    out = {(s.file, s.offset, s.nbytes) for c in records if (segs := small_segs(m, c)) for s in segs}
+    return tuple(sorted(out))

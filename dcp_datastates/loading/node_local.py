@@ -19,9 +19,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..errors import ChecksumMismatch, DataFileError, ManifestError, first_line
-from ..format.assemble import SMALL_ITEM_BYTES
-from ..format.model import Chunk, Manifest
-from ..format.names import is_packed_file, rank_file_of
+from ..format.model import Chunk, Manifest, small_segs
+from ..format.names import rank_file_of
 from ..tiers.replica_repair import NodeRepair, Reads
 from ..tiers.replicator import shared_replicator
 from ..tiers.storage import StorageTier
@@ -150,10 +149,9 @@ def files_read(m: Manifest, items: Iterable[ReadItem]) -> Reads:
     of each rank whose part holds a record the plan reads (a node holds all the files of a rank
     or none, as replication leaves them and as ``verify --node-local`` expects), with those of
     an earlier checkpoint an incremental save took from it (its ``homes``) under the name of
-    the rank that wrote them there.  A small record the index holds itself (a plain tensor of
-    at most ``SMALL_ITEM_BYTES``, of one rank's writing, that every rank reads: an optimizer's
-    step counter) is read as the byte ranges of its segments, where they are stored as they
-    are in memory in this save's own files.  A record this rank cannot find adds nothing (the
+    the rank that wrote them there.  A small record the index holds itself (``small_segs``: a
+    plain tensor of one rank's writing that every rank reads, an optimizer's step counter) is
+    read as the byte ranges of its segments.  A record this rank cannot find adds nothing (the
     read raises, naming it)."""
     named: set[str] = set()  # files records name directly
     ranges: dict[str, set[tuple[int, int]]] = defaultdict(set)
@@ -173,9 +171,9 @@ def files_read(m: Manifest, items: Iterable[ReadItem]) -> Reads:
         if w is not None:
             writers.add(w)
         elif (chunk := entry.record_at(ri.storage_index.index, key)) is not None:
-            if chunk.extent is not None and chunk.extent.nbytes <= SMALL_ITEM_BYTES and all(
-                    s.file not in m.homes and not is_packed_file(s.file) for s in chunk.extent.segs):
-                for s in chunk.extent.segs:
+            segs = small_segs(m, chunk)
+            if segs is not None:
+                for s in segs:
                     ranges[s.file].add((s.offset, s.nbytes))
             else:
                 named |= chunk_files(chunk)

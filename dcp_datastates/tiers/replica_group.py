@@ -145,8 +145,15 @@ class ReplicaGroup:
 
     def all_reduce_min(self, t: torch.Tensor) -> None:
         """``t`` becomes the element-wise minimum over the members."""
+        self._all_reduce(t, dist.ReduceOp.MIN)
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        """``t`` becomes the element-wise maximum over the members."""
+        self._all_reduce(t, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, t: torch.Tensor, op) -> None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
+        opts.reduceOp = dist.ReduceOp(op)
         with self._failing():
             self.pg.allreduce([t], opts).wait()
 

@@ -3,10 +3,13 @@ plans, each between two members of the replica group, and what each side does wi
 
 Every rank walks the same list of moves in the same order and takes part in those it is a side
 of, so each pair's sends and receives match.  A whole file lands in the node's directory under
-a temporary name, kept only when its bytes match the digest recorded when it was replicated; a
-rank's byte ranges of a file land in its borrowed directory (``borrowed.py``), checked by the
-load that reads them.  A side whose storage fails still sends or receives every byte, so that
-no pair falls out of step."""
+a temporary name, kept only when its bytes match the digest recorded when it was replicated.
+The small records ranks read of files their nodes lack travel otherwise: every rank takes part
+in the same max-reductions of their bytes (each byte not zero only on its source), so what a
+rank receives follows the bytes some rank lacks, not the ranks times the files they come from;
+each rank keeps the ranges it reads in its borrowed directory (``borrowed.py``), checked by
+the load that reads them.  A side whose storage fails still sends or receives every byte, so
+that no pair falls out of step."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError
+from .backend import Sink
 from .replica_group import ReplicaGroup
 from .replicas import PIECE, Landing, piece_buffer
 from .storage import StorageTier
@@ -36,13 +40,14 @@ class Move:
 
 
 @dataclass(frozen=True)
-class Borrow:
-    """Byte ranges of file ``name`` sent from a rank whose node holds it (``src``) to a rank
-    that reads them (``dst``; group positions); the ranges travel from ``dst`` first."""
+class Lent:
+    """``size`` bytes at ``offset`` of file ``name``, which some rank reads and its node lacks:
+    read by member ``src`` (a rank whose node holds the file) and reduced to every member."""
 
     name: str
+    offset: int
+    size: int
     src: int
-    dst: int
 
 
 class Wire:
@@ -70,20 +75,133 @@ class Wire:
                     "restored" if ok else "could not restore", mv.name, self.ranks[mv.src])
         return kept
 
-    def ranges(self, moves: list[Borrow], ranges: dict[str, tuple[tuple[int, int], ...]],
-               into: StorageTier) -> tuple[set[str], int]:
-        """Each of ``moves`` (the same list on every rank): this rank's ``ranges`` of its file
-        received into ``into`` where it is the receiving side, served from ``tier`` where it
-        is the sending one.  The files this rank received and kept, and the bytes received."""
-        kept, got = set(), 0
-        for mv in moves:
-            if self.me == mv.src:
-                _send_ranges(self.group, self.tier, mv.name, mv.dst)
-            elif self.me == mv.dst:
-                if _recv_ranges(self.group, into, mv.name, ranges[mv.name], mv.src):
-                    kept.add(mv.name)
-                got += sum(n for _o, n in ranges[mv.name])
-        return kept, got
+    def lend(self, pieces: list[Lent], wanted: dict[str, tuple[tuple[int, int], ...]],
+             into: StorageTier) -> tuple[set[str], int]:
+        """Every one of ``pieces`` (the same list on every rank) to every rank, in rounds of at
+        most ``PIECE`` bytes, each one max-reduction in which only a piece's source holds its
+        bytes (one that cannot read them sends zeros, which the reader's block digests refuse);
+        this rank stores the ranges it reads (``wanted``: file -> (offset, length) pairs) at
+        their offsets in ``into``'s file of that name (the rest of it left unwritten).  The
+        files of which it stored every range it wanted, and the bytes it stored."""
+        rounds: list[list[Lent]] = []
+        size = 0
+        for p in pieces:
+            if not rounds or size + p.size > PIECE:
+                rounds.append([])
+                size = 0
+            rounds[-1].append(p)
+            size += p.size
+        want = {(f, o, n) for f, rs in wanted.items() for o, n in rs}
+        sinks = _Sinks(into)
+        src = _Source(self.tier)
+        got = 0
+        try:
+            for batch in rounds:
+                buf = torch.zeros(sum(p.size for p in batch), dtype=torch.uint8)
+                at = 0
+                for p in batch:
+                    if p.src == self.me:
+                        src.read(p.name, p.offset, buf[at:at + p.size])
+                    at += p.size
+                self.group.all_reduce_max(buf)
+                at = 0
+                for p in batch:
+                    if (p.name, p.offset, p.size) in want:
+                        got += sinks.write(p.name, buf[at:at + p.size], p.offset)
+                        want.discard((p.name, p.offset, p.size))
+                    at += p.size
+        except BaseException:
+            sinks.abort()
+            src.close()
+            raise
+        src.close()
+        lacking = {f for f, _o, _n in want}  # ranges no piece brought (on no node)
+        return sinks.close() - lacking, got
+
+
+class _Source:
+    """Reads of this node's copies for the pieces a rank sends (one descriptor per file); a
+    file that cannot be read gives zeros from then on."""
+
+    def __init__(self, tier: StorageTier) -> None:
+        self.tier = tier
+        self._fds: dict[str, int | None] = {}
+        self._bad: set[str] = set()
+
+    def read(self, name: str, offset: int, out: torch.Tensor) -> None:
+        if name in self._bad:
+            return
+        try:
+            if name not in self._fds:  # None: this filesystem reads by path
+                self._fds[name] = self.tier.backend.open_read(self.tier.path(name), self.tier.url)
+            n = self.tier.read_into(name, offset, out.numpy(), fd=self._fds[name])
+            out[n:].zero_()
+        except (OSError, CheckpointError) as e:
+            log.warning("%s/%s cannot be read to lend its ranges: %s", self.tier.url, name, e)
+            self._bad.add(name)
+            out.zero_()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
+
+
+class _Sinks:
+    """The files of ranges a rank stores in its borrowed directory ``tier``, opened at their
+    first range; one that cannot be stored is dropped (its ranges received all the same)."""
+
+    def __init__(self, tier: StorageTier) -> None:
+        self.tier = tier
+        self._open: dict[str, Sink | None] = {}
+
+    def write(self, name: str, data: torch.Tensor, offset: int) -> int:
+        """``data`` at ``offset`` of ``name``; the bytes stored (0 where it is dropped)."""
+        if name not in self._open:
+            self._open[name] = self._start(name)
+        sink = self._open[name]
+        if sink is None:
+            return 0
+        try:
+            sink.pwrite(data.numpy(), offset)
+        except OSError as e:
+            log.warning("%s/%s cannot be stored here (%s): received and dropped", self.tier.url, name, e)
+            sink.abort()
+            self._open[name] = None
+            return 0
+        return data.numel()
+
+    def _start(self, name: str) -> Sink | None:
+        try:
+            self.tier.makedirs()
+            if not self.tier.is_real_dir():  # a link put in its place: nothing is written through it
+                raise NotADirectoryError(f"{self.tier.url} is not a directory of its own")
+            return self.tier.open_sink(name, o_direct=False, drop_cache=False)
+        except OSError as e:
+            log.warning("%s/%s cannot be stored here (%s): received and dropped", self.tier.url, name, e)
+            return None
+
+    def abort(self) -> None:
+        for sink in self._open.values():
+            if sink is not None:
+                sink.abort()
+        self._open.clear()
+
+    def close(self) -> set[str]:
+        """Close every file (read by this load, at once; a lost copy is asked for again): the
+        names stored."""
+        kept = set()
+        for name, sink in self._open.items():
+            if sink is None:
+                continue
+            try:
+                sink.close(sync=False)
+                kept.add(name)
+            except OSError as e:
+                log.warning("%s/%s cannot be stored here (%s): dropped", self.tier.url, name, e)
+        self._open.clear()
+        return kept
 
 
 def _send_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, peer: int) -> None:
@@ -143,98 +261,3 @@ def _recv_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, pee
     except OSError as e:
         log.warning("%s/%s cannot be stored here (%s): dropped", tier.url, name, e)
         return False
-
-
-def _stream(ranges, start: int, n: int):
-    """The pieces of ``ranges`` ((offset, length), one after another in a stream) that bytes
-    ``start`` to ``start + n`` of the stream hold: (position in those bytes, offset, length)."""
-    at = 0
-    for off, size in ranges:
-        lo, hi = max(at, start), min(at + size, start + n)
-        if lo < hi:
-            yield lo - start, off + lo - at, hi - lo
-        at += size
-        if at >= start + n:
-            return
-
-
-def _send_ranges(group: ReplicaGroup, tier: StorageTier, name: str, peer: int) -> None:
-    """Serve the ranges of ``name`` that group member ``peer`` asks for (the count, then each
-    range's offset and length): their bytes one after another, in messages of ``PIECE`` (small
-    ranges travel together, not a message each); bytes that cannot be read go as zeros, which
-    the reader's block digests refuse (it then reads a slower tier or fails)."""
-    count = torch.zeros(1, dtype=torch.int64)
-    group.recv(count, peer)
-    asked = torch.zeros(2 * int(count), dtype=torch.int64)
-    if int(count):
-        group.recv(asked, peer)
-    ranges = asked.view(-1, 2).tolist()
-    total = sum(size for _off, size in ranges)
-    buf = torch.empty(min(PIECE, total), dtype=torch.uint8)
-    fd, readable = None, True
-    try:  # one descriptor for every range (None: this filesystem reads by path)
-        fd = tier.backend.open_read(tier.path(name), tier.url)
-    except (OSError, CheckpointError) as e:
-        log.warning("%s/%s cannot be read to send to group member %d: %s", tier.url, name, peer, e)
-        readable = False
-    try:
-        for start in range(0, total, PIECE):
-            n = min(PIECE, total - start)
-            for at, off, size in _stream(ranges, start, n):
-                got = 0
-                if readable:
-                    try:
-                        got = tier.read_into(name, off, buf[at:at + size].numpy(), fd=fd)
-                    except (OSError, CheckpointError) as e:
-                        log.warning("%s/%s cannot be read to send to group member %d: %s", tier.url, name, peer, e)
-                        readable = False
-                buf[at + got:at + size].zero_()
-            group.send(buf[:n], peer)
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _recv_ranges(group: ReplicaGroup, tier: StorageTier, name: str, ranges: tuple[tuple[int, int], ...],
-                 peer: int) -> bool:
-    """Ask group member ``peer`` for ``ranges`` of ``name`` and write them at their offsets in
-    ``tier``'s file of that name (the rest of it left unwritten); False where they cannot be
-    stored (they are received all the same, so that both sides stay in step)."""
-    group.send(torch.tensor([len(ranges)], dtype=torch.int64), peer)
-    if ranges:
-        group.send(torch.tensor([x for r in ranges for x in r], dtype=torch.int64), peer)
-    total = sum(size for _off, size in ranges)
-    buf = torch.empty(min(PIECE, total), dtype=torch.uint8)
-    sink = None
-    try:
-        tier.makedirs()
-        if not tier.is_real_dir():  # a link put in its place: nothing is written through it
-            raise NotADirectoryError(f"{tier.url} is not a directory of its own")
-        sink = tier.open_sink(name, o_direct=False, drop_cache=False)
-    except OSError as e:
-        log.warning("%s/%s cannot be stored here (%s): received and dropped", tier.url, name, e)
-    try:
-        for start in range(0, total, PIECE):
-            n = min(PIECE, total - start)
-            group.recv(buf[:n], peer)
-            if sink is None:
-                continue
-            try:
-                for at, off, size in _stream(ranges, start, n):
-                    sink.pwrite(buf[at:at + size].numpy(), off)
-            except OSError as e:
-                log.warning("%s/%s cannot be stored here (%s): received and dropped", tier.url, name, e)
-                sink.abort()
-                sink = None
-    except BaseException:
-        if sink is not None:
-            sink.abort()
-        raise
-    if sink is None:
-        return False
-    try:
-        sink.close(sync=False)  # read by this load, at once; a lost copy is asked for again
-    except OSError as e:
-        log.warning("%s/%s cannot be stored here (%s): dropped", tier.url, name, e)
-        return False
-    return True

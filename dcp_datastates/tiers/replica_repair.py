@@ -28,6 +28,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError
+from ..format.model import small_ranges
 from ..format.names import (
     MANIFEST_NAME,
     borrowed_dir_name,
@@ -39,7 +40,7 @@ from ..format.names import (
 from ..format.replica_record import ReplicaRecord
 from .borrowed import clear_borrowed
 from .manifests import load_manifest, manifest_head
-from .replica_moves import Borrow, Move, Wire
+from .replica_moves import Lent, Move, Wire
 from .replica_records import read_record
 from .replicas import PIECE
 from .replicator import Replicator
@@ -78,13 +79,15 @@ class Reads:
 
 @dataclass(frozen=True)
 class FileList:
-    """What a save's manifest lists: its own files (name -> size), the ranks that saved it, and
-    the files it reads from earlier checkpoints of the run (an incremental save), by the
-    directory and save that hold them: (directory, save id) -> {name: size}."""
+    """What a save's manifest lists: its own files (name -> size), the ranks that saved it, the
+    files it reads from earlier checkpoints of the run (an incremental save), by the directory
+    and save that hold them: (directory, save id) -> {name: size}, and the byte ranges of its
+    small records a node that lacks their files is sent alone (``format.model.small_ranges``)."""
 
     files: dict[str, int]
     world: int  # of an earlier directory's list (``NodeRepair.given``): the referencing save's
     referenced: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    small: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Survey:
     files: dict[str, int]
     world: int  # the ranks that saved it
     recorded: dict[str, str] = field(default_factory=dict)
+    small: tuple[tuple[str, int, int], ...] = ()  # ``FileList.small``
     # file -> the nodes holding it at its size, sorted: made once from the listings, which the
     # repair never changes (asking each node per file cost files x nodes: seconds at 16k ranks)
     _holding: dict[str, list[str]] | None = field(default=None, init=False, repr=False)
@@ -266,7 +270,7 @@ class NodeRepair:
         if files is None:
             return False
         recorded = {f: d for x in listings.values() for f, d in x.recorded.items()}
-        self._survey = Survey(listings, files.files, files.world, recorded)
+        self._survey = Survey(listings, files.files, files.world, recorded, files.small)
         lost = sorted(n for n in files.files if not self._survey.holders(n))
         if lost:
             log.warning("%s: %d file(s) on no node (first: %s); reading them from a slower tier if one "
@@ -317,7 +321,8 @@ class NodeRepair:
             save_id = data_file_save_id(name)
             if save_id is not None and name in m.files:
                 referenced[(home, save_id)][name] = m.files[name]
-        return FileList({n: s for n, s in m.files.items() if n not in m.homes}, m.world_size, dict(referenced))
+        return FileList({n: s for n, s in m.files.items() if n not in m.homes}, m.world_size, dict(referenced),
+                        small_ranges(m))
 
     def _agree_file_list(self, got: FileList | None) -> FileList | None:
         """Every rank's file list, the same on all: each read its own node's manifest; only
@@ -365,11 +370,9 @@ class NodeRepair:
         reads: dict[str, set[str]] = {n: set() for n in self.ranks}
         places = self._places(s)
         mine, ranges = self._wanted(s, needs, verify, places[self.node])
-        borrows: list[tuple[int, str]] = []  # (group position, file): ranges it reads
-        for pos, (got, borrowing) in enumerate(self._gather((mine, sorted(ranges)))):
+        for pos, got in enumerate(self._gather(mine)):
             if got:
                 reads[self.rep.peers.nodes.nodes[pos]].update(n for n in got if n in s.files)
-            borrows += [(pos, n) for n in borrowing if n in s.files]
         per_node = {n: reads[n] | places[n] for n in self.ranks}
         mates = self.ranks[self.node]
         lacking: list[str] = []  # of this rank's share of the node's list; what its ranks read, hashed
@@ -406,7 +409,7 @@ class NodeRepair:
             for node, names in self._gather((self.node, sorted(kept))):
                 want[node].difference_update(names)
         missing = sorted(f for fs in want.values() for f in fs)
-        lent = self._lend(s, [b for b in borrows if b[1] not in per_node[self.rep.peers.nodes.nodes[b[0]]]], ranges)
+        lent = self._lend(s, {f: r for f, r in ranges.items() if f not in per_node[self.node]})
         if hashed or received or lent or self.given is None:
             log.info("%s: rank %d hashed %.1f MiB and received %.1f MiB for this node, and %.1f KiB of "
                      "%d file(s) it reads a little of, in %.2f s", self.label, self.rep.peers.rank, hashed / 2**20,
@@ -439,19 +442,36 @@ class NodeRepair:
                 ranges[name] = rs
         return sorted(n for n in whole if n in s.files), ranges
 
-    def _lend(self, s: Survey, borrows: list[tuple[int, str]],
-              ranges: dict[str, tuple[tuple[int, int], ...]]) -> int:
-        """Each rank's ranges of the files in ``borrows`` (group position, file; the same list on
-        every rank) sent to it from a node that holds the file, spread over the holders and
-        their ranks; the bytes this rank received."""
-        moves = []
-        for i, (pos, name) in enumerate(borrows):
-            src = s.holders(name)
-            if not src:
-                continue  # on no node: the load reads it from a slower tier or fails naming it
-            pick = src[i % len(src)]
-            moves.append(Borrow(name, self.ranks[pick][i % len(self.ranks[pick])], pos))
-        kept, got = self._wire.ranges(moves, ranges, self.borrowed_tier)
+    def _lend(self, s: Survey, ranges: dict[str, tuple[tuple[int, int], ...]]) -> int:
+        """The small records some rank reads of files its node lacks (this rank's: ``ranges``)
+        to every rank, in collectives whose size follows those bytes, never the ranks times the
+        files they come from (a collective: every rank asks, in one max-reduction over the
+        save's ``small`` ranges, for those it lacks; each range asked for then comes from a
+        node that holds its file, spread over the holders and their ranks); this rank keeps
+        its own ranges in its borrowed directory.  The bytes this rank stored."""
+        if not s.small:
+            return 0
+        at = {r: i for i, r in enumerate(s.small)}
+        asked = torch.zeros(len(s.small), dtype=torch.uint8)
+        unlisted = sorted(f for f, rs in ranges.items() if any((f, o, n) not in at for o, n in rs))
+        if unlisted:  # its load then reads them from a slower tier or fails, naming them
+            log.warning("%s: rank %d reads byte ranges of %s that the manifest's small records do not "
+                        "list; not asked for", self.label, self.rep.peers.rank, unlisted[0])
+        wanted = {f: rs for f, rs in ranges.items() if f not in unlisted}
+        for f, rs in wanted.items():
+            for o, n in rs:
+                asked[at[(f, o, n)]] = 1
+        self.rep.group.all_reduce_max(asked)
+        pieces, source = [], {}
+        for i in asked.nonzero().flatten().tolist():
+            name, offset, size = s.small[i]
+            if name not in source:
+                src = s.holders(name)
+                k = len(source)
+                source[name] = self.ranks[src[k % len(src)]][k % len(self.ranks[src[k % len(src)]])] if src else None
+            if source[name] is not None:  # on no node: the load reads it from a slower tier or fails naming it
+                pieces.append(Lent(name, offset, size, source[name]))
+        kept, got = self._wire.lend(pieces, wanted, self.borrowed_tier)
         self.borrowed |= kept
         return got
 
