@@ -26,10 +26,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
-from dcp_datastates.format.model import small_ranges
+from dcp_datastates.format.manifest import decode_manifest, encode_manifest
+from dcp_datastates.format.model import Chunk, Extent, Manifest, TensorEntry, small_ranges
 from dcp_datastates.format.names import (
     MANIFEST_NAME,
     TEMP_INFIX,
+    data_file_name,
     data_file_save_id,
     rank_file_of,
     replica_record_of,
@@ -1245,3 +1247,21 @@ def test_the_small_tensors_every_rank_reads_travel_in_collectives_not_per_rank_a
     small = sum(n for _f, _o, n in small_ranges(m))
     assert 0 < small and all(0 < s["reduced"] <= 4 * small + 4096 for s in seen), (seen, small)
     assert {n: _data_writers(base, n) for n in range(4)} == {n: {n, (n - 1) % 4} for n in range(4)}
+
+
+def test_the_small_ranges_a_repair_lends_are_whole_small_tensors_found_without_building_every_record():
+    """The ranges every rank agrees on in the survey (``small_ranges``) are those of small
+    tensors stored whole (a replicated step counter), never the shards of a sharded tensor,
+    however small: a version 3 manifest of N ranks lists tensors x N chunks, and neither the
+    survey's list nor the records built to find it may grow with all of them."""
+    world = 4096
+    files = {data_file_name(r, "0123456789ab", 0): 1 << 20 for r in range(world)}
+    names = sorted(files)
+    shards = [Chunk((4 * r,), (4,), Extent.contiguous(names[r], 0, 16, [bytes(16)])) for r in range(world)]
+    step = Chunk((), (), Extent.contiguous(names[7], 64, 4, [bytes(16)]))
+    m = Manifest("0123456789ab", world, list(range(world)), files,
+                 {"w": TensorEntry("float32", (4 * world,), shards), "opt.step": TensorEntry("float32", (), [step])},
+                 {}, {})
+    m = decode_manifest(encode_manifest(m))  # as a load reads it: records built when asked for
+    assert small_ranges(m) == ((names[7], 64, 4),)
+    assert m.tensors["w"].lazy  # none of the shards' records was built

@@ -231,10 +231,6 @@ class PartIndex(Protocol):
         """Read and check rank ``rank``'s part, head and digest tail (``ManifestError``)."""
         ...
 
-    def inline_records(self) -> list[Chunk]:
-        """The records the index holds itself (small plain chunks of tensors without a rule)."""
-        ...
-
 
 class ChunkList:
     """One tensor's records in memory: a :class:`ChunkTable` of one row (``t`` is ignored).
@@ -525,20 +521,34 @@ class ChunkMetadataView(Sequence):
         return (list, (self._all(),))
 
 
-def small_segs(m: Manifest, chunk: Chunk) -> list[Seg] | None:
-    """The segments of ``chunk`` where it is a small plain record (at most ``SMALL_ITEM_BYTES``)
+def small_segs(m: Manifest, entry: TensorEntry, chunk: Chunk) -> list[Seg] | None:
+    """The segments of ``chunk``, a record of ``entry`` that the manifest holds itself, where it
+    is a small plain record of the whole tensor (at most ``SMALL_ITEM_BYTES``: a replicated
+    tensor DCP's dedup had one rank write, which every rank reads, such as an optimizer's step)
     stored as it is in memory in ``m``'s own files: a node-local load whose node lacks such a
-    file is sent these bytes alone, not the file (``tiers/replica_repair.py``).  None otherwise."""
+    file is sent these bytes alone, not the file (``tiers/replica_repair.py``).  None otherwise
+    (a small shard of a sharded tensor is read with its writer's files)."""
     e = chunk.extent
-    if e is None or e.nbytes > SMALL_ITEM_BYTES or any(s.file in m.homes or is_packed_file(s.file) for s in e.segs):
+    if (e is None or e.nbytes > SMALL_ITEM_BYTES or tuple(chunk.sizes) != tuple(entry.size) or any(chunk.offsets)
+            or any(s.file in m.homes or is_packed_file(s.file) for s in e.segs)):
         return None
     return e.segs
 
 
 def small_ranges(m: Manifest) -> tuple[tuple[str, int, int], ...]:
-    """Every (file, offset, length) of ``small_segs`` among the records ``m`` holds itself (a
-    format 4 index's inline records; every record of an earlier version), sorted: the same on
-    every rank that reads the same manifest, and no larger than the manifest."""
-    records = m.index.inline_records() if m.index is not None else [c for t in m.tensors.values() for c in t.chunks]
-    out = {(s.file, s.offset, s.nbytes) for c in records if (segs := small_segs(m, c)) for s in segs}
+    """Every (file, offset, length) of ``small_segs`` in ``m``, sorted: the same on every rank
+    that reads the same manifest.  Only a tensor of one record (an empty one aside) can have a
+    record of the whole tensor; no metadata part is read (a record a part holds is skipped by
+    its writer, ``ChunkTable.writer_at``), and no other record is built."""
+    out: set[tuple[str, int, int]] = set()
+    for entry in m.tensors.values():
+        n = entry.count()
+        if n > 2:
+            continue
+        whole = (tuple(0 for _ in entry.size), tuple(entry.size))
+        for i in range(n):
+            if tuple(map(tuple, entry.box(i))) != whole or entry.writer_at(i, whole[0]) is not None:
+                continue
+            segs = small_segs(m, entry, entry.chunk_at(i))
+            out.update((s.file, s.offset, s.nbytes) for s in segs or ())
     return tuple(sorted(out))

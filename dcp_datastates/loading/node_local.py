@@ -171,7 +171,7 @@ def files_read(m: Manifest, items: Iterable[ReadItem]) -> Reads:
         if w is not None:
             writers.add(w)
         elif (chunk := entry.record_at(ri.storage_index.index, key)) is not None:
-            segs = small_segs(m, chunk)
+            segs = small_segs(m, entry, chunk)
             if segs is not None:
                 for s in segs:
                     ranges[s.file].add((s.offset, s.nbytes))

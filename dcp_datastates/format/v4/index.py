@@ -312,9 +312,6 @@ class IndexTable:
         self.part(rank)
         self.tail(rank).load()
 
-    def inline_records(self) -> list[Chunk]:
-        return [c for e in self.inline.values() for c in e.chunks]
-
     def find_box(self, t: int, offsets: tuple, sizes: tuple) -> Chunk | None:
         i = self.exact(t, (tuple(offsets), tuple(sizes)))
         return None if i is None else self.chunk_at(t, i)
