@@ -453,24 +453,26 @@ class NodeRepair:
             return 0
         at = {r: i for i, r in enumerate(s.small)}
         asked = torch.zeros(len(s.small), dtype=torch.uint8)
-        unlisted = sorted(f for f, rs in ranges.items() if any((f, o, n) not in at for o, n in rs))
+        unlisted = {f for f, rs in ranges.items() if any((f, o, n) not in at for o, n in rs)}
         if unlisted:  # its load then reads them from a slower tier or fails, naming them
             log.warning("%s: rank %d reads byte ranges of %s that the manifest's small records do not "
-                        "list; not asked for", self.label, self.rep.peers.rank, unlisted[0])
+                        "list; not asked for", self.label, self.rep.peers.rank, min(unlisted))
         wanted = {f: rs for f, rs in ranges.items() if f not in unlisted}
         for f, rs in wanted.items():
             for o, n in rs:
                 asked[at[(f, o, n)]] = 1
         self.rep.group.all_reduce_max(asked)
-        pieces, source = [], {}
+        pieces: list[Lent] = []
+        source: dict[str, int | None] = {}  # file -> the member that reads it (None: on no node)
         for i in asked.nonzero().flatten().tolist():
             name, offset, size = s.small[i]
             if name not in source:
-                src = s.holders(name)
-                k = len(source)
-                source[name] = self.ranks[src[k % len(src)]][k % len(self.ranks[src[k % len(src)]])] if src else None
-            if source[name] is not None:  # on no node: the load reads it from a slower tier or fails naming it
-                pieces.append(Lent(name, offset, size, source[name]))
+                k, holders = len(source), s.holders(name)
+                mates = self.ranks[holders[k % len(holders)]] if holders else []
+                source[name] = mates[k % len(mates)] if mates else None
+            src = source[name]
+            if src is not None:  # on no node: the load reads it from a slower tier or fails naming it
+                pieces.append(Lent(name, offset, size, src))
         kept, got = self._wire.lend(pieces, wanted, self.borrowed_tier)
         self.borrowed |= kept
         return got
