@@ -6,7 +6,8 @@ replicas=1)``.  Step 1 is saved and fully replicated; step 2 is saved and, while
 rank 2 (on node 1: it sends its files to rank 0 and receives rank 0's) dies right after its
 replication thread's k-th storage operation (a crash point), or that operation fails with EIO
 (a fault point), or every rank is killed there with the processes it started (the whole job,
-as its launcher ends it), for every k the thread makes.  Then fresh jobs restore: with both
+as its launcher ends it), or node 1's two ranks are (the node lost, while node 0's ranks go
+on with their save and its replication), for every k the thread makes.  Then fresh jobs restore: with both
 nodes, with node 1's directory lost and with node 0's.  The invariants, at every point:
 
 * with nothing lost, step 2 comes back bit-exactly (it committed on both nodes before it
@@ -14,7 +15,7 @@ nodes, with node 1's directory lost and with node 0's.  The invariants, at every
 * with a node lost, a step comes back bit-exactly, never one older than step 1 (fully
   replicated before), and never nothing;
 * a step whose replication the point cut short is not reported fully replicated (with the
-  whole job killed, a step is taken as reported only where every rank reported it)."""
+  whole job or a node killed, a step is taken as reported only where every rank reported it)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.errors import first_line
 from dcp_datastates.tiers.replica_helper import SENDER_ENV
+from dcp_datastates.tiers.replicator import TIMEOUT_ENV
 from tests import crashsim
 from tests.dist import run_ranks
 
@@ -99,7 +101,10 @@ def _act(rank, world, base, kind, mode, k, err):
     hook, is the one that dies or fails; rank 2 itself goes on."""
     node = rank // PER_NODE
     helper = kind == "helper"
+    if mode == "node":  # node 0 goes on: a peer killed while a message is on its way is seen
+        os.environ[TIMEOUT_ENV] = "20"  # only when the group's timeout ends
     folder = _join(base, mode)
+    kill = "job" if mode == "node" else mode  # the node's processes alone are in the folder
     if helper:
         os.environ[SENDER_ENV] = "process"
         if rank == TARGET:  # the helper it starts takes the plan from the file written below
@@ -111,10 +116,10 @@ def _act(rank, world, base, kind, mode, k, err):
     assert job.wait_replicated(60), "step 1 must replicate in full"
     dist.barrier()
     if rank == TARGET and helper:
-        crashsim.arm(os.path.join(base, "plan.json"), mode, k, os.path.join(base, "helper-ops"), err, job=folder)
+        crashsim.arm(os.path.join(base, "plan.json"), kill, k, os.path.join(base, "helper-ops"), err, job=folder)
     elif rank == TARGET:
         crashsim.PLAN.log.clear()
-        crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = mode, k, err, THREAD
+        crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = kill, k, err, THREAD
         crashsim.PLAN.job = folder
     try:
         job.save(2, _state(rank, 2))
@@ -135,10 +140,16 @@ def _act(rank, world, base, kind, mode, k, err):
 
 def _join(base: str, mode: str) -> str | None:
     """Mode "job": the folder of the job's pids (``crashsim.kill_job``), this rank's written
-    into it before any rank's point can come (every rank's first save is collective)."""
-    if mode != "job":
+    into it before any rank's point can come (every rank's first save is collective).  Mode
+    "node": each node's folder of its ranks' pids; the target's node's is the one killed (a
+    node lost: its ranks and the processes they started, while the other node goes on)."""
+    if mode == "job":
+        crashsim.join_job(folder := os.path.join(base, "job"))
+    elif mode == "node":
+        crashsim.join_job(os.path.join(base, f"job-node{dist.get_rank() // PER_NODE}"))
+        folder = os.path.join(base, f"job-node{TARGET // PER_NODE}")
+    else:
         return None
-    crashsim.join_job(folder := os.path.join(base, "job"))
     dist.barrier()
     return folder
 
@@ -189,7 +200,7 @@ def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO") -> list[st
     where = f"{mode} at operation {k}"
     # a helper's death ends the helper, not its rank: the helper's own count tells
     reached = len(_helper_ops(base)) >= k if kind == "helper" else crashsim.CRASHED in codes
-    if mode in ("crash", "job") and not reached:
+    if mode in ("crash", "job", "node") and not reached:
         return [f"{where}: rank {TARGET} never reached it"]
     reports = {r: json.load(open(path)) for r in range(WORLD)
                if os.path.exists(path := os.path.join(base, f"replicated-{r}"))}
@@ -197,8 +208,8 @@ def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO") -> list[st
     if mode == "fault" and len(reports) < WORLD:
         bad.append(f"{where}: ranks {sorted(set(range(WORLD)) - set(reports))} never finished the step")
     # a step every living rank reports fully replicated survives the loss of any one node
-    # (with the whole job killed, only one every rank reported)
-    full = all(reports.values()) and (mode != "job" or len(reports) == WORLD)
+    # (with the whole job or a node killed, only one every rank reported: each reports its own files)
+    full = all(reports.values()) and (mode not in ("job", "node") or len(reports) == WORLD)
     saved = os.path.join(base, "saved")
     os.makedirs(saved)
     for n in (0, 1):
@@ -237,7 +248,10 @@ def _operations(base: str, kind: str) -> list[str]:
                                        pytest.param("helper", "fault", marks=pytest.mark.slow),
                                        pytest.param("checkpointer", "job", marks=pytest.mark.slow),
                                        pytest.param("plain", "job", marks=pytest.mark.slow),
-                                       pytest.param("helper", "job", marks=pytest.mark.slow)])
+                                       pytest.param("helper", "job", marks=pytest.mark.slow),
+                                       pytest.param("checkpointer", "node", marks=pytest.mark.slow),
+                                       pytest.param("plain", "node", marks=pytest.mark.slow),
+                                       pytest.param("helper", "node", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_step(tmp_path, kind, mode):
     ops = _operations(str(tmp_path / "record"), kind)
     assert len(ops) >= 6, ops  # receive, keep and publish rank 0's files, and the record
