@@ -31,6 +31,7 @@ import json
 import pickle
 import time
 
+from dcp_datastates.format.model import Span
 from dcp_datastates.format.names import MANIFEST_NAME, data_file_name, rank_file_name
 from dcp_datastates.tiers.replica_group import _objects
 from dcp_datastates.tiers.replica_moves import Lent
@@ -132,10 +133,11 @@ def small(world: int, per_node: int, params: int) -> dict:
             src = s.holders(name)
             k = len(source)
             source[name] = int(src[k % len(src)][1:]) * per_node + k % per_node
-        pieces.append(Lent(name, offset, size, source[name]))
+        pieces.append(Lent(Span(name, offset, size), source[name]))
     t1 = time.perf_counter()
-    reduced = len(small_list) + sum(p.size for p in pieces)
-    now = {"reduced_B": reduced, "rounds": 1 + -(-sum(p.size for p in pieces) // PIECE), "plan_s": round(t1 - t0, 4)}
+    lent = sum(p.span.nbytes for p in pieces)
+    reduced = len(small_list) + lent
+    now = {"reduced_B": reduced, "rounds": 1 + -(-lent // PIECE), "plan_s": round(t1 - t0, 4)}
     return {"ranks": world, "nodes": nodes, "counters": params, "before": before, "now": now}
 
 

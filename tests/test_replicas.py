@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.format.manifest import decode_manifest, encode_manifest
-from dcp_datastates.format.model import Chunk, Extent, Manifest, TensorEntry, small_ranges
+from dcp_datastates.format.model import Chunk, Extent, Manifest, Span, TensorEntry, small_ranges
 from dcp_datastates.format.names import (
     MANIFEST_NAME,
     TEMP_INFIX,
@@ -1244,7 +1244,7 @@ def test_the_small_tensors_every_rank_reads_travel_in_collectives_not_per_rank_a
     seen = [json.load(open(os.path.join(base, f"messages-{r}"))) for r in range(4)]
     assert all(s["p2p"] == 0 for s in seen), seen
     m = load_manifest(StorageTier(os.path.join(base, "node0", "step-1")))
-    small = sum(n for _f, _o, n in small_ranges(m))
+    small = sum(x.nbytes for x in small_ranges(m))
     assert 0 < small and all(0 < s["reduced"] <= 4 * small + 4096 for s in seen), (seen, small)
     assert {n: _data_writers(base, n) for n in range(4)} == {n: {n, (n - 1) % 4} for n in range(4)}
 
@@ -1263,5 +1263,5 @@ def test_the_small_ranges_a_repair_lends_are_whole_small_tensors_found_without_b
                  {"w": TensorEntry("float32", (4 * world,), shards), "opt.step": TensorEntry("float32", (), [step])},
                  {}, {})
     m = decode_manifest(encode_manifest(m))  # as a load reads it: records built when asked for
-    assert small_ranges(m) == ((names[7], 64, 4),)
+    assert small_ranges(m) == (Span(names[7], 64, 4),)
     assert m.tensors["w"].lazy  # none of the shards' records was built

@@ -521,6 +521,15 @@ class ChunkMetadataView(Sequence):
         return (list, (self._all(),))
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class Span:
+    """``nbytes`` bytes at ``offset`` of data file ``file``: a range a node-local load may be
+    sent alone (``small_ranges``); hashable and ordered, unlike a :class:`Seg` of an extent."""
+    file: str
+    offset: int
+    nbytes: int
+
+
 def small_segs(m: Manifest, entry: TensorEntry, chunk: Chunk) -> list[Seg] | None:
     """The segments of ``chunk``, a record of ``entry`` that the manifest holds itself, where it
     is a small plain record of the whole tensor (at most ``SMALL_ITEM_BYTES``: a replicated
@@ -535,12 +544,12 @@ def small_segs(m: Manifest, entry: TensorEntry, chunk: Chunk) -> list[Seg] | Non
     return e.segs
 
 
-def small_ranges(m: Manifest) -> tuple[tuple[str, int, int], ...]:
-    """Every (file, offset, length) of ``small_segs`` in ``m``, sorted: the same on every rank
+def small_ranges(m: Manifest) -> tuple[Span, ...]:
+    """Every segment of ``small_segs`` in ``m`` as a :class:`Span`, sorted: the same on every rank
     that reads the same manifest.  Only a tensor of one record (an empty one aside) can have a
     record of the whole tensor; no metadata part is read (a record a part holds is skipped by
     its writer, ``ChunkTable.writer_at``), and no other record is built."""
-    out: set[tuple[str, int, int]] = set()
+    out: set[Span] = set()
     for entry in m.tensors.values():
         n = entry.count()
         if n > 2:
@@ -550,5 +559,5 @@ def small_ranges(m: Manifest) -> tuple[tuple[str, int, int], ...]:
             if tuple(map(tuple, entry.box(i))) != whole or entry.writer_at(i, whole[0]) is not None:
                 continue
             segs = small_segs(m, entry, entry.chunk_at(i))
-            out.update((s.file, s.offset, s.nbytes) for s in segs or ())
+            out.update(Span(s.file, s.offset, s.nbytes) for s in segs or ())
     return tuple(sorted(out))

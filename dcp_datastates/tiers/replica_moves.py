@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError
+from ..format.model import Span
 from .backend import Sink
 from .replica_group import ReplicaGroup
 from .replicas import PIECE, Landing, piece_buffer
@@ -41,12 +42,10 @@ class Move:
 
 @dataclass(frozen=True)
 class Lent:
-    """``size`` bytes at ``offset`` of file ``name``, which some rank reads and its node lacks:
-    read by member ``src`` (a rank whose node holds the file) and reduced to every member."""
+    """A range some rank reads of a file its node lacks (``span``): read by member ``src`` (a
+    rank whose node holds the file) and reduced to every member."""
 
-    name: str
-    offset: int
-    size: int
+    span: Span
     src: int
 
 
@@ -83,39 +82,42 @@ class Wire:
         this rank stores the ranges it reads (``wanted``: file -> (offset, length) pairs) at
         their offsets in ``into``'s file of that name (the rest of it left unwritten).  The
         files of which it stored every range it wanted, and the bytes it stored."""
-        rounds: list[list[Lent]] = []
+        rounds: list[list[Span]] = []
         size = 0
+        mine: set[Span] = set()  # those this rank reads from its node's copy
         for p in pieces:
-            if not rounds or size + p.size > PIECE:
+            if not rounds or size + p.span.nbytes > PIECE:
                 rounds.append([])
                 size = 0
-            rounds[-1].append(p)
-            size += p.size
-        want = {(f, o, n) for f, rs in wanted.items() for o, n in rs}
+            rounds[-1].append(p.span)
+            size += p.span.nbytes
+            if p.src == self.me:
+                mine.add(p.span)
+        want = {Span(f, o, n) for f, rs in wanted.items() for o, n in rs}
         sinks = _Sinks(into)
         src = _Source(self.tier)
         got = 0
         try:
             for batch in rounds:
-                buf = torch.zeros(sum(p.size for p in batch), dtype=torch.uint8)
+                buf = torch.zeros(sum(x.nbytes for x in batch), dtype=torch.uint8)
                 at = 0
-                for p in batch:
-                    if p.src == self.me:
-                        src.read(p.name, p.offset, buf[at:at + p.size])
-                    at += p.size
+                for x in batch:
+                    if x in mine:
+                        src.read(x.file, x.offset, buf[at:at + x.nbytes])
+                    at += x.nbytes
                 self.group.all_reduce_max(buf)
                 at = 0
-                for p in batch:
-                    if (p.name, p.offset, p.size) in want:
-                        got += sinks.write(p.name, buf[at:at + p.size], p.offset)
-                        want.discard((p.name, p.offset, p.size))
-                    at += p.size
+                for x in batch:
+                    if x in want:
+                        got += sinks.write(x.file, buf[at:at + x.nbytes], x.offset)
+                        want.discard(x)
+                    at += x.nbytes
         except BaseException:
             sinks.abort()
             src.close()
             raise
         src.close()
-        lacking = {f for f, _o, _n in want}  # ranges no piece brought (on no node)
+        lacking = {x.file for x in want}  # ranges no piece brought (on no node)
         return sinks.close() - lacking, got
 
 

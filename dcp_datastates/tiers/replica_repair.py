@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError
-from ..format.model import small_ranges
+from ..format.model import Span, small_ranges
 from ..format.names import (
     MANIFEST_NAME,
     borrowed_dir_name,
@@ -87,7 +87,7 @@ class FileList:
     files: dict[str, int]
     world: int  # of an earlier directory's list (``NodeRepair.given``): the referencing save's
     referenced: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
-    small: tuple[tuple[str, int, int], ...] = ()
+    small: tuple[Span, ...] = ()
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Survey:
     files: dict[str, int]
     world: int  # the ranks that saved it
     recorded: dict[str, str] = field(default_factory=dict)
-    small: tuple[tuple[str, int, int], ...] = ()  # ``FileList.small``
+    small: tuple[Span, ...] = ()  # ``FileList.small``
     # file -> the nodes holding it at its size, sorted: made once from the listings, which the
     # repair never changes (asking each node per file cost files x nodes: seconds at 16k ranks)
     _holding: dict[str, list[str]] | None = field(default=None, init=False, repr=False)
@@ -453,26 +453,26 @@ class NodeRepair:
             return 0
         at = {r: i for i, r in enumerate(s.small)}
         asked = torch.zeros(len(s.small), dtype=torch.uint8)
-        unlisted = {f for f, rs in ranges.items() if any((f, o, n) not in at for o, n in rs)}
+        unlisted = {f for f, rs in ranges.items() if any(Span(f, o, n) not in at for o, n in rs)}
         if unlisted:  # its load then reads them from a slower tier or fails, naming them
             log.warning("%s: rank %d reads byte ranges of %s that the manifest's small records do not "
                         "list; not asked for", self.label, self.rep.peers.rank, min(unlisted))
         wanted = {f: rs for f, rs in ranges.items() if f not in unlisted}
         for f, rs in wanted.items():
             for o, n in rs:
-                asked[at[(f, o, n)]] = 1
+                asked[at[Span(f, o, n)]] = 1
         self.rep.group.all_reduce_max(asked)
         pieces: list[Lent] = []
         source: dict[str, int | None] = {}  # file -> the member that reads it (None: on no node)
         for i in asked.nonzero().flatten().tolist():
-            name, offset, size = s.small[i]
-            if name not in source:
-                k, holders = len(source), s.holders(name)
+            span = s.small[i]
+            if span.file not in source:
+                k, holders = len(source), s.holders(span.file)
                 mates = self.ranks[holders[k % len(holders)]] if holders else []
-                source[name] = mates[k % len(mates)] if mates else None
-            src = source[name]
+                source[span.file] = mates[k % len(mates)] if mates else None
+            src = source[span.file]
             if src is not None:  # on no node: the load reads it from a slower tier or fails naming it
-                pieces.append(Lent(name, offset, size, src))
+                pieces.append(Lent(span, src))
         kept, got = self._wire.lend(pieces, wanted, self.borrowed_tier)
         self.borrowed |= kept
         return got
