@@ -281,12 +281,14 @@ def _repair(rank, world, base, kind, mode, k, err):
     replicas of node 0's, the records) under the plan.  This restore may fail at a fault point; the next one may not."""
     if rank == TARGET:
         crashsim.install()
+    if mode == "node":  # node 1 lost again during its repair, node 0 going on (``_act``)
+        os.environ[TIMEOUT_ENV] = "20"
     folder = _join(base, mode)
     job = _job(kind, base, rank // PER_NODE)
     if rank == TARGET:
         crashsim.PLAN.log.clear()
-        crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.thread = mode, k, err, "dcpds-replicas"
-        crashsim.PLAN.job = folder
+        crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err = "job" if mode == "node" else mode, k, err
+        crashsim.PLAN.thread, crashsim.PLAN.job = "dcpds-replicas", folder
     try:
         job.load(_template(rank))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - allowed at a fault point: the
@@ -308,9 +310,12 @@ def _repair(rank, world, base, kind, mode, k, err):
                                        pytest.param("checkpointer", "job", marks=pytest.mark.slow),
                                        pytest.param("incremental", "job", marks=pytest.mark.slow),
                                        pytest.param("plain", "crash", marks=pytest.mark.slow),
-                                       pytest.param("plain", "fault", marks=pytest.mark.slow)])
+                                       pytest.param("plain", "fault", marks=pytest.mark.slow),
+                                       pytest.param("checkpointer", "node", marks=pytest.mark.slow),
+                                       pytest.param("plain", "node", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_path, kind, mode):
-    """Node 1 is replaced; its repair dies (or fails) at each of rank 2's storage operations;
+    """Node 1 is replaced; its repair dies (or fails, or node 1 is lost again: mode "node") at
+    each of rank 2's storage operations;
     a fresh job then restores step 2 bit-exactly from what is left (node 0 holds it all).
     ``incremental``: step 2 reads its unchanged tensor from step 1's directory, which the
     repair fills too."""
@@ -333,7 +338,7 @@ def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_
             bad.append(f"{mode} at operation {k} ({ops[k - 1]}): the restore under it: "
                        f"{str(e).strip().splitlines()[-1][:300]}")
             continue
-        if mode in ("crash", "job") and crashsim.CRASHED not in codes:
+        if mode in ("crash", "job", "node") and crashsim.CRASHED not in codes:
             # a directory both ranks of node 1 write into is made by whichever comes first: the
             # count may be one short of the recording's, every operation still a point
             if k <= len(ops) - sum(op.startswith("mkdir ") for op in ops):
