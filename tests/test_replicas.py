@@ -1265,3 +1265,42 @@ def test_the_small_ranges_a_repair_lends_are_whole_small_tensors_found_without_b
     m = decode_manifest(encode_manifest(m))  # as a load reads it: records built when asked for
     assert small_ranges(m) == (Span(names[7], 64, 4),)
     assert m.tensors["w"].lazy  # none of the shards' records was built
+
+
+def _small_items_load_alone(rank, world, base):
+    """Each rank reads for itself (``cooperative=False``): a cooperative load may have another
+    rank read a block from its node's good copy and send it, and no rank meet the damage."""
+    model, opt = _model(world)
+    sd = _state(model, opt)
+    import torch.distributed.checkpoint as dcp
+    dcp.load(sd, storage_reader=DataStatesReader(os.path.join(base, f"node{rank}", "step-1"), node_local=True,
+                                                 node=f"n{rank}", cooperative=False))
+    _assert_restored(model, opt, sd, base)
+    os._exit(0)
+
+
+def test_small_tensor_bytes_lent_from_a_damaged_copy_are_refused_and_read_again_from_a_good_one(tmp_path):
+    """Node 0's copy of rank 0's file, the first holder of the small tensors every rank reads
+    (``Checkpointer``'s planner gives them to rank 0), has a flipped byte in one of them: the
+    nodes that lack the file are lent the damaged bytes, their loads (plain ``dcp.load``)
+    refuse them by the blocks' digests, and the same load replaces node 0's copy and gives
+    the others the file whole, checked, from node 1's good copy; every rank restores the
+    saved state."""
+    base = str(tmp_path)
+    run_ranks(4, _small_items_save, base, False)
+    step = os.path.join(base, "node0", "step-1")
+    spans = small_ranges(load_manifest(StorageTier(step)))
+    assert spans and all(x.file.startswith("data-r00000-") for x in spans), spans
+    with open(os.path.join(step, spans[0].file), "r+b") as f:
+        f.seek(spans[0].offset)
+        byte = f.read(1)
+        f.seek(spans[0].offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())  # on the disk, where the load's direct reads take it from
+    run_ranks(4, _small_items_load_alone, base)
+    with open(os.path.join(step, spans[0].file), "rb") as f:
+        f.seek(spans[0].offset)
+        assert f.read(1) == byte  # node 0's copy was replaced by a good one
+    # the nodes that read ranges of it took it whole in the checked fetch, from node 1
+    assert {n: _data_writers(base, n) for n in range(4)} == {0: {0, 3}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 2, 3}}
