@@ -114,9 +114,9 @@ class Wire:
                     at += x.nbytes
         except BaseException:
             sinks.abort()
-            src.close()
             raise
-        src.close()
+        finally:
+            src.close()
         lacking = {x.file for x in want}  # ranges no piece brought (on no node)
         return sinks.close() - lacking, got
 
