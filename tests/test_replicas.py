@@ -1129,13 +1129,13 @@ def _small_items_save(rank, world, base, plain):
     os._exit(0)  # the replica group's threads: no teardown
 
 
-def _small_items_load(rank, world, base, plain):
+def _small_items_load(rank, world, base, plain, cooperative="auto"):
     model, opt = _model(world)
     sd = _state(model, opt)
     if plain:
         import torch.distributed.checkpoint as dcp
         dcp.load(sd, storage_reader=DataStatesReader(os.path.join(base, f"node{rank}", "step-1"),
-                                                     node_local=True, node=f"n{rank}"))
+                                                     node_local=True, node=f"n{rank}", cooperative=cooperative))
     else:
         ck = Checkpointer([os.path.join(base, f"node{rank}")], node_local=True, replicas=1, node=f"n{rank}",
                           async_mode=None, process_group=dist.new_group(backend="gloo"))
@@ -1270,13 +1270,7 @@ def test_the_small_ranges_a_repair_lends_are_whole_small_tensors_found_without_b
 def _small_items_load_alone(rank, world, base):
     """Each rank reads for itself (``cooperative=False``): a cooperative load may have another
     rank read a block from its node's good copy and send it, and no rank meet the damage."""
-    model, opt = _model(world)
-    sd = _state(model, opt)
-    import torch.distributed.checkpoint as dcp
-    dcp.load(sd, storage_reader=DataStatesReader(os.path.join(base, f"node{rank}", "step-1"), node_local=True,
-                                                 node=f"n{rank}", cooperative=False))
-    _assert_restored(model, opt, sd, base)
-    os._exit(0)
+    _small_items_load(rank, world, base, True, cooperative=False)
 
 
 def test_small_tensor_bytes_lent_from_a_damaged_copy_are_refused_and_read_again_from_a_good_one(tmp_path):
