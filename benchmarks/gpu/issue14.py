@@ -502,13 +502,14 @@ def main() -> int:
                 r = fn()
                 dt, ok = (r, True) if isinstance(r, float) else r
                 out.setdefault(name, []).append(round(dt, 2))
+                for dev_id, c in read_path.choices().items():  # what this load's probe chose
+                    out.setdefault("read_path_choice", {}).setdefault(name, []).append(f"{dev_id}: {c.describe()}")
                 if not ok:
                     out[f"{name}_mismatch"] = True
         best = {k: min(v) for k, v in out.items() if isinstance(v, list)}
         raw_best = min(best["raw_odirect"], best["raw_buffered"])
         out.update({"bytes": nbytes, "page_cache": how, "ours_vs_best_raw": round(raw_best / best["ours"], 3),
                     "ours_vs_dcp": round(best["dcp_FileSystemReader"] / best["ours"], 2),
-                    "read_path_choice": {str(k): v.describe() for k, v in read_path.choices().items()},
                     "alignment": str(_alignment(files[0], dio_alignment))})
         return out
     if wanted("load"):
@@ -599,6 +600,7 @@ def main() -> int:
                  ("raw_pieces_memmove_upload", lambda: raw_pieces(True, True)),
                  ("raw_pieces_into_slab", lambda: raw_pieces(False, False, into_slab=True)),
                  ("ours_gpu", lambda: ours(dev())),
+                 ("ours_gpu_direct", lambda: ours(dev(), o_direct=True)),  # no probe: O_DIRECT
                  ("ours_gpu_noverify", lambda: ours(dev(), verify=False)),
                  ("ours_gpu_buffered", lambda: ours(dev(), o_direct=False)),
                  ("ours_host", lambda: ours("cpu")),
@@ -610,9 +612,11 @@ def main() -> int:
                 drop_page_cache([path])
                 read_path.forget()
                 out.setdefault(name, []).append(round(fn(), 3))
+                for dev_id, c in read_path.choices().items():  # what the probe chose, if it ran
+                    out.setdefault("read_path_choice", {}).setdefault(name, []).append(f"{dev_id}: {c.describe()}")
         shutil.rmtree(path, ignore_errors=True)
         out["GBps_best"] = {k: round(out["bytes"] / min(v) / 1e9, 2) for k, v in out.items()
-                            if isinstance(v, list) and min(v) > 0}
+                            if isinstance(v, list) and isinstance(v[0], float) and min(v) > 0}
         return out
     if wanted("load_split"):
         section(load_split)
