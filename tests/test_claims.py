@@ -354,6 +354,47 @@ def test_retention_keeps_every_step_while_a_live_claims_record_is_being_written(
     assert purge_steps(StorageTier(str(run)), ["step-1"]) == ["step-1"]  # no save in flight uses it
 
 
+def test_a_claim_written_while_a_pass_uncommits_keeps_the_step_and_says_why(tmp_path, monkeypatch, caplog):
+    """A save starts while a retention pass runs: its claim file exists, its record not yet,
+    when the pass reads the claims again after marking the steps it drops (the next save of
+    ``Checkpointer`` with ``keep=1``; seen in CI).  The pass keeps the step, as for any live
+    claim it cannot read, and logs that the claim is being written; it does not warn that the
+    step became a save's base, which nothing said."""
+    import logging
+
+    from dcp_datastates.tiers import retention
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), _state(1))
+    real = retention.bases_in_flight
+    claims: list = []
+
+    def bases_in_flight(tier):
+        if len(claims) == 0 and getattr(bases_in_flight, "calls", 0) == 1:  # the second read: after the marks
+            c = acquire(StorageTier(str(run / "step-2")), CLAIM_NAME, "e" * 12, base="step-1")
+            assert c.lock is not None
+            c.lock.write(b"")  # the claim file before its record
+            claims.append(c)
+        bases_in_flight.calls = getattr(bases_in_flight, "calls", 0) + 1
+        return real(tier)
+
+    monkeypatch.setattr(retention, "bases_in_flight", bases_in_flight)
+    caplog.set_level(logging.INFO, logger="dcp_datastates")
+    assert purge_steps_of(run, ["step-1"]) == []
+    assert claims and os.path.exists(run / "step-1" / ".metadata")
+    assert not os.path.exists(run / "step-1" / ".purged")
+    _loads(str(run / "step-1"), 1)
+    said = [r for r in caplog.records if r.name.startswith("dcp_datastates.tiers.retention")]
+    assert not [r for r in said if r.levelno >= logging.WARNING], caplog.text
+    assert any("being written" in r.getMessage() for r in said), caplog.text
+    claims[0].release()
+    assert purge_steps_of(run, ["step-1"]) == ["step-1"]
+
+
+def purge_steps_of(run, drop: list[str]) -> list[str]:
+    from dcp_datastates.tiers.retention import purge_steps
+    return purge_steps(StorageTier(str(run)), drop)
+
+
 def test_a_base_saved_again_keeps_the_files_a_save_in_flight_references(tmp_path, monkeypatch):
     """An incremental save of step-2 on step-1 is in flight when step-1 is saved again
     (``overwrite=True``): the re-save's tidy-up must not remove the old step-1 files the save

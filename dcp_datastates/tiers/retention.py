@@ -48,7 +48,7 @@ from ..format.names import (
 )
 from .base_lock import removing
 from .borrowed import clear_borrowed
-from .claim import bases_in_flight, claimed
+from .claim import BasesInFlight, bases_in_flight, claimed
 from .manifests import manifest_is_ours
 from .storage import StorageTier
 from .tidy import run_references
@@ -148,13 +148,7 @@ def _uncommit(run: StorageTier, drop: list[str], kinds: dict[str, str]) -> set[s
             foreign.add(name)
             continue
         if bases.keeps(name):
-            if bases.unknown:
-                log.info("retention: %s is not purged this pass: the claim of a save in flight (%s) is "
-                         "being written, and the save may use it as its incremental base", t.url,
-                         bases.unknown[0])
-            else:
-                log.warning("retention: %s is the base of an incremental save in flight; not purging it",
-                            t.url)
+            _say_kept(t, bases, "is")
             foreign.add(name)
             continue
         try:
@@ -175,6 +169,16 @@ def _uncommit(run: StorageTier, drop: list[str], kinds: dict[str, str]) -> set[s
     return foreign | _unmanifest(run, marked)
 
 
+def _say_kept(t: StorageTier, bases: BasesInFlight, verb: str) -> None:
+    """Why step ``t`` stays, which ``bases.keeps``: a claim whose record is being written
+    (a save starting; the next pass decides) or a save in flight that names it as its base."""
+    if bases.unknown:
+        log.info("retention: %s is not purged this pass: the claim of a save in flight (%s) is "
+                 "being written, and the save may use it as its incremental base", t.url, bases.unknown[0])
+    else:
+        log.warning("retention: %s %s the base of an incremental save in flight; not purging it", t.url, verb)
+
+
 def _unmanifest(run: StorageTier, marked: list[StorageTier]) -> set[str]:
     """The manifests of the ``marked`` steps removed, but of those a save in flight claimed
     as its base meanwhile (read after every mark is in place): their marks go again and they
@@ -190,7 +194,7 @@ def _unmanifest(run: StorageTier, marked: list[StorageTier]) -> set[str]:
     for t in marked:
         keep = bases is None or bases.keeps(t.name)
         if keep and bases is not None:
-            log.warning("retention: %s became the base of an incremental save in flight; not purging it", t.url)
+            _say_kept(t, bases, "became")
         try:
             for n in [PURGED_MARK] if keep else _manifests(t):
                 t.remove(n)
