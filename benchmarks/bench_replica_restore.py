@@ -1,7 +1,7 @@
 """Restore after a lost node from peer replicas (issue 36), against a restore with nothing lost
 and DCP's ``FileSystemReader``, in one run.
 
-    python benchmarks/bench_replica_restore.py [--nodes 4] [--mib 64] [--small 0] [--reps 3] [--cold] [--json OUT]
+    python benchmarks/bench_replica_restore.py [--nodes 4] [--mib 64] [--small 0] [--reps 3] [--cold] [--phases] [--json OUT]
 
 ``--nodes`` nodes of two gloo ranks each are simulated on this machine, each node its own
 node-local directory; every rank holds a ``--mib`` MiB shard of one tensor (a DTensor sharded
@@ -18,6 +18,8 @@ needed), so each restore reads the drive.  Also reported: the bytes the replacem
 afterwards against the whole step.  ``--small N`` adds N plain scalar tensors every rank holds
 (an optimizer's step counters), which DCP's dedup has one rank write and every rank reads: also
 reported, the bytes every node's directory grew by in the restore with nothing lost.
+``--phases`` profiles every rank's restore with nothing lost (``cProfile``) and reports, per
+phase of ``Checkpointer.load``, the slowest rank's time, median over the rounds.
 """
 
 from __future__ import annotations
@@ -34,7 +36,33 @@ import time
 PER_NODE = 2
 
 
-def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, small: int, out) -> None:
+# (label, file suffix, function name): what ``--phases`` times in the restore with nothing lost
+PHASES = (("Checkpointer.load", "dcp_datastates/checkpointer.py", "load"),
+          ("steps to try (restore_order)", "dcp_datastates/run_steps.py", "restore_order"),
+          ("save every rank restores (agreed_save)", "dcp_datastates/run_steps.py", "agreed_save"),
+          ("survey of the nodes", "dcp_datastates/tiers/replica_repair.py", "survey"),
+          ("  of it: the replica group's epoch", "dcp_datastates/tiers/replicator.py", "agree_epoch"),
+          ("dcp.load", "torch/distributed/checkpoint/state_dict_loader.py", "load"),
+          ("  read_metadata", "dcp_datastates/reader.py", "read_metadata"),
+          ("  read_data", "dcp_datastates/reader.py", "read_data"),
+          ("    the repair's fetch", "dcp_datastates/tiers/replica_repair.py", "fetch"),
+          ("    the cooperative plan", "dcp_datastates/loading/cooperative.py", "plan"),
+          ("    the reads", "dcp_datastates/loading/reads.py", "read_tasks"),
+          ("    the check of every rank's reads (again)", "dcp_datastates/loading/node_local.py", "again"))
+
+
+def _phase_times(prof) -> dict[str, float]:
+    """Cumulative seconds of each of ``PHASES`` in profile ``prof``."""
+    import pstats
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    out = {}
+    for label, suffix, name in PHASES:
+        out[label] = sum(v[3] for (f, _line, fn), v in stats.items() if fn == name and f.endswith(suffix))
+    return out
+
+
+def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, small: int, out,
+          phases: bool = False) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -44,6 +72,7 @@ def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, sma
     from dcp_datastates import Checkpointer
 
     torch.set_num_threads(1)
+    parts: dict[str, float] = {}
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     node = rank // PER_NODE
@@ -70,9 +99,16 @@ def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, sma
         ckpt = Checkpointer([os.path.join(base, f"node{node}")], node_local=True, replicas=1,
                             node=f"n{node}", process_group=pg, async_mode=None)
         dist.barrier()
+        import cProfile
+        prof = cProfile.Profile() if phases and phase == "intact" else None
         t = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         assert ckpt.load(state) == 1
         took = time.perf_counter() - t
+        if prof is not None:
+            prof.disable()
+            parts = _phase_times(prof)
         ckpt.close()
     if phase != "save":
         torch.manual_seed(0)
@@ -80,20 +116,31 @@ def _rank(rank: int, world: int, port: int, phase: str, base: str, mib: int, sma
         assert torch.equal(state["w"].to_local(), want[rank * rows:(rank + 1) * rows]), "not bit-exact"
         assert all(float(v) == i for i, v in enumerate(state["steps"].values())), "not bit-exact"
     got: list = [None] * world
-    dist.all_gather_object(got, took)
+    dist.all_gather_object(got, (took, parts))
     if rank == 0:
-        out.put(max(got))
+        out.put((max(g[0] for g in got), {k: max(g[1][k] for g in got) for k in got[0][1]}))
     dist.destroy_process_group()
 
 
-def _run(world: int, phase: str, base: str, mib: int, small: int) -> float:
+def _run(world: int, phase: str, base: str, mib: int, small: int, phases: bool = False) -> float:
+    took, parts = _run_parts(world, phase, base, mib, small, phases)
+    if parts:
+        _PARTS.append(parts)
+    return took
+
+
+_PARTS: list[dict[str, float]] = []  # ``--phases``: per round, each phase's slowest rank
+
+
+def _run_parts(world: int, phase: str, base: str, mib: int, small: int, phases: bool) -> tuple[float, dict]:
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, phase, base, mib, small, q)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, phase, base, mib, small, q, phases))
+             for r in range(world)]
     for p in procs:
         p.start()
     took = q.get(timeout=1800)
@@ -123,6 +170,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "dcpds-replica-restore"))
     ap.add_argument("--cold", action="store_true", help="drop the run's files from the page cache before each restore")
+    ap.add_argument("--phases", action="store_true",
+                    help="profile the restore with nothing lost: each phase's time, slowest rank, median")
     ap.add_argument("--json")
     a = ap.parse_args()
     cold = _evict if a.cold else (lambda root: None)
@@ -144,7 +193,7 @@ def main() -> int:
         whole = sum(files.values())
         cold(a.dir)
         before = nodes_bytes()
-        runs["intact"].append(_run(world, "intact", a.dir, a.mib, a.small))
+        runs["intact"].append(_run(world, "intact", a.dir, a.mib, a.small, a.phases))
         grown.append(nodes_bytes() - before)
         cold(a.dir)
         runs["dcp"].append(_run(world, "dcp", a.dir, a.mib, a.small))
@@ -165,12 +214,17 @@ def main() -> int:
           f"({held / max(whole, 1) * 100:.0f}%; its own ranks' share is {100 / a.nodes:.0f}%, with the replicas it "
           f"keeps {200 / a.nodes:.0f}%)")
     print(f"with nothing lost, the nodes' directories grew by {statistics.median(grown) / 2**20:.1f} MiB (median)")
+    phases = {k: statistics.median(p[k] for p in _PARTS) for k in _PARTS[0]} if _PARTS else {}
+    if phases:
+        print("\nthe restore with nothing lost, by phase (cProfile, slowest rank, median; profiled, so slower):")
+        for k, v in phases.items():
+            print(f"  {k:<48} {v:.3f}s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"nodes": a.nodes, "per_node": PER_NODE, "mib_per_rank": a.mib, "cold": a.cold, "runs": runs,
                        "median": med,
                        "new_node_bytes": held, "step_bytes": whole, "small": a.small,
-                       "intact_growth_bytes": grown,
+                       "intact_growth_bytes": grown, "intact_phases": phases,
                        "date": time.strftime("%Y-%m-%d")}, f, indent=1)
     return 0
 
