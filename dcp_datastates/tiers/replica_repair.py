@@ -301,8 +301,9 @@ class NodeRepair:
         moves = [Move(MANIFEST_NAME, self.ranks[holders[i % len(holders)]][0], self.ranks[n][0],
                       listings[holders[0]].sizes[MANIFEST_NAME])
                  for i, n in enumerate(sorted(self.ranks)) if MANIFEST_NAME not in listings.get(n, _NOTHING).sizes]
-        self._wire.files(moves, {MANIFEST_NAME: want})
-        self.rep.group.barrier()  # every manifest received is committed before it is read
+        if moves:  # the same list on every rank (from the gathered listings): all skip, or none
+            self._wire.files(moves, {MANIFEST_NAME: want})
+            self.rep.group.barrier()  # every manifest received is committed before it is read
         here = listings.get(self.node, _NOTHING)
         # a manifest received (none was here) was kept only with the digest wanted; one of
         # another save, or one whose digest could not be taken, is not this save's list
