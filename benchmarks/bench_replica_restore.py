@@ -38,7 +38,9 @@ PER_NODE = 2
 
 # (label, file suffix, function name): what ``--phases`` times in the restore with nothing lost
 PHASES = (("Checkpointer.load", "dcp_datastates/checkpointer.py", "load"),
-          ("steps to try (restore_order)", "dcp_datastates/run_steps.py", "restore_order"),
+          ("what each rank holds: steps, saves, replica votes (start_restore)", "dcp_datastates/run_steps.py",
+           "start_restore"),
+          ("  of it: this rank's replica vote", "dcp_datastates/tiers/replicator.py", "restore_vote"),
           ("save every rank restores (agreed_save)", "dcp_datastates/run_steps.py", "agreed_save"),
           ("survey of the nodes", "dcp_datastates/tiers/replica_repair.py", "survey"),
           ("  of it: the replica group's epoch", "dcp_datastates/tiers/replicator.py", "agree_epoch"),

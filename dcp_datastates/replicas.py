@@ -19,6 +19,7 @@ from .format.replica_record import ReplicaRecord
 from .tiers import StorageTier
 from .tiers.base_lock import BaseHold
 from .tiers.manifests import load_manifest, manifest_head
+from .tiers.replica_group import ReplicaVote
 from .tiers.replica_records import read_record
 from .tiers.replica_repair import NodeRepair
 from .tiers.replicas import CommittedSave, commit_on_node
@@ -149,10 +150,16 @@ class NodeCopies:
                 ok = False
         return ok
 
-    def repair(self, step: int, save_id: str | None) -> NodeRepair | None:
+    def restore_vote(self) -> ReplicaVote | None:
+        """What this rank says of its replica group as a restore starts (``Replicator.restore_vote``,
+        after its replications under way); None without replicas."""
+        return None if self.replicator is None else self.replicator.restore_vote("the restore")
+
+    def repair(self, step: int, save_id: str | None, votes: list | None = None) -> NodeRepair | None:
         """Before restoring ``step``: the repair of this node's directory of it, which the
         load's reader finishes once its ranks know what they read (``NodeRepair``); None
-        without replicas."""
+        without replicas.  ``votes``: every rank's ``restore_vote``, gathered since the last
+        replication (the repair then gathers none)."""
         if self.replicator is None:
             return None
-        return NodeRepair(self.replicator, self.tier_of(step), f"step {step}", save_id, pg=self.pg)
+        return NodeRepair(self.replicator, self.tier_of(step), f"step {step}", save_id, pg=self.pg, votes=votes)

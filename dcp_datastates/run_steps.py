@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -18,6 +19,7 @@ from .errors import CheckpointError
 from .format.names import is_manifest_name, step_of
 from .tiers import StorageTier
 from .tiers.manifests import ManifestHead, load_manifest, manifest_head, manifest_is_ours
+from .tiers.replica_group import ReplicaVote
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,40 @@ log = logging.getLogger(__name__)
 def join_url(base: str, name: str) -> str:
     """``name`` inside directory ``base`` (a local path or a URL)."""
     return f"{base.rstrip('/')}/{name}" if "://" in base else os.path.join(base, name)
+
+
+@dataclass(frozen=True)
+class RestoreView:
+    """What one rank holds as a restore starts (``RunSteps.start_restore``): the steps committed
+    on its tiers, the manifest head on each tier of ``step`` (the step asked for, else its
+    newest; None: it has none), and its replica group's vote (None without replicas)."""
+
+    committed: tuple[int, ...]
+    step: int | None
+    heads: tuple[ManifestHead | None, ...]
+    vote: ReplicaVote | None = None
+
+
+@dataclass(frozen=True)
+class RestoreStart:
+    """Every rank's ``RestoreView`` (the same on every rank) and the steps to try, newest first."""
+
+    order: tuple[int, ...]
+    views: tuple[RestoreView, ...]
+
+    def votes(self) -> list[ReplicaVote] | None:
+        """Every rank's replica vote; None where some rank gave none."""
+        votes = [v.vote for v in self.views if v.vote is not None]
+        return votes if len(votes) == len(self.views) else None
+
+    def heads_of(self, step: int) -> list[tuple[ManifestHead | None, ...]] | None:
+        """The manifest heads of ``step`` by tier of every rank that holds it committed on some
+        tier, where ``step`` is the newest any rank gave heads of (each rank gave those of its
+        newest, or of the step asked for: a rank whose newest is another holds this one on no
+        tier, as a node that lost it); None for an older step: ``agreed_save`` gathers them."""
+        if step != max((v.step for v in self.views if v.step is not None), default=None):
+            return None
+        return [v.heads for v in self.views if v.step == step]
 
 
 class RunSteps:
@@ -80,35 +116,50 @@ class RunSteps:
         """Whether step directory ``step`` of tier ``i`` holds another format's checkpoint."""
         return self.ours(i, step) is False
 
-    def restore_order(self, step: int | None, *, besides: int | None = None) -> list[int]:
-        """The steps a restore tries, newest first: ``step`` alone where given, else every step
-        committed on some tier of some rank, except ``besides`` (a save in flight; a collective
-        over ``pg``).  A step in another format (DCP's own) newer than those, or the one asked
-        for, is said in the log: it is not restored."""
-        candidates = set()
+    def start_restore(self, step: int | None, *, besides: int | None = None,
+                      vote: ReplicaVote | None = None) -> RestoreStart:
+        """What every rank holds as a restore starts, in one all-gather over ``pg`` (each a ring
+        over the whole job at scale): its committed steps on every tier except ``besides`` (a
+        save in flight), the manifest heads of ``step`` (where given, else of its newest) for
+        ``agreed_save``, and ``vote`` (its replica group's, for the first step's repair).  The
+        steps a restore tries, newest first, are ``step`` alone where given, else every step
+        committed on some tier of some rank.  A step in another format (DCP's own) newer than
+        those, or the one asked for, is said in the log: it is not restored."""
+        mine: set[int] = set()
         for i in range(len(self.tiers)):
-            candidates.update(self.committed(i, besides=besides))
+            mine.update(self.committed(i, besides=besides))
+        at = step if step is not None else max(mine, default=None)
+        view = RestoreView(tuple(sorted(mine)), at, self._heads(at) if at is not None else (), vote)
+        views: list = [view]
         if dist.is_available() and dist.is_initialized():
-            everyone: list = [None] * dist.get_world_size(self.pg)
-            dist.all_gather_object(everyone, sorted(candidates), group=self.pg)
-            candidates = set().union(*map(set, everyone))
+            views = [None] * dist.get_world_size(self.pg)
+            dist.all_gather_object(views, view, group=self.pg)
+        candidates: set[int] = set().union(*(v.committed for v in views))
         foreign = sorted({s for i in range(len(self.tiers)) for s in self.step_dirs(i)
                           if s not in candidates and self.foreign(i, s)})
         if foreign and (step in foreign or (step is None and foreign[-1] > max(candidates, default=-1))):
             log.warning("%s holds step(s) %s in DCP's own format, which Checkpointer does not restore "
                         "(load one with dcp.load and FileSystemReader, or `dcp-datastates convert` it)",
                         self.tiers[0], foreign)
-        return [step] if step is not None else sorted(candidates, reverse=True)
+        order = (step,) if step is not None else tuple(sorted(candidates, reverse=True))
+        return RestoreStart(order, tuple(views))
 
-    def agreed_save(self, step: int) -> str | None:
+    def _heads(self, step: int) -> tuple[ManifestHead | None, ...]:
+        return tuple(manifest_head(self.tier(i, step)) for i in range(len(self.tiers)))
+
+    def agreed_save(self, step: int, start: RestoreStart | None = None) -> str | None:
         """The save of ``step`` every rank restores when tiers hold different ones (a node kept
         a copy from an attempt the job rolled back): the newest on a tier all ranks share, else
-        the newest on a node-local tier; None when no copy says (the reader decides alone)."""
-        heads = [manifest_head(self.tier(i, step)) for i in range(len(self.tiers))]
-        views: list[list[ManifestHead | None] | None] = [heads]
-        if dist.is_available() and dist.is_initialized():
-            views = [None] * dist.get_world_size(self.pg)
-            dist.all_gather_object(views, heads, group=self.pg)
+        the newest on a node-local tier; None when no copy says (the reader decides alone).
+        Decided from the heads ``start`` holds of ``step`` where it holds them (of every copy
+        committed), else from an all-gather over ``pg`` of every rank's."""
+        views = start.heads_of(step) if start is not None else None
+        if views is None:
+            heads = self._heads(step)
+            views = [heads]
+            if dist.is_available() and dist.is_initialized():
+                views = [None] * dist.get_world_size(self.pg)
+                dist.all_gather_object(views, heads, group=self.pg)
         shared = range(1 if self.node_local else 0, len(self.tiers))
         for tiers in (shared, range(0, 1 if self.node_local else 0)):
             found = [h for v in views if v is not None for i in tiers if (h := v[i]) is not None]

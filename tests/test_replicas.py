@@ -157,6 +157,11 @@ def _restore(rank, world, base, pfs, expect, nodes=None, replicas=1, setup=None)
     ckpt.close()
 
 
+def _count_traffic_and_gathers(node: int, base: str) -> None:
+    _count_repair_traffic(node, base)
+    _count_gathers(node, base, repair=False)  # the traffic's own count wraps the repair's gathers
+
+
 def _assert_restored(model, opt, sd: dict, base: str) -> None:
     """The loaded ``sd`` put into the model and optimizer equals the state saved in base/want.pt."""
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
@@ -203,7 +208,10 @@ def test_a_lost_node_is_restored_from_its_replicas_at_the_newest_step(tmp_path, 
     base = str(tmp_path)
     _killed(nodes * PER_NODE, base, pfs)
     shutil.rmtree(os.path.join(base, "node1"))  # the node is gone, its NVMe with it
-    run_ranks(nodes * PER_NODE, _restore, base, pfs, 5, None, 1, _count_repair_traffic)  # step 5, not 4
+    run_ranks(nodes * PER_NODE, _restore, base, pfs, 5, None, 1, _count_traffic_and_gathers)  # step 5, not 4
+    # the replacement node holds no step: the others' heads of step 5 decide its save, and the
+    # replica votes travel with them too
+    assert _gathers(base) == [1] * (nodes * PER_NODE), _gathers(base)
     # what a rank receives to plan the repair grows with the step's file list, not with the
     # number of ranks times it: every node's listing (each file on 2 nodes, with its digest)
     # and what each rank reads and lacks come to about 7.5 lists on 4 nodes; each node's
@@ -313,13 +321,55 @@ def _count_reads(node: int, base: str) -> None:
     _on_reads(seen)
 
 
+def _count_gathers(node: int, base: str, repair: bool = True) -> None:
+    """Note each all-gather of objects a restore makes to find its step, its save and its
+    replica votes over the load's group (``run_steps``, ``replicator``: "steps") and for its
+    repair over the replica group (``replica_repair``: "repair"), a line per call, into
+    base/gathers-PID."""
+    real, real_group = dist.all_gather_object, ReplicaGroup.all_gather_object
+    path = os.path.join(base, f"gathers-{os.getpid()}")
+
+    def note(what: str) -> None:
+        with open(path, "a") as f:
+            f.write(what + "\n")
+
+    def gather(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").endswith((".run_steps", ".replicator")):
+            note("steps")
+        return real(*args, **kwargs)
+
+    def group_gather(self, obj):
+        if sys._getframe(1).f_globals.get("__name__", "").endswith(".replica_repair"):
+            note("repair")
+        return real_group(self, obj)
+    dist.all_gather_object = gather
+    if repair:
+        ReplicaGroup.all_gather_object = group_gather
+
+
+def _gathers(base: str, what: str = "steps") -> list[int]:
+    return sorted(open(os.path.join(base, n)).read().split().count(what)
+                  for n in os.listdir(base) if n.startswith("gathers-"))
+
+
+def _count_reads_and_gathers(node: int, base: str) -> None:
+    _count_reads(node, base)
+    _count_gathers(node, base)
+
+
 def test_a_restore_with_nothing_lost_reads_each_file_once(tmp_path):
     """Every node holds its files intact: the repair checks them by size and reads none, the
     load reads each byte once and checks it against its block digests (a copy found damaged
     then is repaired and read again: ``test_a_corrupt_copy_is_replaced_by_a_good_replica``)."""
     base = str(tmp_path)
     _killed(4, base, False)
-    run_ranks(4, _restore, base, False, 5, None, 1, _count_reads)
+    run_ranks(4, _restore, base, False, 5, None, 1, _count_reads_and_gathers)
+    # the steps each rank holds, the save of its newest and its replica group's vote travel in
+    # one all-gather when the restore starts (each is a ring over the whole job at scale)
+    assert _gathers(base) == [1, 1, 1, 1], _gathers(base)
+    # the repair's: every node's listing, what each rank reads; what each node lacks follows
+    # from those on every rank (only a check of the copies' digests needs a third)
+    assert _gathers(base, "repair") == [2, 2, 2, 2], _gathers(base, "repair")
     for node in (0, 1):
         step = os.path.join(base, f"node{node}", "step-5")
         read: dict[str, int] = {}

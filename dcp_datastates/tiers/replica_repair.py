@@ -212,9 +212,12 @@ class NodeRepair:
     the save references there (``given``), so a node lost since is given those too."""
 
     def __init__(self, rep: Replicator, tier: StorageTier, label: str, save_id: str | None,
-                 given: FileList | None = None, pg=None) -> None:
+                 given: FileList | None = None, pg=None, votes: list | None = None) -> None:
         self.rep, self.tier, self.label, self.save_id = rep, tier, label, save_id
         self.pg = pg  # the load's process group (None: the default one)
+        # every rank's ``Replicator.restore_vote``, where the restore gathered them already (the first
+        # survey then settles the epoch from them, without an all-gather of its own)
+        self._votes = votes
         # an earlier checkpoint's directory: the files a later save references there, from its
         # manifest (the directory's own manifest may be gone: retention keeps a purged step's
         # referenced files, and their replica records, as a husk)
@@ -247,10 +250,13 @@ class NodeRepair:
         it lists is held at its size on some node (False: the caller reads a slower tier or an
         older step).  On the replicator's thread, after its replications under way
         (``Replicator.in_turn``), like ``fetch``; over a group made again first where one
-        broke (``Replicator.agree_epoch``, a collective over the load's group)."""
+        broke (``Replicator.agree_epoch``, a collective over the load's group, or ``settle`` of
+        the votes given)."""
         if self._complete is not None:
             return self._complete
-        epoch = self.rep.agree_epoch(self.pg, self.label) if self.given is None else None
+        votes, self._votes = self._votes, None  # a second survey votes again
+        epoch = None if self.given is not None else (
+            self.rep.settle(votes) if votes is not None else self.rep.agree_epoch(self.pg, self.label))
         return self.rep.in_turn(self._surveyed, self.label, epoch)
 
     def _surveyed(self) -> bool:
@@ -375,19 +381,19 @@ class NodeRepair:
             if got:
                 reads[self.rep.peers.nodes.nodes[pos]].update(n for n in got if n in s.files)
         per_node = {n: reads[n] | places[n] for n in self.ranks}
-        mates = self.ranks[self.node]
-        lacking: list[str] = []  # of this rank's share of the node's list; what its ranks read, hashed
-        for name in sorted(per_node[self.node])[mates.index(self.rep.peers.me)::len(mates)]:
-            if s.listings.get(self.node, _NOTHING).sizes.get(name) != s.files[name]:
-                lacking.append(name)
-            elif verify and name in reads[self.node] and name in s.recorded:
-                hashed += s.files[name]
-                if _digest(self.tier, name) != s.recorded[name]:
-                    log.warning("%s: this node's copy of %s does not match its recorded digest", self.label, name)
-                    lacking.append(name)
-        want: dict[str, set[str]] = {n: set() for n in self.ranks}
-        for node, names in self._gather((self.node, lacking)):
-            want[node].update(names)
+        # what each node lacks at its size, the same on every rank (from what all were given)
+        want = {n: {f for f in fs if s.listings.get(n, _NOTHING).sizes.get(f) != s.files[f]}
+                for n, fs in per_node.items()}
+        if verify:  # and what its ranks read that does not match its digest: each rank a share
+            mates, bad = self.ranks[self.node], []
+            for name in sorted(reads[self.node] - want[self.node])[mates.index(self.rep.peers.me)::len(mates)]:
+                if name in s.recorded:
+                    hashed += s.files[name]
+                    if _digest(self.tier, name) != s.recorded[name]:
+                        log.warning("%s: this node's copy of %s does not match its recorded digest", self.label, name)
+                        bad.append(name)
+            for node, names in self._gather((self.node, bad)):
+                want[node].update(names)
         first = {n: set(fs) for n, fs in want.items()}  # a node's own copy is no source when bad
         tried: dict[tuple[str, str], set[str]] = {}
         while True:

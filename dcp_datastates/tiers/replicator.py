@@ -162,15 +162,25 @@ class Replicator:
 
     def agree_epoch(self, pg, label: str) -> int | None:
         """Before a restore's repair, on every rank of ``pg`` (the load's group: a collective
-        over it, not over the replica group, which may be broken): this rank's replications
-        ended, then the epoch the repair runs under, decided as a save's is (``decide_epoch``):
-        a new one where some rank's group broke (a peer hung), so that the repair makes the
-        group again first rather than fail on it.  The next save is given no older one."""
+        over it, not over the replica group, which may be broken): the epoch the repair runs
+        under, from every rank's ``restore_vote`` (``settle``)."""
+        votes: list = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(votes, self.restore_vote(label), group=pg)
+        return self.settle(votes)
+
+    def restore_vote(self, label: str) -> ReplicaVote:
+        """Before a restore's repair: this rank's replications ended, then what it says of the
+        group repairs use.  Every rank's votes, gathered over the load's group (``agree_epoch``,
+        or with what a restore gathers first: ``RunSteps.start_restore``), go to ``settle``."""
         self.in_turn(lambda: None, label)
         with self._lock:
-            vote = ReplicaVote(self._epoch, self.group.broken, self._pending == 0)
-        votes: list = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(votes, vote, group=pg)
+            return ReplicaVote(self._epoch, self.group.broken, self._pending == 0)
+
+    def settle(self, votes: list) -> int | None:
+        """The epoch a restore's repair runs under, from every rank's ``restore_vote`` (the same
+        list on every rank), decided as a save's is (``decide_epoch``): a new one where some
+        rank's group broke (a peer hung), so that the repair makes the group again first rather
+        than fail on it.  The next save is given no older one."""
         epoch = decide_epoch(votes)
         with self._lock:
             self._epoch = max(self._epoch, epoch or 0)
