@@ -46,6 +46,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.errors import first_line
 from dcp_datastates.format.names import (
     CLAIM_NAME,
     DATA_FILE,
@@ -448,6 +449,9 @@ class Scenario:
     allowed: dict[int, set[int]]  # step -> the seeds a committed copy of it may hold
     floor: int  # the newest loadable step of the first tier's run is at least this (0: none)
     floor_last: int = 0  # the same for the last tier
+    # the next save after a point (``verify``; None: ``act`` again): alone, where ``act`` races
+    # a second save, which may take the claim first and rightly refuse it as busy
+    again: Callable[[str], None] | None = None
 
 
 def _p(work: str, tier: str, step: int) -> str:
@@ -492,7 +496,8 @@ SCENARIOS = {s.name: s for s in [
     Scenario("persist-keep1", ["t1", "t2"],
              lambda w: [_persisted(w, s) for s in (1, 2)], lambda w: _persisted(w, 3),
              {1: {1}, 2: {2}, 3: {3}}, 2, 2),
-    Scenario("concurrent", ["run"], lambda w: _save(_p(w, "run", 1), 1), _concurrent, {1: {1, 2, 3}}, 1),
+    Scenario("concurrent", ["run"], lambda w: _save(_p(w, "run", 1), 1), _concurrent, {1: {1, 2, 3}}, 1,
+             again=lambda w: _save(_p(w, "run", 1), 2)),
     Scenario("other-kind", ["run"], lambda w: _save(_p(w, "run", 1), 1),
              lambda w: _save(_p(w, "run", 1), 2, use_collectives=False), {1: {1, 2}}, 1),
 ]}
@@ -657,8 +662,8 @@ def _checked(sc: Scenario, work: str, sentinel: bytes, *, leftovers: bool) -> li
 
 
 def verify(sc: Scenario, work: str, sentinel: bytes) -> list[str]:
-    """What a restart finds in ``work`` after the act stopped: ``check``, then the act run again
-    without faults (the next save of the same step), then ``check`` with its leftovers.  Each
+    """What a restart finds in ``work`` after the act stopped: ``check``, then the next save of
+    the same step without faults (``Scenario.again``), then ``check`` with its leftovers.  Each
     in a child process."""
     bad = _checked(sc, work, sentinel, leftovers=False)
     if bad:
@@ -673,10 +678,10 @@ def verify(sc: Scenario, work: str, sentinel: bytes) -> list[str]:
         lib.addHandler(handler)
         lib.setLevel(logging.INFO)
         try:
-            sc.act(work)
+            (sc.again or sc.act)(work)
         except BaseException as e:
-            with open(err, "w") as f:
-                f.write(f"{type(e).__name__}: {e}"[:600])
+            with open(err, "w") as f:  # DCP's CheckpointException: the cause on the lowest rank
+                f.write(f"{type(e).__name__}: {first_line(e, 600)}")
             raise
     again = _wait(_child(next_save), 180)
     why = open(err).read() if os.path.exists(err) else ""
