@@ -339,10 +339,10 @@ class Checkpointer:
         # one all-gather: each rank's steps, the saves of its newest, its replica group's vote
         start = self.steps.start_restore(step, besides=besides, vote=None if self.node_copies is None
                                          else self.node_copies.restore_vote())
-        for s in start.order:
+        for tried, s in enumerate(start.order):
             save = self.steps.agreed_save(s, start)
             # the votes were taken before any repair: only the first step's may use them
-            votes = start.votes() if not failed else None
+            votes = start.votes() if tried == 0 else None
             fix = self.node_copies.repair(s, save, votes) if self.node_copies is not None else None
             if fix is not None and not fix.survey() \
                     and not any(self.steps.is_committed(i, s) for i in range(1, len(self.tiers))):

@@ -129,11 +129,7 @@ class RunSteps:
         for i in range(len(self.tiers)):
             mine.update(self.committed(i, besides=besides))
         at = step if step is not None else max(mine, default=None)
-        view = RestoreView(tuple(sorted(mine)), at, self._heads(at) if at is not None else (), vote)
-        views: list = [view]
-        if dist.is_available() and dist.is_initialized():
-            views = [None] * dist.get_world_size(self.pg)
-            dist.all_gather_object(views, view, group=self.pg)
+        views = self._everyone(RestoreView(tuple(sorted(mine)), at, self._heads(at) if at is not None else (), vote))
         candidates: set[int] = set().union(*(v.committed for v in views))
         foreign = sorted({s for i in range(len(self.tiers)) for s in self.step_dirs(i)
                           if s not in candidates and self.foreign(i, s)})
@@ -143,6 +139,14 @@ class RunSteps:
                         self.tiers[0], foreign)
         order = (step,) if step is not None else tuple(sorted(candidates, reverse=True))
         return RestoreStart(order, tuple(views))
+
+    def _everyone(self, obj) -> list:
+        """Every rank's ``obj`` over ``pg`` (an all-gather), or this one's alone without a group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return [obj]
+        out: list = [None] * dist.get_world_size(self.pg)
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
 
     def _heads(self, step: int) -> tuple[ManifestHead | None, ...]:
         return tuple(manifest_head(self.tier(i, step)) for i in range(len(self.tiers)))
@@ -155,11 +159,7 @@ class RunSteps:
         committed), else from an all-gather over ``pg`` of every rank's."""
         views = start.heads_of(step) if start is not None else None
         if views is None:
-            heads = self._heads(step)
-            views = [heads]
-            if dist.is_available() and dist.is_initialized():
-                views = [None] * dist.get_world_size(self.pg)
-                dist.all_gather_object(views, heads, group=self.pg)
+            views = self._everyone(self._heads(step))
         shared = range(1 if self.node_local else 0, len(self.tiers))
         for tiers in (shared, range(0, 1 if self.node_local else 0)):
             found = [h for v in views if v is not None for i in tiers if (h := v[i]) is not None]
