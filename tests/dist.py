@@ -21,9 +21,13 @@ def free_port() -> int:
 def _entry(rank, world, port, fn, args, errq):
     import datetime
 
+    import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    # one intra-op thread a rank, as torchrun sets for several ranks a node: the ranks share
+    # this machine's few cores, where idle OpenMP workers spinning would take them from others
+    torch.set_num_threads(1)
     # The parent owns the rendezvous store (bound to port 0 by the OS): no port race.
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
                           timeout=datetime.timedelta(seconds=120))
@@ -50,7 +54,8 @@ def _entry(rank, world, port, fn, args, errq):
 
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-            "torch.distributed.tensor", "dcp_datastates", "tests.dist", "tests.workers"]
+            "torch.distributed.tensor", "dcp_datastates", "tests.dist", "tests.workers",
+            "tests.frozen"]  # last: it freezes what the others made
 
 
 def _context():
