@@ -239,17 +239,18 @@ def _operations(base: str, kind: str) -> list[str]:
     return json.load(open(os.path.join(base, "ops.json")))
 
 
-# the Checkpointer's crash points run in CI, the rest in ``make test-long``
+# the Checkpointer's crash points, its whole job killed and its node lost at each, and plain
+# DCP's crash points run in CI, the rest in ``make test-long``
 @pytest.mark.parametrize("kind,mode", [("checkpointer", "crash"),
                                        pytest.param("checkpointer", "fault", marks=pytest.mark.slow),
-                                       pytest.param("plain", "crash", marks=pytest.mark.slow),
+                                       ("plain", "crash"),
                                        pytest.param("plain", "fault", marks=pytest.mark.slow),
                                        pytest.param("helper", "crash", marks=pytest.mark.slow),
                                        pytest.param("helper", "fault", marks=pytest.mark.slow),
-                                       pytest.param("checkpointer", "job", marks=pytest.mark.slow),
+                                       ("checkpointer", "job"),
                                        pytest.param("plain", "job", marks=pytest.mark.slow),
                                        pytest.param("helper", "job", marks=pytest.mark.slow),
-                                       pytest.param("checkpointer", "node", marks=pytest.mark.slow),
+                                       ("checkpointer", "node"),
                                        pytest.param("plain", "node", marks=pytest.mark.slow),
                                        pytest.param("helper", "node", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_step(tmp_path, kind, mode):
@@ -302,14 +303,15 @@ def _repair(rank, world, base, kind, mode, k, err):
 
 
 # the incremental repair's operations are the other's and then those of the directory it
-# references: it runs in CI, the rest in ``make test-long``
+# references: its crash points run in CI, with the whole job killed at the Checkpointer's
+# repair's points and plain DCP's crash points; the rest in ``make test-long``
 @pytest.mark.parametrize("kind,mode", [pytest.param("checkpointer", "crash", marks=pytest.mark.slow),
                                        pytest.param("checkpointer", "fault", marks=pytest.mark.slow),
                                        ("incremental", "crash"),
                                        pytest.param("incremental", "fault", marks=pytest.mark.slow),
-                                       pytest.param("checkpointer", "job", marks=pytest.mark.slow),
+                                       ("checkpointer", "job"),
                                        pytest.param("incremental", "job", marks=pytest.mark.slow),
-                                       pytest.param("plain", "crash", marks=pytest.mark.slow),
+                                       ("plain", "crash"),
                                        pytest.param("plain", "fault", marks=pytest.mark.slow),
                                        pytest.param("checkpointer", "node", marks=pytest.mark.slow),
                                        pytest.param("plain", "node", marks=pytest.mark.slow)])

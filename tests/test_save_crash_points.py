@@ -280,13 +280,15 @@ def _point(golden: str, base: str, kind: str, target: int, mode: str, k: int, re
     return bad
 
 
-# every kind, the ranks targeted in it, every mode; the coordinator's crash points with two
-# tiers and in place, and the whole job killed at rank 1's with two tiers, run in CI, the rest
-# in ``make test-long``
+# every kind, the ranks targeted in it, every mode.  CI runs the coordinator's crash points
+# with two tiers, in place (plain DCP) and in DCP's checkpoint process; the whole job killed at
+# the coordinator's points of the one-tier, async, and in-place saves and at rank 1's with two
+# tiers; and the in-place save's fault points.  The rest run in ``make test-long``
 ROWS = [(kind, target, mode) for kind, targets in (("checkpointer", (0, 1)), ("overwrite", (0, 1)), ("async", (0,)),
                                                    ("two-tier", (0, 1)), ("process", (0, 1)))
         for target in targets for mode in ("crash", "fault", "job")]
-IN_CI = {("two-tier", 0, "crash"), ("overwrite", 0, "crash"), ("two-tier", 1, "job")}
+IN_CI = {("two-tier", 0, "crash"), ("overwrite", 0, "crash"), ("process", 0, "crash"), ("checkpointer", 0, "job"),
+         ("async", 0, "job"), ("overwrite", 0, "job"), ("two-tier", 1, "job"), ("overwrite", 0, "fault")}
 
 
 @pytest.mark.parametrize("kind,target,mode", [r if r in IN_CI else pytest.param(*r, marks=pytest.mark.slow)
