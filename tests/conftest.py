@@ -1,10 +1,6 @@
 import logging
-import warnings
 
 import pytest
-
-warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-warnings.filterwarnings("ignore", message=".*assuming the intent is.*")
 
 
 @pytest.fixture(autouse=True)
