@@ -61,7 +61,8 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch
 def _context():
     """Ranks start from a fork server that imported torch and the library once: each rank of
     each test forks from it instead of importing torch again (about 2 s a start on 2 cores).
-    The server imports only; it never starts a process group or touches a device.  A rank
+    The server imports only, then freezes what it imported (``tests/frozen.py``); it never starts
+    a process group or touches a device.  A rank
     starts from the server's state, not the test's: what a test changes in its own process
     (environment variables, monkeypatches) reaches its ranks only through ``fn``'s arguments."""
     ctx = mp.get_context("forkserver")
