@@ -192,8 +192,9 @@ def _restores(rank, world, runs):
     os._exit(0)
 
 
-def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO") -> list[str]:
-    """One crash or fault point, then the restores; the invariants it broke."""
+def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO", reachable: int | None = None) -> list[str]:
+    """One crash or fault point, then the restores; the invariants it broke.  A point past
+    ``reachable`` may not be reached."""
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
     codes = crashsim.ranks_at_point(WORLD, _act, base, kind, mode, k, err)
@@ -201,7 +202,7 @@ def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO") -> list[st
     # a helper's death ends the helper, not its rank: the helper's own count tells
     reached = len(_helper_ops(base)) >= k if kind == "helper" else crashsim.CRASHED in codes
     if mode in ("crash", "job", "node") and not reached:
-        return [f"{where}: rank {TARGET} never reached it"]
+        return [] if reachable is not None and k > reachable else [f"{where}: rank {TARGET} never reached it"]
     reports = {r: json.load(open(path)) for r in range(WORLD)
                if os.path.exists(path := os.path.join(base, f"replicated-{r}"))}
     bad = []
@@ -258,9 +259,12 @@ def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_ste
     assert len(ops) >= 6, ops  # receive, keep and publish rank 0's files, and the record
     # each received file is put in place through the storage seam, so its rename is a point
     assert sum(op.startswith("rename data-r00000-") for op in ops) == 1, ops
+    # a plain writer's manifest is committed on node 1 by whichever of its ranks comes first
+    # (``replicas.commit_on_node``): rank 2's count may be one short of the recording's
+    reachable = len(ops) - sum(op == "commit .metadata" for op in ops)
     bad = []
     for k in range(1, len(ops) + 1):
-        found = _point(base := str(tmp_path / f"{mode}-{k}"), kind, mode, k)
+        found = _point(base := str(tmp_path / f"{mode}-{k}"), kind, mode, k, reachable=reachable)
         bad += found
         if not found:  # tens of MB a point: only those that broke something are kept
             shutil.rmtree(base)
