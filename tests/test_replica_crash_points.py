@@ -192,7 +192,7 @@ def _restores(rank, world, runs):
     os._exit(0)
 
 
-def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO", reachable: int | None = None) -> list[str]:
+def _point(base: str, kind: str, mode: str, k: int, reachable: int, err: str = "EIO") -> list[str]:
     """One crash or fault point, then the restores; the invariants it broke.  A point past
     ``reachable`` may not be reached."""
     shutil.rmtree(base, ignore_errors=True)
@@ -202,7 +202,7 @@ def _point(base: str, kind: str, mode: str, k: int, err: str = "EIO", reachable:
     # a helper's death ends the helper, not its rank: the helper's own count tells
     reached = len(_helper_ops(base)) >= k if kind == "helper" else crashsim.CRASHED in codes
     if mode in ("crash", "job", "node") and not reached:
-        return [] if reachable is not None and k > reachable else [f"{where}: rank {TARGET} never reached it"]
+        return [] if k > reachable else [f"{where}: rank {TARGET} never reached it"]
     reports = {r: json.load(open(path)) for r in range(WORLD)
                if os.path.exists(path := os.path.join(base, f"replicated-{r}"))}
     bad = []
@@ -264,7 +264,7 @@ def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_ste
     reachable = len(ops) - sum(op == "commit .metadata" for op in ops)
     bad = []
     for k in range(1, len(ops) + 1):
-        found = _point(base := str(tmp_path / f"{mode}-{k}"), kind, mode, k, reachable=reachable)
+        found = _point(base := str(tmp_path / f"{mode}-{k}"), kind, mode, k, reachable)
         bad += found
         if not found:  # tens of MB a point: only those that broke something are kept
             shutil.rmtree(base)
