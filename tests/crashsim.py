@@ -14,7 +14,13 @@ let go a claim, copy a file to a slower tier.  Then, for every operation k:
   a multi-rank job, and every process they started, is killed by SIGKILL right after one
   rank's operation k (``kill_job``), as a launcher ends a job;
 * **fault**: operation k fails with EIO (writes and commits also with ENOSPC, and with a short
-  write: half the bytes, then ENOSPC), and the scenario goes on as the library decides.
+  write: half the bytes, then ENOSPC; and each operation that can take effect and still report
+  a failure, ``AMBIGUOUS``, also with EIO after it took effect, as a network file system's
+  retried rename reports), and the scenario goes on as the library decides.
+
+``--jitter-ms`` makes each operation first sleep a seeded random while, so that the library's
+threads interleave their operations in other orders than the recording's (a point then fails
+whichever operation comes k-th in its run).
 
 After each, a checker verifies the invariants: every step directory with a committed manifest
 loads bit-exactly as one of the states saved there; the steps that must survive (committed
@@ -35,6 +41,7 @@ import json
 import logging
 import multiprocessing
 import os
+import random
 import shutil
 import signal
 import sys
@@ -64,6 +71,10 @@ from tests.dist import run_ranks
 
 CRASHED = 77
 WRITES = {"pwrite", "commit", "lock-write", "copy"}
+# operations that may fail after they took effect (fault "after"): a rename or an unlink (a
+# claim's too) retried by a network file system, a commit whose directory sync fails after the
+# rename
+AMBIGUOUS = {"mkdir", "commit", "rename", "copy", "unlink", "unlock", "rmdir", "create-excl"}
 
 
 # ------------------------------------------------------------- the plan and the wrapper
@@ -71,7 +82,7 @@ WRITES = {"pwrite", "commit", "lock-write", "copy"}
 class Plan:
     mode: str = "off"  # "record", "crash", "crash-mid", "job", "fault", "hang", "off"
     k: int = 0
-    err: str = "EIO"  # "EIO", "ENOSPC", "short"
+    err: str = "EIO"  # "EIO", "ENOSPC", "short", "after" (EIO once the operation took effect)
     log: list[str] = dataclasses.field(default_factory=list)
     thread: str | None = None  # count only the operations of the thread of this name
     # a process the test does not start itself (a replica helper): the file its plan will be
@@ -84,9 +95,14 @@ class Plan:
     # mode "job": the folder in which each process of the job wrote its pid (``join_job``);
     # operation k kills them all, with every process they started, as a launcher ends a job
     job: str | None = None
+    # each counted operation first sleeps up to this many seconds (a seeded draw per point), so
+    # that the background threads' operations interleave with the caller's in other orders
+    jitter: float = 0.0
+    seed: int = 0
 
 
 PLAN = Plan()
+_rng = random.Random()
 _lock = threading.Lock()
 ARM_ENV = "DCPDS_CRASHSIM_ARM"  # read by ``tests/crashsim_site/sitecustomize.py``
 
@@ -166,9 +182,12 @@ def _op(name: str, path: str) -> int:
         if PLAN.log_file is not None:
             with open(PLAN.log_file, "a") as f:
                 f.write(PLAN.log[-1] + "\n")
+        pause = _rng.random() * PLAN.jitter
+    if pause:
+        time.sleep(pause)
     if PLAN.mode == "hang" and k == PLAN.k:
         time.sleep(PLAN.hang_s)
-    if PLAN.mode == "fault" and k == PLAN.k and (PLAN.err == "EIO" or name in WRITES):
+    if PLAN.mode == "fault" and k == PLAN.k and PLAN.err != "after" and (PLAN.err == "EIO" or name in WRITES):
         code = errno.EIO if PLAN.err == "EIO" else errno.ENOSPC
         raise OSError(code, f"injected {os.strerror(code)} at operation {k} ({name} {path})")
     return k
@@ -177,6 +196,10 @@ def _op(name: str, path: str) -> int:
 def _after(k: int) -> None:
     if PLAN.mode == "crash" and k == PLAN.k:
         os._exit(CRASHED)
+    if PLAN.mode == "fault" and k == PLAN.k and PLAN.err == "after":
+        # the operation took effect, and its caller is told it failed: a network file system's
+        # retried rename or unlink, a directory sync failing after the rename
+        raise OSError(errno.EIO, f"injected EIO after operation {k} took effect")
     if PLAN.mode == "job" and k == PLAN.k:
         assert PLAN.job is not None
         kill_job(PLAN.job)
@@ -698,7 +721,8 @@ def point(sc: Scenario, golden: str, work: str, plan: Plan, out: str) -> None:
     logf = os.path.join(work, "oplog.json")
 
     def act():
-        PLAN.mode, PLAN.k, PLAN.err = plan.mode, plan.k, plan.err
+        PLAN.mode, PLAN.k, PLAN.err, PLAN.jitter = plan.mode, plan.k, plan.err, plan.jitter
+        _rng.seed(f"{plan.seed} {plan.mode} {plan.k} {plan.err}")
         install()
         try:
             sc.act(work)
@@ -734,13 +758,14 @@ def make_golden(sc: Scenario, base: str) -> str:
 
 
 def run_scenario(name: str, base: str, jobs: int, faults: bool = True, only: str | None = None,
-                 keep: bool = False) -> dict:
+                 keep: bool = False, jitter: float = 0.0, seed: int = 0) -> dict:
     sc = {**SCENARIOS, **LONG_SCENARIOS}[name]
     golden = make_golden(sc, base)
     results = os.path.join(base, name, "results")
     os.makedirs(results)
 
     def go(tag: str, plan: Plan) -> int:
+        plan.jitter, plan.seed = jitter, seed
         return _child(lambda: point(sc, golden, os.path.join(base, name, tag), plan, os.path.join(results, tag)))
     if _wait(go("record", Plan("record")), 300) is None:
         raise SystemExit(f"{name}: the recording run hung")
@@ -755,6 +780,8 @@ def run_scenario(name: str, base: str, jobs: int, faults: bool = True, only: str
         for err in ("ENOSPC", "short"):
             plans += [(f"fault-{err}-{k}", Plan("fault", k, err)) for k, op in enumerate(ops, 1)
                       if op.split()[0] in WRITES]
+        plans += [(f"fault-after-{k}", Plan("fault", k, "after")) for k, op in enumerate(ops, 1)
+                  if op.split()[0] in AMBIGUOUS]
     if only is not None:
         plans = [(t, p) for t, p in plans if t == only]
     running: dict[int, str] = {}
@@ -794,6 +821,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-faults", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--only", help="one point (e.g. crash-6), its work directory kept")
+    ap.add_argument("--jitter-ms", type=float, default=0.0,
+                    help="each operation first sleeps up to this long (other interleavings of threads)")
+    ap.add_argument("--seed", type=int, default=0, help="of the jitter's draws")
     args = ap.parse_args(argv)
     os.environ.setdefault("DCP_DATASTATES_HOST_CACHE_BYTES", str(8 << 20))  # the forks' default
     SIZE[0] = args.size
@@ -802,7 +832,8 @@ def main(argv: list[str] | None = None) -> int:
         args.scenarios = list(SCENARIOS) + (list(LONG_SCENARIOS) if args.size == "large" else [])
     assert threading.active_count() == 1, "the runner must start no thread: it forks"
     return report_runs(args.scenarios, lambda name: run_scenario(
-        name, args.dir, args.jobs, faults=not args.no_faults, only=args.only, keep=args.only is not None),
+        name, args.dir, args.jobs, faults=not args.no_faults, only=args.only, keep=args.only is not None,
+        jitter=args.jitter_ms / 1000, seed=args.seed),
         lambda r: f"{r['operations']} operations, {r['crash_points']} crash points, "
                   f"{r['fault_points']} fault points", args.json)
 

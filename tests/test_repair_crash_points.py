@@ -15,8 +15,9 @@ fully replicated, then node 1's directory is lost, and a fresh job restores:
   reads part of it) from node 2, and rank 1, on node 2, borrows the small tensor's bytes.
 
 During that restore one rank (``target``) dies right after its k-th storage operation (a crash
-point), or that operation fails with EIO (a fault point), or every rank is killed there (the
-whole job), for every k.  The invariant at every point: a fresh job of the same shape then
+point), or that operation fails with EIO (a fault point), or takes effect and then reports EIO
+(mode "after", where it can: ``crashsim.AMBIGUOUS``), or every rank is killed there (the whole
+job), for every k.  The invariant at every point: a fresh job of the same shape then
 restores step 2 bit-exactly, from what the point left (node 0 and node 2 hold all of it)."""
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _restored(rank: int, world: int, base: str, shape: str) -> str | None:
     return None
 
 
-def _repair(rank, world, base, shape, target, mode, k):
+def _repair(rank, world, base, shape, target, mode, k, err="EIO"):
     """The restore of a job of ``shape`` under the plan: rank ``target``'s k-th storage
     operation is its point.  It may fail at a fault point; the next restore may not."""
     if rank == target:
@@ -102,7 +103,7 @@ def _repair(rank, world, base, shape, target, mode, k):
         dist.barrier()
     if rank == target:
         crashsim.PLAN.log.clear()
-        crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.job = mode, k, "EIO", folder
+        crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.job = mode, k, err, folder
     try:
         why = _restored(rank, world, base, shape)
     except Exception as e:  # noqa: BLE001 - allowed at a fault point: the check is the next restore
@@ -140,7 +141,10 @@ def _borrowed(base: str) -> list[str]:
     ("fewer", 0, "crash"),
     pytest.param("fewer", 0, "fault", marks=pytest.mark.slow),
     ("fewer", 1, "crash"),
-    pytest.param("fewer", 1, "job", marks=pytest.mark.slow)])
+    pytest.param("fewer", 1, "job", marks=pytest.mark.slow),
+    pytest.param("replaced", 2, "after", marks=pytest.mark.slow),
+    pytest.param("replaced", 1, "after", marks=pytest.mark.slow),
+    pytest.param("fewer", 0, "after", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_repair_with_borrows_leaves_the_step_restorable(tmp_path, shape, target,
                                                                                          mode):
     world = len(NODES[shape])
@@ -159,12 +163,16 @@ def test_every_crash_and_fault_point_of_a_repair_with_borrows_leaves_the_step_re
         assert f"mkdir .borrowed.rank-{target:05d}" in ops, ops
     else:  # those of the whole files its node is given
         assert any(op.startswith("rename data-") for op in ops), ops
+    # "after": the operation takes effect, then its caller is told EIO (``crashsim.AMBIGUOUS``)
+    plan, err = ("fault", "after") if mode == "after" else (mode, "EIO")
     bad = []
     for k in range(1, len(ops) + 1):
+        if mode == "after" and ops[k - 1].split()[0] not in crashsim.AMBIGUOUS:
+            continue  # no fault at all there
         base = str(tmp_path / f"{mode}-{k}")
         shutil.copytree(golden, base)
         try:
-            codes = crashsim.ranks_at_point(world, _repair, base, shape, target, mode, k)
+            codes = crashsim.ranks_at_point(world, _repair, base, shape, target, plan, k, err)
         except AssertionError as e:  # a rank that failed or hung under the plan, not at its point
             bad.append(f"{mode} at operation {k} ({ops[k - 1]}): the restore under it: "
                        f"{str(e).strip().splitlines()[-1][:300]}")

@@ -5,7 +5,8 @@ Two nodes of two gloo ranks, each node its own directory, ``Checkpointer(node_lo
 replicas=1)``.  Step 1 is saved and fully replicated; step 2 is saved and, while it replicates,
 rank 2 (on node 1: it sends its files to rank 0 and receives rank 0's) dies right after its
 replication thread's k-th storage operation (a crash point), or that operation fails with EIO
-(a fault point), or every rank is killed there with the processes it started (the whole job,
+(a fault point), or takes effect and then reports EIO (mode "after", at the operations that
+can: ``crashsim.AMBIGUOUS``), or every rank is killed there with the processes it started (the whole job,
 as its launcher ends it), or node 1's two ranks are (the node lost, while node 0's ranks go
 on with their save and its replication), for every k the thread makes.  Then fresh jobs restore: with both
 nodes, with node 1's directory lost and with node 0's.  The invariants, at every point:
@@ -233,6 +234,18 @@ def _point(base: str, kind: str, mode: str, k: int, reachable: int, err: str = "
     return bad
 
 
+def _plan(mode: str) -> tuple[str, str]:
+    """The plan's mode and error for a test's mode: "after" is a fault whose operation took
+    effect before its caller is told EIO (``crashsim.AMBIGUOUS``)."""
+    return ("fault", "after") if mode == "after" else (mode, "EIO")
+
+
+def _fails_there(mode: str, op: str) -> bool:
+    """Whether operation ``op`` is a point of ``mode`` ("after": only one that can fail after it
+    took effect; at another it would be no fault at all)."""
+    return mode != "after" or op.split()[0] in crashsim.AMBIGUOUS
+
+
 def _operations(base: str, kind: str) -> list[str]:
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
@@ -253,7 +266,10 @@ def _operations(base: str, kind: str) -> list[str]:
                                        pytest.param("helper", "job", marks=pytest.mark.slow),
                                        ("checkpointer", "node"),
                                        pytest.param("plain", "node", marks=pytest.mark.slow),
-                                       pytest.param("helper", "node", marks=pytest.mark.slow)])
+                                       pytest.param("helper", "node", marks=pytest.mark.slow),
+                                       pytest.param("checkpointer", "after", marks=pytest.mark.slow),
+                                       pytest.param("plain", "after", marks=pytest.mark.slow),
+                                       pytest.param("helper", "after", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_step(tmp_path, kind, mode):
     ops = _operations(str(tmp_path / "record"), kind)
     assert len(ops) >= 6, ops  # receive, keep and publish rank 0's files, and the record
@@ -262,9 +278,12 @@ def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_ste
     # a plain writer's manifest is committed on node 1 by whichever of its ranks comes first
     # (``replicas.commit_on_node``): rank 2's count may be one short of the recording's
     reachable = len(ops) - sum(op == "commit .metadata" for op in ops)
+    plan, err = _plan(mode)
     bad = []
     for k in range(1, len(ops) + 1):
-        found = _point(base := str(tmp_path / f"{mode}-{k}"), kind, mode, k, reachable)
+        if not _fails_there(mode, ops[k - 1]):
+            continue
+        found = _point(base := str(tmp_path / f"{mode}-{k}"), kind, plan, k, reachable, err)
         bad += found
         if not found:  # tens of MB a point: only those that broke something are kept
             shutil.rmtree(base)
@@ -318,7 +337,10 @@ def _repair(rank, world, base, kind, mode, k, err):
                                        ("plain", "crash"),
                                        pytest.param("plain", "fault", marks=pytest.mark.slow),
                                        pytest.param("checkpointer", "node", marks=pytest.mark.slow),
-                                       pytest.param("plain", "node", marks=pytest.mark.slow)])
+                                       pytest.param("plain", "node", marks=pytest.mark.slow),
+                                       pytest.param("checkpointer", "after", marks=pytest.mark.slow),
+                                       pytest.param("incremental", "after", marks=pytest.mark.slow),
+                                       pytest.param("plain", "after", marks=pytest.mark.slow)])
 def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_path, kind, mode):
     """Node 1 is replaced; its repair dies (or fails, or node 1 is lost again: mode "node") at
     each of rank 2's storage operations;
@@ -334,12 +356,15 @@ def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_
     crashsim.ranks_at_point(WORLD, _repair, record, kind, "record", 0, "EIO")
     ops = json.load(open(os.path.join(record, "ops.json")))
     assert len(ops) >= 8, ops  # the manifest, node 1's ranks' files and node 0's, the records
+    plan, err = _plan(mode)
     bad = []
     for k in range(1, len(ops) + 1):
+        if not _fails_there(mode, ops[k - 1]):
+            continue
         base = str(tmp_path / f"{mode}-{k}")
         shutil.copytree(golden, base)
         try:
-            codes = crashsim.ranks_at_point(WORLD, _repair, base, kind, mode, k, "EIO")
+            codes = crashsim.ranks_at_point(WORLD, _repair, base, kind, plan, k, err)
         except AssertionError as e:  # a rank that failed or hung under the plan, not at its point
             bad.append(f"{mode} at operation {k} ({ops[k - 1]}): the restore under it: "
                        f"{str(e).strip().splitlines()[-1][:300]}")
