@@ -536,9 +536,15 @@ def main() -> int:
         for _ in range(8):
             kits.put(types.SimpleNamespace(
                 stage=StagingBuffer(req), dst=torch.empty(piece, dtype=torch.uint8, device=dev()),
-                slab=cuda_ext.pinned_buffer(piece, 0)[1] if cuda else _page_aligned_bytes(piece)))
+                slab=cuda_ext.pinned_buffer(piece, 0)[1] if cuda else _page_aligned_bytes(piece),
+                # two candidate fixes: a second slab, so that a piece is read while the one
+                # before uploads; and a slab in 2 MiB huge pages, pinned where it lies
+                # (cudaHostRegister), which O_DIRECT can fill in whole 4 MiB requests
+                slab2=cuda_ext.pinned_buffer(piece, 0)[1] if cuda else _page_aligned_bytes(piece),
+                huge=_huge_slab(piece, cuda), pending=[]))
 
-        def raw_pieces(memmove: bool, upload: bool, into_slab: bool = False):
+        def raw_pieces(memmove: bool, upload: bool, into_slab: bool = False, huge: bool = False,
+                       overlap: bool = False):
             def one(job):
                 f, off = job
                 local = kits.get()
@@ -548,19 +554,24 @@ def main() -> int:
                     kits.put(local)
 
             def read_one(f, off, local):
+                if overlap:  # read into the slab whose upload is not the newest; wait for it first
+                    local.slab, local.slab2 = local.slab2, local.slab
+                    if len(local.pending) > 1:
+                        local.pending.pop(0).synchronize()
+                slab = local.huge[0] if huge else local.slab
                 fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
                 try:
                     got = 0
                     while got < piece:
-                        if into_slab:  # O_DIRECT straight into the pinned slab's 4 KiB pages
-                            r = pread_full(fd, memoryview(local.slab.numpy())[got:got + req], off + got)
+                        if into_slab:  # O_DIRECT straight into the slab (4 KiB pages, or huge ones)
+                            r = pread_full(fd, memoryview(slab.numpy())[got:got + req], off + got)
                             got += r
                             if r < req:
                                 break
                             continue
                         r = pread_full(fd, local.stage.view, off + got)
                         if memmove and r:
-                            ctypes.memmove(local.slab.data_ptr() + got, local.stage.address, r)
+                            ctypes.memmove(slab.data_ptr() + got, local.stage.address, r)
                         got += r
                         if r < req:
                             break
@@ -568,13 +579,21 @@ def main() -> int:
                     os.close(fd)
                 if upload and cuda:
                     with torch.cuda.stream(up_stream):
-                        local.dst[:got].copy_(local.slab[:got], non_blocking=True)
+                        local.dst[:got].copy_(slab[:got], non_blocking=True)
                         ev = torch.cuda.Event()
                         ev.record(up_stream)
-                    ev.synchronize()
+                    if overlap:
+                        local.pending.append(ev)
+                    else:
+                        ev.synchronize()
             t = time.perf_counter()
             with ThreadPoolExecutor(8) as pool:
                 list(pool.map(one, pieces))
+            sync()
+            for _ in range(8):  # no upload left pending into the next row
+                local = kits.get()
+                local.pending.clear()
+                kits.put(local)
             return time.perf_counter() - t
 
         def page_aligned(v):
@@ -599,6 +618,8 @@ def main() -> int:
                  ("raw_pieces_memmove", lambda: raw_pieces(True, False)),
                  ("raw_pieces_memmove_upload", lambda: raw_pieces(True, True)),
                  ("raw_pieces_into_slab", lambda: raw_pieces(False, False, into_slab=True)),
+                 ("raw_pieces_memmove_upload_overlap", lambda: raw_pieces(True, True, overlap=True)),
+                 ("raw_pieces_into_huge_slab_upload", lambda: raw_pieces(False, True, into_slab=True, huge=True)),
                  ("ours_gpu", lambda: ours(dev())),
                  ("ours_gpu_direct", lambda: ours(dev(), o_direct=True)),  # no probe: O_DIRECT
                  ("ours_gpu_noverify", lambda: ours(dev(), verify=False)),
@@ -648,6 +669,18 @@ def _raw_files(files: list[str], direct: bool) -> float:
     with ThreadPoolExecutor(len(files)) as pool:
         list(pool.map(one, files))
     return time.perf_counter() - t
+
+
+def _huge_slab(n: int, cuda: bool) -> tuple[torch.Tensor, object]:
+    """``n`` bytes in 2 MiB transparent huge pages as a uint8 tensor, registered with CUDA as
+    pinned memory where a GPU is used (the buffer is kept beside it)."""
+    from dcp_datastates.tiers.direct_io import StagingBuffer  # as main() imports it
+    buf = StagingBuffer(n)
+    if cuda:
+        err = torch.cuda.cudart().cudaHostRegister(buf.address, buf.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed: {err}")
+    return torch.frombuffer(buf.view, dtype=torch.uint8)[:n], buf
 
 
 def _page_aligned_bytes(n: int) -> torch.Tensor:
