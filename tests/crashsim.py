@@ -18,6 +18,11 @@ let go a claim, copy a file to a slower tier.  Then, for every operation k:
   a failure, ``AMBIGUOUS``, also with EIO after it took effect, as a network file system's
   retried rename reports), and the scenario goes on as the library decides.
 
+``persist-s3-keep1`` (run only when named) puts the slower tier on a real S3 server (moto, started
+by the runner as a process): the wrapper then also records the object store's operations
+(``RecFsspecBackend``: an object's upload, each PUT, a removal, the lease claim's conditional
+create), each marked ``@s3`` in the log.
+
 ``--jitter-ms`` makes each operation first sleep a seeded random while, so that the library's
 threads interleave their operations in other orders than the recording's (a point then fails
 whichever operation comes k-th in its run).
@@ -53,7 +58,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
-from dcp_datastates.errors import first_line
+from dcp_datastates.errors import CheckpointError, first_line
 from dcp_datastates.format.names import (
     CLAIM_NAME,
     DATA_FILE,
@@ -66,10 +71,13 @@ from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers import storage as storage_mod
 from dcp_datastates.tiers.backend import Backend, HeldLock, Sink
 from dcp_datastates.tiers.local import LocalBackend
+from dcp_datastates.tiers.remote import FsspecBackend
 from dcp_datastates.tiers.tidy import run_references
 from tests.dist import run_ranks
+from tests.s3server import S3Server
 
 CRASHED = 77
+REMOTE_MARK = " @s3"  # ends the log line of an operation on the object-store tier
 WRITES = {"pwrite", "commit", "lock-write", "copy"}
 # operations that may fail after they took effect (fault "after"): a rename or an unlink (a
 # claim's too) retried by a network file system, a commit whose directory sync fails after the
@@ -168,13 +176,13 @@ def install_armed(path: str) -> None:
     PLAN.arm = path
 
 
-def _op(name: str, path: str) -> int:
+def _op(name: str, path: str, remote: bool = False) -> int:
     """Count one operation; fail it where the plan says (before it runs)."""
     if PLAN.thread is not None and threading.current_thread().name != PLAN.thread:
         return 0  # not counted: never a crash or fault point
     with _lock:
         _take_armed()
-        line = f"{name} {os.path.basename(path)}"
+        line = f"{name} {os.path.basename(path)}" + (REMOTE_MARK if remote else "")
         if PLAN.match is not None and not line.startswith(PLAN.match):
             return 0
         PLAN.log.append(line)
@@ -242,8 +250,8 @@ def _short(k: int, name: str) -> bool:
 
 
 class RecSink(Sink):
-    def __init__(self, inner: Sink) -> None:
-        self.inner, self.name = inner, inner.name
+    def __init__(self, inner: Sink, remote: bool = False) -> None:
+        self.inner, self.name, self.remote = inner, inner.name, remote
 
     def __getattr__(self, attr):
         return getattr(self.inner, attr)
@@ -252,7 +260,7 @@ class RecSink(Sink):
         return self.inner.reserve(nbytes)
 
     def pwrite(self, buf, offset: int, **kw) -> None:
-        k = _op("pwrite", self.name)
+        k = _op("pwrite", self.name, self.remote)
         if _short(k, "pwrite"):
             if not getattr(self.inner, "o_direct", False):
                 half = memoryview(buf).cast("B")[: memoryview(buf).nbytes // 2]
@@ -262,13 +270,13 @@ class RecSink(Sink):
         _after(k)
 
     def close(self, sync: bool = True) -> int:
-        k = _op("close", self.name)
+        k = _op("close", self.name, self.remote)
         out = self.inner.close(sync)
         _after(k)
         return out
 
     def abort(self) -> None:
-        k = _op("abort", self.name)
+        k = _op("abort", self.name, self.remote)
         self.inner.abort()
         _after(k)
 
@@ -407,6 +415,47 @@ class RecBackend(Backend):
         return out
 
 
+class RecFsspecBackend(FsspecBackend):
+    """An ``FsspecBackend`` (an object-store tier) whose every mutating operation is counted,
+    and crashed or failed where the plan says.  Making a directory and syncing one are nothing
+    on an object store, so they are not operations; a commit is one PUT, whole or absent, so it
+    has no point between a temporary file and its rename, and a short commit writes nothing."""
+
+    def open_sink(self, path, name, *, o_direct, drop_cache):
+        k = _op("create", path, remote=True)
+        out = RecSink(super().open_sink(path, name, o_direct=o_direct, drop_cache=drop_cache), remote=True)
+        _after(k)
+        return out
+
+    def commit(self, root, path, tmp_name, data, *, sync):
+        k = _op("commit", path, remote=True)
+        if _short(k, "commit"):
+            raise OSError(errno.ENOSPC, f"injected short write at operation {k}")
+        super().commit(root, path, tmp_name, data, sync=sync)
+        _after(k)
+
+    def rename(self, root, tmp_path, path):
+        k = _op("rename", path, remote=True)
+        super().rename(root, tmp_path, path)
+        _after(k)
+
+    def remove(self, path):
+        k = _op("unlink", path, remote=True)
+        super().remove(path)
+        _after(k)
+
+    def remove_dir(self, root):
+        k = _op("rmdir", root, remote=True)
+        super().remove_dir(root)
+        _after(k)
+
+    def create_exclusive(self, path, data):
+        k = _op("create-excl", path, remote=True)
+        out = super().create_exclusive(path, data)
+        _after(k)
+        return out
+
+
 def ranks_at_point(world: int, fn, *args) -> list[int]:
     """Run ``fn`` on ``world`` gloo ranks (``tests.dist.run_ranks``); the exit codes of those
     that died at the point (``CRASHED``, or SIGKILL with the job).  Any other failure raises."""
@@ -426,12 +475,51 @@ def ranks_at_point(world: int, fn, *args) -> list[int]:
 def install() -> None:
     """Every local tier made from now on goes through the recording wrapper."""
     storage_mod.LocalBackend = RecBackend  # type: ignore[misc]
+    storage_mod.FsspecBackend = RecFsspecBackend  # type: ignore[misc]
 
 
 # ----------------------------------------------------------------------- scenarios
 SIZES = {"small": (64, 1024), "large": (1024, 1024)}
 SIZE = ["small"]
 KEEP = [False]
+# A scenario's tier "s3:NAME" lives on a real S3 server (moto) the runner starts, under a prefix
+# named after the work directory, so each point has its own copy; every fork inherits this.
+REMOTE = "s3:"
+BUCKET = "crashsim"
+S3: dict = {}
+
+
+def _remote(tier: str) -> bool:
+    return tier.startswith(REMOTE)
+
+
+def _url(work: str, tier: str) -> str:
+    """Where scenario tier ``tier`` of work directory ``work`` lives."""
+    if _remote(tier):
+        return f"s3://{BUCKET}{os.path.abspath(work)}/{tier[len(REMOTE):]}"
+    return os.path.join(work, tier)
+
+
+def _options(tier: str) -> dict | None:
+    return S3["options"] if _remote(tier) else None
+
+
+def _tier(work: str, tier: str) -> StorageTier:
+    return StorageTier(_url(work, tier), _options(tier))
+
+
+def _s3_fs():
+    """An S3 filesystem on the runner's server (in a forked child: it starts a thread)."""
+    import s3fs
+    return s3fs.S3FileSystem(**S3["options"])
+
+
+def _s3_copy(src: str, dst: str) -> None:
+    """Every object under work directory ``src``'s prefix, copied under ``dst``'s."""
+    fs = _s3_fs()
+    a, b = f"{BUCKET}{os.path.abspath(src)}", f"{BUCKET}{os.path.abspath(dst)}"
+    for key in fs.find(a):
+        fs.copy(key, b + key[len(a):])
 
 
 def state_for(seed: int) -> dict:
@@ -533,6 +621,14 @@ def _incremental_persisted(work: str, step: int) -> None:
     c.close()
 
 
+# on an object store (a moto server): run only when named (``make test-long`` does), as each
+# point takes seconds of S3 requests
+REMOTE_SCENARIOS = {s.name: s for s in [
+    Scenario("persist-s3-keep1", ["t1", "s3:t2"],
+             lambda w: [_persisted_s3(w, s) for s in (1, 2)], lambda w: _persisted_s3(w, 3),
+             {1: {1}, 2: {2}, 3: {3}}, 2, 2),
+]}
+
 # run with --size large (make test-long) besides the others
 LONG_SCENARIOS = {s.name: s for s in [
     Scenario("incremental-persist", ["t1", "t2"], lambda w: [_incremental_persisted(w, s) for s in (1, 2)],
@@ -540,11 +636,15 @@ LONG_SCENARIOS = {s.name: s for s in [
 ]}
 
 
-def _persisted(work: str, step: int) -> None:
-    c = _ckpt([os.path.join(work, "t1"), os.path.join(work, "t2")], keep=[1, 1])
+def _persisted(work: str, step: int, tiers: tuple[str, str] = ("t1", "t2")) -> None:
+    c = _ckpt([_url(work, t) for t in tiers], keep=[1, 1], storage_options=[_options(t) for t in tiers])
     c.save(step, state_for(step))
     c.wait_persisted(120)
     c.close()
+
+
+def _persisted_s3(work: str, step: int) -> None:
+    _persisted(work, step, ("t1", "s3:t2"))
 
 
 def _incremental(work: str, step: int) -> None:
@@ -555,10 +655,10 @@ def _incremental(work: str, step: int) -> None:
 
 
 # ----------------------------------------------------------------------- the checks
-def _loads(path: str) -> dict | str:
+def _loads(path: str, options: dict | None = None) -> dict | str:
     out = _template()
     try:
-        dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
+        dcp.load(out, storage_reader=DataStatesReader(path, storage_options=options), no_dist=True)
     except BaseException as e:  # noqa: BLE001 - reported as a violation
         return f"{type(e).__name__}: {str(e)[:300]}"
     return out
@@ -575,15 +675,20 @@ def check(sc: Scenario, work: str, sentinel: bytes, *, leftovers: bool) -> list[
             bad.append("a file outside the run changed")
     except OSError as e:
         bad.append(f"a file outside the run is gone ({e})")
+    if any(_remote(t) for t in sc.tiers):
+        try:
+            if _tier(work, REMOTE + "outside").read_bytes("keep.bin") != sentinel:
+                bad.append("an object outside the run changed")
+        except (OSError, CheckpointError) as e:
+            bad.append(f"an object outside the run is gone ({e})")
     for i, tier in enumerate(sc.tiers):
-        run = os.path.join(work, tier)
+        run = _tier(work, tier)
         newest = 0
-        for d in sorted(os.listdir(run)) if os.path.isdir(run) else []:
+        for d in sorted(n for n, kind in run.entries() if kind == "dir"):
             step = int(d.split("-")[1])
-            path = os.path.join(run, d)
-            if not _committed(path):
+            if not any(is_manifest_name(n) for n in run.child(d).listdir()):
                 continue
-            got = _loads(path)
+            got = _loads(run.child(d).url, _options(tier))
             if isinstance(got, str):
                 bad.append(f"{tier}/{d}: committed but does not load: {got}")
                 continue
@@ -595,31 +700,38 @@ def check(sc: Scenario, work: str, sentinel: bytes, *, leftovers: bool) -> list[
         if newest < floor:
             bad.append(f"{tier}: the newest loadable step is {newest}, under {floor}: a committed step was lost")
         if leftovers:
-            bad += _leftovers(run, tier)
+            bad += _left_in(run, tier, work)
     return bad
 
 
 def _leftovers(run: str, tier: str) -> list[str]:
-    refs = run_references(StorageTier(run))
+    """What the dead or failed attempts left in the local run directory ``run``."""
+    return _left_in(StorageTier(run), tier, os.path.dirname(run))
+
+
+def _left_in(run: StorageTier, tier: str, work: str) -> list[str]:
+    refs = run_references(run)
     bad = []
-    for d in sorted(os.listdir(run)) if os.path.isdir(run) else []:
+    for d in sorted(n for n, kind in run.entries() if kind == "dir"):
         keep = refs.get(d, set())
-        for n in os.listdir(os.path.join(run, d)):
+        names = run.child(d).listdir()
+        for n in names:
             dead = (TEMP_INFIX in n or n.endswith(".part") or n == CLAIM_NAME or n.startswith(RANK_CLAIM_PREFIX)
                     or ((DATA_FILE.match(n) or PART_FILE.match(n)) and n not in keep and "*" not in keep))
             if dead:
                 bad.append(f"{tier}/{d}/{n}: left over after the next save (the directory: "
-                           f"{sorted(os.listdir(os.path.join(run, d)))}){_said_about(run, tier, d)}")
+                           f"{sorted(names)}){_said_about(work, tier, d)}")
     return bad
 
 
 NEXT_LOG = "next.log"  # what the library logged during the next save (INFO and up)
 
 
-def _said_about(run: str, tier: str, d: str) -> str:
+def _said_about(work: str, tier: str, d: str) -> str:
     """The next save's log lines about ``tier/d``, to tell why a file stayed there."""
+    tier = tier.removeprefix(REMOTE)
     try:
-        with open(os.path.join(os.path.dirname(run), NEXT_LOG)) as f:
+        with open(os.path.join(work, NEXT_LOG)) as f:
             lines = [ln.strip() for ln in f if f"{tier}/{d}" in ln]
     except OSError:
         return ""
@@ -717,6 +829,8 @@ def point(sc: Scenario, golden: str, work: str, plan: Plan, out: str) -> None:
     under the plan in a child, then check."""
     _subreaper()
     shutil.copytree(golden, work)
+    if any(_remote(t) for t in sc.tiers) and _wait(_child(lambda: _s3_copy(golden, work)), 120) != 0:
+        raise SystemExit(f"{sc.name}: the golden objects could not be copied")
     sentinel = open(os.path.join(work, "outside", "keep.bin"), "rb").read()
     logf = os.path.join(work, "oplog.json")
 
@@ -751,7 +865,12 @@ def make_golden(sc: Scenario, base: str) -> str:
     with open(os.path.join(golden, "outside", "keep.bin"), "wb") as f:
         f.write(os.urandom(4096))
     for t in sc.tiers:
-        os.makedirs(os.path.join(golden, t), exist_ok=True)
+        if not _remote(t):
+            os.makedirs(os.path.join(golden, t), exist_ok=True)
+    if any(_remote(t) for t in sc.tiers):  # and a sentinel object beside the run's objects
+        sentinel = open(os.path.join(golden, "outside", "keep.bin"), "rb").read()
+        if _wait(_child(lambda: _tier(golden, REMOTE + "outside").commit_bytes("keep.bin", sentinel)), 60) != 0:
+            raise SystemExit(f"{sc.name}: the sentinel object could not be written")
     if _wait(_child(lambda: sc.setup(golden)), 300) != 0:
         raise SystemExit(f"{sc.name}: the setup failed")
     return golden
@@ -759,7 +878,7 @@ def make_golden(sc: Scenario, base: str) -> str:
 
 def run_scenario(name: str, base: str, jobs: int, faults: bool = True, only: str | None = None,
                  keep: bool = False, jitter: float = 0.0, seed: int = 0) -> dict:
-    sc = {**SCENARIOS, **LONG_SCENARIOS}[name]
+    sc = {**SCENARIOS, **LONG_SCENARIOS, **REMOTE_SCENARIOS}[name]
     golden = make_golden(sc, base)
     results = os.path.join(base, name, "results")
     os.makedirs(results)
@@ -774,7 +893,8 @@ def run_scenario(name: str, base: str, jobs: int, faults: bool = True, only: str
         raise SystemExit(f"{name}: the scenario fails without any fault (exit {rec['code']}): {rec['log']}")
     ops = rec["log"]
     plans = [(f"crash-{k}", Plan("crash", k)) for k in range(1, len(ops) + 1)]
-    plans += [(f"crash-mid-{k}", Plan("crash-mid", k)) for k, op in enumerate(ops, 1) if op.startswith("commit")]
+    plans += [(f"crash-mid-{k}", Plan("crash-mid", k)) for k, op in enumerate(ops, 1)
+              if op.startswith("commit") and not op.endswith(REMOTE_MARK)]  # a PUT has no middle
     if faults:
         plans += [(f"fault-EIO-{k}", Plan("fault", k, "EIO")) for k in range(1, len(ops) + 1)]
         for err in ("ENOSPC", "short"):
@@ -831,11 +951,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.scenarios:
         args.scenarios = list(SCENARIOS) + (list(LONG_SCENARIOS) if args.size == "large" else [])
     assert threading.active_count() == 1, "the runner must start no thread: it forks"
-    return report_runs(args.scenarios, lambda name: run_scenario(
-        name, args.dir, args.jobs, faults=not args.no_faults, only=args.only, keep=args.only is not None,
-        jitter=args.jitter_ms / 1000, seed=args.seed),
-        lambda r: f"{r['operations']} operations, {r['crash_points']} crash points, "
-                  f"{r['fault_points']} fault points", args.json)
+    every = {**SCENARIOS, **LONG_SCENARIOS, **REMOTE_SCENARIOS}
+    server = None
+    if any(_remote(t) for name in args.scenarios for t in every[name].tiers):
+        server = S3Server().start()  # a process, not a thread
+        S3["options"] = server.options()
+    try:
+        if server is not None and _wait(_child(lambda: server.make_bucket(BUCKET)), 60) != 0:
+            raise SystemExit("the S3 server's bucket could not be made")
+        return report_runs(args.scenarios, lambda name: run_scenario(
+            name, args.dir, args.jobs, faults=not args.no_faults, only=args.only, keep=args.only is not None,
+            jitter=args.jitter_ms / 1000, seed=args.seed),
+            lambda r: f"{r['operations']} operations, {r['crash_points']} crash points, "
+                      f"{r['fault_points']} fault points", args.json)
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def report_runs(names: list[str], run, said, json_path: str | None) -> int:
