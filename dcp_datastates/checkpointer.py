@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import cast
@@ -381,10 +382,10 @@ class Checkpointer:
             f"{first_line(why, 300)}", checkpoint=self.tiers[0]) from why
 
     # ---------------------------------------------------------------- retention
-    def _protected(self) -> Protected:
-        """What a retention pass leaves alone now (``RunRetention``)."""
-        durable = self.committed_steps(len(self.tiers) - 1)
-        protect = set(durable[-1:])  # the newest durable checkpoint stays everywhere
+    def _protected(self, tiers: Sequence[int]) -> Protected:
+        """What a retention pass over ``tiers`` leaves alone now (``RunRetention``)."""
+        durable = self._newest_durable(tiers)
+        protect = set() if durable is None else {durable}  # the newest durable checkpoint stays everywhere
         with self._lock:
             protect.update(self._persisting)  # sources of flushes in flight
             flushing = tuple((f"step-{s}", m) for s, m in self._manifests.items())
@@ -399,6 +400,22 @@ class Checkpointer:
             if cur.base is not None:
                 protect.add(cur.base)  # an incremental save in flight reads from it
         return Protected(frozenset(protect), None if cur is None else cur.step, flushing)
+
+    def _newest_durable(self, tiers: Sequence[int]) -> int | None:
+        """The newest step committed on the last tier, as far as a pass over ``tiers`` needs it.
+        A pass over the last tier asks it about every step.  A pass over faster tiers only (a
+        rank purging its node's directory) keeps it only among the steps those tiers hold, so
+        it asks the last tier about those, newest first: the first committed one is the answer
+        (the newest durable step was saved through them), and the shared tier is asked once or
+        twice a pass whatever the run keeps there, not listed and read by every rank."""
+        last = len(self.tiers) - 1
+        if last in tiers:
+            durable = self.committed_steps(last)
+            return durable[-1] if durable else None
+        cur = self._inflight
+        held = sorted({s for i in tiers for s in self.steps.step_dirs(i)}, reverse=True)
+        return next((s for s in held if (cur is None or s != cur.step) and self.steps.is_committed(last, s)),
+                    None)
 
     def close(self) -> None:
         """Wait for the save in flight, its flushes to slower tiers, its replicas, and the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .format.model import Manifest
@@ -37,9 +37,10 @@ class Protected:
 
 class RunRetention:
     """Retention passes over ``steps`` (``keep``: steps kept per tier, 0 for all), leaving what
-    ``protected()`` names; ``rank()``: this process's rank in the checkpointer's group."""
+    ``protected(tiers)`` names for a pass over ``tiers``; ``rank()``: this process's rank in the
+    checkpointer's group."""
 
-    def __init__(self, steps: RunSteps, keep: list[int], protected: Callable[[], Protected],
+    def __init__(self, steps: RunSteps, keep: list[int], protected: Callable[[Sequence[int]], Protected],
                  rank: Callable[[], int]) -> None:
         self.steps, self.keep = steps, list(keep)
         self._protected, self._rank = protected, rank
@@ -71,10 +72,13 @@ class RunRetention:
     def run(self) -> None:
         """One pass over every tier this process purges."""
         try:
-            protected = self._protected()
-            for i, k in enumerate(self.keep):
-                if k and ((i == 0 and self.steps.node_local) or self._rank() == 0):
-                    self._tier(i, k, protected)
+            tiers = [i for i, k in enumerate(self.keep)
+                     if k and ((i == 0 and self.steps.node_local) or self._rank() == 0)]
+            if not tiers:  # nothing of this process's to purge: no tier is even asked
+                return
+            protected = self._protected(tiers)
+            for i in tiers:
+                self._tier(i, self.keep[i], protected)
         except Exception:  # retention must never break training
             log.exception("retention pass failed")
 

@@ -254,3 +254,48 @@ def test_a_step_uncommitted_while_the_run_is_scanned_holds_no_references(tmp_pat
     assert "*" not in refs.get("step-2", set()), refs
     assert not refs.get("step-1"), refs
     assert refs.get("step-2"), refs  # step 2's own files are still referenced
+
+
+def _slow_tier_requests(rank, world, base):
+    """Rank ``rank``'s requests to the slow tier in one retention pass of a node-local run
+    that keeps every step there (``keep=[1, 0]``), after six persisted steps."""
+    import json
+
+    import torch.distributed as dist
+    c = Checkpointer([os.path.join(base, f"node{rank}"), os.path.join(base, "pfs")], node_local=True,
+                     keep=[1, 0], async_mode=None, host_cache_bytes=8 << 20)
+    for step in range(1, 7):
+        c.save(step, {"w": torch.full((256,), float(10 * step + rank)), "step": step})
+        c.wait_persisted(120)
+    c.close()
+    dist.barrier()
+    pfs, asked = os.path.join(base, "pfs"), []
+    real = {n: getattr(StorageTier, n) for n in ("listdir", "entries", "read_into", "read_bytes", "exists")}
+
+    def counted(name):
+        def call(self, *a, **kw):
+            if self.url.startswith(pfs):
+                asked.append(f"{name} {os.path.relpath(self.url, pfs)} {a[:1]}")
+            return real[name](self, *a, **kw)
+        return call
+    for n in real:
+        setattr(StorageTier, n, counted(n))
+    c.retention.run()
+    for n, f in real.items():
+        setattr(StorageTier, n, f)
+    assert c.committed_steps(0) == [6] and c.committed_steps(1) == [1, 2, 3, 4, 5, 6]
+    with open(os.path.join(base, f"asked-{rank}.json"), "w") as f:
+        json.dump(asked, f)
+    dist.barrier()
+
+
+def test_a_node_local_pass_asks_the_slow_tier_about_its_own_steps_only(tmp_path):
+    """A rank purging only its node's directory needs the newest durable step among the steps
+    it holds there, not every step the slow tier keeps: at a thousand ranks, each listing the
+    shared run and reading each step's manifest at every pass, a PFS's metadata server (or an
+    object store's request budget) pays for it.  Its requests must not grow with the run."""
+    import json
+    run_ranks(2, _slow_tier_requests, str(tmp_path))
+    for rank in (0, 1):
+        asked = json.load(open(tmp_path / f"asked-{rank}.json"))
+        assert len(asked) <= 3, asked  # the newest local step's manifest there, not six steps'
