@@ -413,9 +413,10 @@ class Checkpointer:
             durable = self.committed_steps(last)
             return durable[-1] if durable else None
         cur = self._inflight
-        held = sorted({s for i in tiers for s in self.steps.step_dirs(i)}, reverse=True)
-        return next((s for s in held if (cur is None or s != cur.step) and self.steps.is_committed(last, s)),
-                    None)
+        with self._lock:  # a step in flight, or flushing now, is kept anyway: no need to ask
+            skip = set(self._persisting) | ({cur.step} if cur is not None else set())
+        held = sorted({s for i in tiers for s in self.steps.step_dirs(i)} - skip, reverse=True)
+        return next((s for s in held if self.steps.is_committed(last, s)), None)
 
     def close(self) -> None:
         """Wait for the save in flight, its flushes to slower tiers, its replicas, and the
