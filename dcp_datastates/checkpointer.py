@@ -384,39 +384,24 @@ class Checkpointer:
     # ---------------------------------------------------------------- retention
     def _protected(self, tiers: Sequence[int]) -> Protected:
         """What a retention pass over ``tiers`` leaves alone now (``RunRetention``)."""
-        durable = self._newest_durable(tiers)
-        protect = set() if durable is None else {durable}  # the newest durable checkpoint stays everywhere
+        cur = self._inflight
         with self._lock:
-            protect.update(self._persisting)  # sources of flushes in flight
+            protect = set(self._persisting)  # sources of flushes in flight
             flushing = tuple((f"step-{s}", m) for s, m in self._manifests.items())
+        durable = self.steps.newest_durable(tiers, None if cur is None else cur.step, set(protect))
+        if durable is not None:
+            protect.add(durable)  # the newest durable checkpoint stays everywhere
         if self.node_copies is not None:
             protect.update(self.node_copies.busy())  # replicas still on their way
             held = self.node_copies.newest_replicated(self.committed_steps(0))
             if held is not None:
                 protect.add(held)  # what the peers hold, until a newer step is held too
-        cur = self._inflight
+        cur = self._inflight  # read again: a save may have started meanwhile
         if cur is not None:
             protect.add(cur.step)
             if cur.base is not None:
                 protect.add(cur.base)  # an incremental save in flight reads from it
         return Protected(frozenset(protect), None if cur is None else cur.step, flushing)
-
-    def _newest_durable(self, tiers: Sequence[int]) -> int | None:
-        """The newest step committed on the last tier, as far as a pass over ``tiers`` needs it.
-        A pass over the last tier asks it about every step.  A pass over faster tiers only (a
-        rank purging its node's directory) keeps it only among the steps those tiers hold, so
-        it asks the last tier about those, newest first: the first committed one is the answer
-        (the newest durable step was saved through them), and the shared tier is asked once or
-        twice a pass whatever the run keeps there, not listed and read by every rank."""
-        last = len(self.tiers) - 1
-        if last in tiers:
-            durable = self.committed_steps(last)
-            return durable[-1] if durable else None
-        cur = self._inflight
-        with self._lock:  # a step in flight, or flushing now, is kept anyway: no need to ask
-            skip = set(self._persisting) | ({cur.step} if cur is not None else set())
-        held = sorted({s for i in tiers for s in self.steps.step_dirs(i)} - skip, reverse=True)
-        return next((s for s in held if self.steps.is_committed(last, s)), None)
 
     def close(self) -> None:
         """Wait for the save in flight, its flushes to slower tiers, its replicas, and the

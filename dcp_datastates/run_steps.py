@@ -104,6 +104,21 @@ class RunSteps:
         """Steps committed on tier ``i``, except ``besides`` (a save in flight)."""
         return [s for s in self.step_dirs(i) if s != besides and self.is_committed(i, s)]
 
+    def newest_durable(self, tiers: Sequence[int], in_flight: int | None, flushing: set[int]) -> int | None:
+        """The newest step committed on the last tier (``in_flight``, the save under way, never
+        counts), as far as a retention pass over ``tiers`` needs it.  A pass over the last tier
+        asks it about every step.  A pass over faster tiers only (a rank purging its node's
+        directory) keeps it only among the steps those tiers hold, so it asks the last tier
+        about those, newest first, and stops at the first committed one (the newest durable
+        step was saved through them), leaving out the ``flushing`` ones, which the pass keeps
+        anyway: a request or two a pass whatever the run keeps there, not a listing and every
+        step's manifest read by every rank."""
+        last = len(self.tiers) - 1
+        if last in tiers:
+            return max(self.committed(last, besides=in_flight), default=None)
+        held = {s for i in tiers for s in self.step_dirs(i)} - flushing - {in_flight}
+        return next((s for s in sorted(held, reverse=True) if self.is_committed(last, s)), None)
+
     def ours(self, i: int, step: int) -> bool | None:
         """``manifest_is_ours`` of step ``step`` on tier ``i``; a ``.metadata`` that cannot be
         read now counts as ours (loading it says why)."""
