@@ -473,7 +473,7 @@ def ranks_at_point(world: int, fn, *args) -> list[int]:
 
 
 def install() -> None:
-    """Every local tier made from now on goes through the recording wrapper."""
+    """Every tier made from now on, local or on an object store, goes through a recording wrapper."""
     storage_mod.LocalBackend = RecBackend  # type: ignore[misc]
     storage_mod.FsspecBackend = RecFsspecBackend  # type: ignore[misc]
 
@@ -498,6 +498,12 @@ def _url(work: str, tier: str) -> str:
     if _remote(tier):
         return f"s3://{BUCKET}{os.path.abspath(work)}/{tier[len(REMOTE):]}"
     return os.path.join(work, tier)
+
+
+def _beside(tier: str) -> str:
+    """The prefix of the sentinel object beside remote tier ``tier``: its name and more, so that
+    a listing of the run by prefix alone (without its closing slash) would take it in."""
+    return f"{tier}-outside"
 
 
 def _options(tier: str) -> dict | None:
@@ -675,10 +681,10 @@ def check(sc: Scenario, work: str, sentinel: bytes, *, leftovers: bool) -> list[
             bad.append("a file outside the run changed")
     except OSError as e:
         bad.append(f"a file outside the run is gone ({e})")
-    if any(_remote(t) for t in sc.tiers):
+    for t in filter(_remote, sc.tiers):
         try:
-            if _tier(work, REMOTE + "outside").read_bytes("keep.bin") != sentinel:
-                bad.append("an object outside the run changed")
+            if _tier(work, _beside(t)).read_bytes("keep.bin") != sentinel:
+                bad.append(f"an object outside the run changed ({_beside(t)})")
         except (OSError, CheckpointError) as e:
             bad.append(f"an object outside the run is gone ({e})")
     for i, tier in enumerate(sc.tiers):
@@ -867,9 +873,9 @@ def make_golden(sc: Scenario, base: str) -> str:
     for t in sc.tiers:
         if not _remote(t):
             os.makedirs(os.path.join(golden, t), exist_ok=True)
-    if any(_remote(t) for t in sc.tiers):  # and a sentinel object beside the run's objects
-        sentinel = open(os.path.join(golden, "outside", "keep.bin"), "rb").read()
-        if _wait(_child(lambda: _tier(golden, REMOTE + "outside").commit_bytes("keep.bin", sentinel)), 60) != 0:
+    sentinel = open(os.path.join(golden, "outside", "keep.bin"), "rb").read()
+    for t in filter(_remote, sc.tiers):  # and a sentinel object beside the run's objects
+        if _wait(_child(lambda t=t: _tier(golden, _beside(t)).commit_bytes("keep.bin", sentinel)), 60) != 0:
             raise SystemExit(f"{sc.name}: the sentinel object could not be written")
     if _wait(_child(lambda: sc.setup(golden)), 300) != 0:
         raise SystemExit(f"{sc.name}: the setup failed")
