@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -80,7 +81,7 @@ def main() -> None:
             base = tempfile.mkdtemp(prefix="dcpds-tier-requests-")
             ctx = mp.get_context("spawn")
             q = ctx.SimpleQueue()
-            with __import__("socket").socket() as s:
+            with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             ps = [ctx.Process(target=_rank, args=(r, args.ranks, port, endpoint, base, args.steps, keep, q))

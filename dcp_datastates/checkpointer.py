@@ -388,7 +388,7 @@ class Checkpointer:
         with self._lock:
             protect = set(self._persisting)  # sources of flushes in flight
             flushing = tuple((f"step-{s}", m) for s, m in self._manifests.items())
-        durable = self.steps.newest_durable(tiers, None if cur is None else cur.step, set(protect))
+        durable = self.steps.newest_durable(tiers, None if cur is None else cur.step, protect)
         if durable is not None:
             protect.add(durable)  # the newest durable checkpoint stays everywhere
         if self.node_copies is not None:

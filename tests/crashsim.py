@@ -201,6 +201,18 @@ def _op(name: str, path: str, remote: bool = False) -> int:
     return k
 
 
+def plan_for(mode: str) -> tuple[str, str]:
+    """The plan's mode and error for a multi-rank test's mode: "after" is a fault whose
+    operation took effect before its caller is told EIO (``AMBIGUOUS``)."""
+    return ("fault", "after") if mode == "after" else (mode, "EIO")
+
+
+def is_point(mode: str, op: str) -> bool:
+    """Whether recorded operation ``op`` is a point of a test's ``mode`` ("after": only one that
+    can fail after it took effect; at another it would be no fault at all)."""
+    return mode != "after" or op.split()[0] in AMBIGUOUS
+
+
 def _after(k: int) -> None:
     if PLAN.mode == "crash" and k == PLAN.k:
         os._exit(CRASHED)
@@ -907,7 +919,7 @@ def run_scenario(name: str, base: str, jobs: int, faults: bool = True, only: str
             plans += [(f"fault-{err}-{k}", Plan("fault", k, err)) for k, op in enumerate(ops, 1)
                       if op.split()[0] in WRITES]
         plans += [(f"fault-after-{k}", Plan("fault", k, "after")) for k, op in enumerate(ops, 1)
-                  if op.split()[0] in AMBIGUOUS]
+                  if is_point("after", op)]
     if only is not None:
         plans = [(t, p) for t, p in plans if t == only]
     running: dict[int, str] = {}

@@ -163,12 +163,11 @@ def test_every_crash_and_fault_point_of_a_repair_with_borrows_leaves_the_step_re
         assert f"mkdir .borrowed.rank-{target:05d}" in ops, ops
     else:  # those of the whole files its node is given
         assert any(op.startswith("rename data-") for op in ops), ops
-    # "after": the operation takes effect, then its caller is told EIO (``crashsim.AMBIGUOUS``)
-    plan, err = ("fault", "after") if mode == "after" else (mode, "EIO")
+    plan, err = crashsim.plan_for(mode)
     bad = []
     for k in range(1, len(ops) + 1):
-        if mode == "after" and ops[k - 1].split()[0] not in crashsim.AMBIGUOUS:
-            continue  # no fault at all there
+        if not crashsim.is_point(mode, ops[k - 1]):
+            continue
         base = str(tmp_path / f"{mode}-{k}")
         shutil.copytree(golden, base)
         try:

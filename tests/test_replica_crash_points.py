@@ -234,18 +234,6 @@ def _point(base: str, kind: str, mode: str, k: int, reachable: int, err: str = "
     return bad
 
 
-def _plan(mode: str) -> tuple[str, str]:
-    """The plan's mode and error for a test's mode: "after" is a fault whose operation took
-    effect before its caller is told EIO (``crashsim.AMBIGUOUS``)."""
-    return ("fault", "after") if mode == "after" else (mode, "EIO")
-
-
-def _fails_there(mode: str, op: str) -> bool:
-    """Whether operation ``op`` is a point of ``mode`` ("after": only one that can fail after it
-    took effect; at another it would be no fault at all)."""
-    return mode != "after" or op.split()[0] in crashsim.AMBIGUOUS
-
-
 def _operations(base: str, kind: str) -> list[str]:
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
@@ -278,10 +266,10 @@ def test_every_crash_and_fault_point_of_a_replication_keeps_the_newest_whole_ste
     # a plain writer's manifest is committed on node 1 by whichever of its ranks comes first
     # (``replicas.commit_on_node``): rank 2's count may be one short of the recording's
     reachable = len(ops) - sum(op == "commit .metadata" for op in ops)
-    plan, err = _plan(mode)
+    plan, err = crashsim.plan_for(mode)
     bad = []
     for k in range(1, len(ops) + 1):
-        if not _fails_there(mode, ops[k - 1]):
+        if not crashsim.is_point(mode, ops[k - 1]):
             continue
         found = _point(base := str(tmp_path / f"{mode}-{k}"), kind, plan, k, reachable, err)
         bad += found
@@ -356,10 +344,10 @@ def test_every_crash_and_fault_point_of_a_repair_leaves_the_step_restorable(tmp_
     crashsim.ranks_at_point(WORLD, _repair, record, kind, "record", 0, "EIO")
     ops = json.load(open(os.path.join(record, "ops.json")))
     assert len(ops) >= 8, ops  # the manifest, node 1's ranks' files and node 0's, the records
-    plan, err = _plan(mode)
+    plan, err = crashsim.plan_for(mode)
     bad = []
     for k in range(1, len(ops) + 1):
-        if not _fails_there(mode, ops[k - 1]):
+        if not crashsim.is_point(mode, ops[k - 1]):
             continue
         base = str(tmp_path / f"{mode}-{k}")
         shutil.copytree(golden, base)

@@ -150,7 +150,7 @@ def _act(rank, world, run, kind, target, mode, k):
     if folder is not None:  # every rank (and what it starts) dies at the target's point
         crashsim.join_job(folder)
         torch.distributed.barrier()
-    plan, err = ("fault", "after") if mode == "after" else (mode, "EIO")
+    plan, err = crashsim.plan_for(mode)
     if rank == target and kind == "process":
         crashsim.wrap_spawned(os.path.join(base, "plan.json"))
         crashsim.arm(os.path.join(base, "plan.json"), plan, k, os.path.join(base, "process-ops"), err=err,
@@ -314,8 +314,8 @@ def test_every_crash_and_fault_point_of_a_rank_in_a_collective_save_keeps_what_c
     reachable = len(ops) - sum(op.startswith("mkdir ") for op in ops)
     bad = []
     for k in range(1, len(ops) + 1):
-        if mode == "after" and ops[k - 1].split()[0] not in crashsim.AMBIGUOUS:
-            continue  # the same as no fault: the operation reports nothing it could fail after
+        if not crashsim.is_point(mode, ops[k - 1]):
+            continue
         found = _point(golden, base := str(tmp_path / f"{mode}-{k}"), kind, target, mode, k, reachable)
         bad += found
         if not found:
