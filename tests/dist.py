@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing.connection as mpc
 import os
+import signal
 import socket
 import sys
 import time
@@ -28,6 +30,8 @@ def _entry(rank, world, port, fn, args, errq):
     # one intra-op thread a rank, as torchrun sets for several ranks a node: the ranks share
     # this machine's few cores, where idle OpenMP workers spinning would take them from others
     torch.set_num_threads(1)
+    # a rank that hangs prints every thread's stack when ``run_ranks`` gives up on it
+    faulthandler.register(HANG_SIGNAL, all_threads=True)
     # The parent owns the rendezvous store (bound to port 0 by the OS): no port race.
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
                           timeout=datetime.timedelta(seconds=120))
@@ -85,6 +89,14 @@ def run_in_process(fn, *args, timeout: float = 120) -> int | None:
 
 
 FAILED_GRACE_S = 20.0
+HANG_SIGNAL = signal.SIGUSR2
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 240) -> None:
@@ -110,6 +122,11 @@ def run_ranks(world: int, fn, *args, timeout: float = 240) -> None:
             errors.append(errq.get())
         if errors:
             deadline = min(deadline, time.monotonic() + FAILED_GRACE_S)
+    hung = [procs.index(p) for p in alive]
+    if alive:  # where each stands, on its stderr, before it is killed
+        for p in alive:  # one at a time: their lines do not interleave
+            _signal(p.pid, HANG_SIGNAL)
+            time.sleep(0.5)
     for p in alive:
         p.kill()
         p.join()
@@ -119,7 +136,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 240) -> None:
         rank, tb = sorted(errors)[0]
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     if alive:
-        raise AssertionError(f"{len(alive)} ranks hung past {timeout}s")
+        raise AssertionError(f"{len(alive)} ranks hung past {timeout}s (ranks {hung}: their stacks are on stderr)")
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise AssertionError(f"ranks exited with codes {bad}")
