@@ -33,8 +33,8 @@ process's (DCP's PROCESS mode), started with ``tests/crashsim_site`` on its path
 At a fault point the job first goes on: its next save (step 3) must commit on every rank.
 
 Two ranks at two chosen points (``test_every_crash_point_of_a_rank_in_a_save_the_other_rank_fails...``,
-the ``checkpointer``, ``overwrite`` and ``two-tier`` saves): the other rank's k-th operation
-fails with EIO, for every k, and in each such save this rank dies after its j-th, for every j
+the ``checkpointer``, ``overwrite`` and ``two-tier`` saves): the other rank's j-th operation
+fails with EIO, for every j, and in each such save this rank dies after its k-th, for every k
 it makes there; the same checks.
 """
 
@@ -361,7 +361,7 @@ def _reachable(ops: list[str]) -> int:
 
 # (kind, the rank that dies): every fault point of the other rank, and at each every crash
 # point of this one in the save that fault fails.  CI runs the coordinator's deaths in the
-# in-place save (its rollback of a save rank 1 failed, cut at every point); the rest run in
+# in-place save (its part of a save rank 1 failed, cut at every point); the rest run in
 # ``make test-long`` (the two-tier rows are about 770 pairs each)
 PAIRS = [(kind, crasher) for kind in ("checkpointer", "overwrite", "two-tier") for crasher in (0, 1)]
 
@@ -369,10 +369,11 @@ PAIRS = [(kind, crasher) for kind in ("checkpointer", "overwrite", "two-tier") f
 @pytest.mark.parametrize("kind,crasher", [p if p == ("overwrite", 0) else pytest.param(*p, marks=pytest.mark.slow)
                                           for p in PAIRS])
 def test_every_crash_point_of_a_rank_in_a_save_the_other_rank_fails_keeps_what_committed(tmp_path, kind, crasher):
-    """Two ranks failing at two chosen points: the other rank's k-th storage operation fails
-    with EIO (every k), and, in that save, this rank dies after its j-th (every j it makes in
-    that save): its abort and tidy-up, the coordinator's rollback of an in-place save, and the
-    other rank's retry are cut at every point.  The same checks as one rank's points."""
+    """Two ranks failing at two chosen points: the other rank's j-th storage operation fails
+    with EIO (every j), and, in that save, this rank dies after its k-th (every k it makes in
+    that save): what it does once the other rank failed (its writes, its abort, its claim let go
+    with the record kept, retention) is cut at every point.  The same checks as one rank's
+    points."""
     other = 1 - crasher
     golden = _golden(tmp_path, kind)
     faults = _record(golden, str(tmp_path / "record"), kind, other)
