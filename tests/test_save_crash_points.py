@@ -33,7 +33,7 @@ process's (DCP's PROCESS mode), started with ``tests/crashsim_site`` on its path
 At a fault point the job first goes on: its next save (step 3) must commit on every rank.
 
 Two ranks at two chosen points (``test_every_crash_point_of_a_rank_in_a_save_the_other_rank_fails...``,
-the ``checkpointer``, ``overwrite`` and ``two-tier`` saves): the other rank's j-th operation
+the ``checkpointer``, ``async``, ``overwrite`` and ``two-tier`` saves): the other rank's j-th operation
 fails with EIO, for every j, and in each such save this rank dies after its k-th, for every k
 it makes there; the same checks.
 """
@@ -363,7 +363,7 @@ def _reachable(ops: list[str]) -> int:
 # point of this one in the save that fault fails.  CI runs the coordinator's deaths in the
 # in-place save (its part of a save rank 1 failed, cut at every point); the rest run in
 # ``make test-long`` (the two-tier rows are about 770 pairs each)
-PAIRS = [(kind, crasher) for kind in ("checkpointer", "overwrite", "two-tier") for crasher in (0, 1)]
+PAIRS = [(kind, crasher) for kind in ("checkpointer", "async", "overwrite", "two-tier") for crasher in (0, 1)]
 
 
 @pytest.mark.parametrize("kind,crasher", [p if p == ("overwrite", 0) else pytest.param(*p, marks=pytest.mark.slow)
@@ -383,13 +383,17 @@ def test_every_crash_point_of_a_rank_in_a_save_the_other_rank_fails_keeps_what_c
         plan = (other, "fault", j)
         ops = _record(golden, str(tmp_path / f"record-{j}"), kind, crasher, plan)
         for k in range(1, len(ops) + 1):
-            found = _point(golden, base := str(tmp_path / f"pair-{j}-{k}"), kind, crasher, "crash", k,
-                           _reachable(ops), plan, reached)
-            bad += found
-            if not found:
-                shutil.rmtree(base)
+            for attempt in (1, 2):  # a point not reached is tried once more (the threads' order varies)
+                found = _point(golden, base := str(tmp_path / f"pair-{j}-{k}-{attempt}"), kind, crasher, "crash",
+                               k, _reachable(ops), plan, reached)
+                bad += found
+                if not found:
+                    shutil.rmtree(base)
+                if reached[-1] or attempt == 2:
+                    break
+                reached.pop()  # the second try counts
     log.warning("%s, rank %d dies: %d fault points of rank %d, %d pairs, %d of them reached", kind, crasher,
                 len(faults), other, len(reached), sum(reached))
+    assert not bad, "\n".join([f"{len(faults)} operations of rank {other}: {faults}", *bad])
     # most pairs strike where they were recorded (where they do not, the run is checked all the same)
     assert faults and sum(reached) >= max(len(faults), 0.8 * len(reached)), (faults, len(reached), sum(reached))
-    assert not bad, "\n".join([f"{len(faults)} operations of rank {other}: {faults}", *bad])
