@@ -7,6 +7,7 @@ saved with both backends and loaded with both, and the results must match.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -287,6 +288,11 @@ def guard_roundtrip(rank, world, base, mode):
         assert torch.equal(out["m"][k], before[k]), (mode, k)
     t = writer.timings()
     assert "snapshot_done_s" in t, t
+    if rank == 0:  # the coordinator commits; from DCP's checkpoint process the stages come over a pipe
+        deadline = time.monotonic() + 30
+        while "persisted_s" not in (t := writer.timings()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 0 <= t["snapshot_done_s"] <= t["data_written_s"] <= t["committed_s"] <= t["persisted_s"], t
 
 
 # ----------------------------------------------------------------- incremental

@@ -354,13 +354,15 @@ class Persistence:
         for f, t in zip(self.uploads, self.tiers):
             f.add_done_callback(lambda f, u=t.url: self.on_tier_failed(u) if f.exception() else None)
         if not self.tiers:
-            self.on_done(None)
+            if not waits_for_commit:
+                self.on_done(None)
         elif not waits_for_commit:
             when_all(self.uploads, self._over)
 
     def start_commits(self, manifest: Manifest, body: bytes, name: str, *, collective: bool,
                       record_on: StorageTier | None) -> None:
-        if not self.tiers:
+        if not self.tiers:  # the first tier's commit, just made, was all there was to do
+            self.on_done(None)
             return
         if not collective:  # every rank commits its own rank manifest after its own upload
             def commit(tier: StorageTier) -> None:
