@@ -8,6 +8,7 @@ later PROCESS-mode save fails with an error that says what happened."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -25,20 +26,17 @@ def _state(seed: int, mib: int = 4) -> dict:
 
 
 def _checkpoint_processes() -> list[int]:
-    """This process's children that are spawned multiprocessing workers (DCP's daemon)."""
+    """DCP's checkpoint process: this process's live multiprocessing children started by spawn
+    (it registers them itself; scanning ``/proc/*/task/*/children`` misses a child while the
+    thread that started it is exiting)."""
     out = []
-    for task in os.listdir("/proc/self/task"):
+    for p in multiprocessing.active_children():
         try:
-            kids = open(f"/proc/self/task/{task}/children").read().split()
+            cmd = open(f"/proc/{p.pid}/cmdline", "rb").read()
         except OSError:
             continue
-        for k in kids:
-            try:
-                cmd = open(f"/proc/{k}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                out.append(int(k))
+        if b"spawn_main" in cmd:
+            out.append(p.pid)
     return out
 
 
