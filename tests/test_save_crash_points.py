@@ -60,6 +60,10 @@ WORLD = 2
 # "fault": the operation fails with EIO; "after": it takes effect, then its caller is told EIO
 FAULTS = ("fault", "after")
 log = logging.getLogger(__name__)
+# once a rank died at its point, how long the other has to end before, if it waits in a
+# collective for the dead one (DCP's own, in the save), it is killed as a launcher would kill
+# it (a coordinator waits 20 s for a dead rank's upload)
+AFTER_DEATH_S = 60.0
 
 
 def _state(rank: int, seed: int) -> dict:
@@ -246,9 +250,9 @@ def _check(rank, world, run, kind, newest_at_least):
 
 def _run(fn, *args) -> bool:
     """Whether a rank died at its crash point (exit code ``crashsim.CRASHED``), or was killed
-    with the job at one (SIGKILL)."""
+    with the job at one (SIGKILL; a rank left waiting in a collective for it is killed too)."""
     try:
-        run_ranks(WORLD, fn, *args, timeout=180)
+        run_ranks(WORLD, fn, *args, timeout=180, after_death=AFTER_DEATH_S)
     except AssertionError as e:
         said = str(e).strip().splitlines()[-1]
         if not said.startswith("ranks exited with codes") or not (
