@@ -33,9 +33,9 @@ process's (DCP's PROCESS mode), started with ``tests/crashsim_site`` on its path
 At a fault point the job first goes on: its next save (step 3) must commit on every rank.
 
 Two ranks at two chosen points (``test_every_crash_point_of_a_rank_in_a_save_the_other_rank_fails...``,
-the ``checkpointer``, ``async``, ``overwrite`` and ``two-tier`` saves): the other rank's j-th operation
-fails with EIO, for every j, and in each such save this rank dies after its k-th, for every k
-it makes there; the same checks.
+every kind of save): the other rank's j-th operation fails with EIO, for every j, and in
+each such save this rank dies after its k-th, for every k it makes there (with ``process``,
+both in the ranks' checkpoint processes); the same checks.
 """
 
 from __future__ import annotations
@@ -169,6 +169,11 @@ def _act(rank, world, run, kind, target, mode, k, other=None):
     elif rank == target:
         crashsim.install()  # every local tier made from now on is counted
         crashsim.PLAN.mode, crashsim.PLAN.k, crashsim.PLAN.err, crashsim.PLAN.job = plan, k, err, folder
+    elif other is not None and rank == other[0] and kind == "process":  # in its checkpoint process
+        crashsim.wrap_spawned(os.path.join(base, "plan-other.json"))
+        plan, err = crashsim.plan_for(other[1])
+        crashsim.arm(os.path.join(base, "plan-other.json"), plan, other[2], os.path.join(base, "other-process-ops"),
+                     err=err)
     elif other is not None and rank == other[0]:
         crashsim.install()
         (crashsim.PLAN.mode, crashsim.PLAN.err), crashsim.PLAN.k = crashsim.plan_for(other[1]), other[2]
@@ -367,7 +372,8 @@ def _reachable(ops: list[str]) -> int:
 # point of this one in the save that fault fails.  CI runs the coordinator's deaths in the
 # in-place save (its part of a save rank 1 failed, cut at every point); the rest run in
 # ``make test-long`` (the two-tier rows are about 770 pairs each)
-PAIRS = [(kind, crasher) for kind in ("checkpointer", "async", "overwrite", "two-tier") for crasher in (0, 1)]
+PAIRS = [(kind, crasher) for kind in ("checkpointer", "async", "overwrite", "two-tier", "process")
+         for crasher in (0, 1)]
 
 
 @pytest.mark.parametrize("kind,crasher", [p if p == ("overwrite", 0) else pytest.param(*p, marks=pytest.mark.slow)
