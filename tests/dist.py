@@ -147,9 +147,9 @@ def run_ranks(world: int, fn, *args, timeout: float = 240, after_death: float | 
                 died, deadline = True, min(deadline, time.monotonic() + after_death)
         hung = [procs.index(p) for p in alive]
         waiting = {}
-        for p in alive:  # where each stands, before it is killed; one at a time: their lines do not interleave
+        for p in alive:  # where each stands, before it is killed
             _signal(p.pid, HANG_SIGNAL)
-            time.sleep(0.5)
+            time.sleep(0.5)  # its dump written
             r = procs.index(p)
             waiting[r] = _in_collective(said := open(files[r]).read())
             print(f"[rank {r}] alive past the deadline; its threads:\n{said}", file=sys.stderr, flush=True)

@@ -353,17 +353,12 @@ class Persistence:
         self.futures = list(self.uploads)
         for f, t in zip(self.uploads, self.tiers):
             f.add_done_callback(lambda f, u=t.url: self.on_tier_failed(u) if f.exception() else None)
-        if not self.tiers:
-            if not waits_for_commit:
-                self.on_done(None)
-        elif not waits_for_commit:
+        if not waits_for_commit:  # with no slower tier: over at once
             when_all(self.uploads, self._over)
 
     def start_commits(self, manifest: Manifest, body: bytes, name: str, *, collective: bool,
                       record_on: StorageTier | None) -> None:
-        if not self.tiers:  # the first tier's commit, just made, was all there was to do
-            self.on_done(None)
-            return
+        # with no slower tier, the first tier's commit, just made, was all: over at once
         if not collective:  # every rank commits its own rank manifest after its own upload
             def commit(tier: StorageTier) -> None:
                 self.fence(tier.url)
