@@ -52,7 +52,7 @@ _stats = {"read": 0}
 def _throttle(bucket: _Bucket) -> None:
     from torch.distributed.checkpoint import filesystem
 
-    from dcp_datastates.loading import files
+    from dcp_datastates.load import files
     from dcp_datastates.tiers import StorageTier
     real_range, real_into = files.read_range, StorageTier.read_into
 

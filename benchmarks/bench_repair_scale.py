@@ -33,10 +33,10 @@ import time
 
 from dcp_datastates.format.model import Span
 from dcp_datastates.format.names import MANIFEST_NAME, data_file_name, rank_file_name
-from dcp_datastates.tiers.replica_group import _objects
-from dcp_datastates.tiers.replica_moves import Lent
-from dcp_datastates.tiers.replica_repair import Listing, Survey, _merged
-from dcp_datastates.tiers.replicas import PIECE
+from dcp_datastates.replicas.group import _objects
+from dcp_datastates.replicas.moves import Lent
+from dcp_datastates.replicas.repair import Listing, Survey, _merged
+from dcp_datastates.replicas.work import PIECE
 
 SAVE = "0123456789ab"
 

@@ -37,20 +37,20 @@ PER_NODE = 2
 
 
 # (label, file suffix, function name): what ``--phases`` times in the restore with nothing lost
-PHASES = (("Checkpointer.load", "dcp_datastates/checkpointer.py", "load"),
-          ("what each rank holds: steps, saves, replica votes (start_restore)", "dcp_datastates/run_steps.py",
+PHASES = (("Checkpointer.load", "dcp_datastates/run/checkpointer.py", "load"),
+          ("what each rank holds: steps, saves, replica votes (start_restore)", "dcp_datastates/run/steps.py",
            "start_restore"),
-          ("  of it: this rank's replica vote", "dcp_datastates/tiers/replicator.py", "restore_vote"),
-          ("save every rank restores (agreed_save)", "dcp_datastates/run_steps.py", "agreed_save"),
-          ("survey of the nodes", "dcp_datastates/tiers/replica_repair.py", "survey"),
-          ("  of it: the replica group's epoch", "dcp_datastates/tiers/replicator.py", "agree_epoch"),
+          ("  of it: this rank's replica vote", "dcp_datastates/replicas/replicator.py", "restore_vote"),
+          ("save every rank restores (agreed_save)", "dcp_datastates/run/steps.py", "agreed_save"),
+          ("survey of the nodes", "dcp_datastates/replicas/repair.py", "survey"),
+          ("  of it: the replica group's epoch", "dcp_datastates/replicas/replicator.py", "agree_epoch"),
           ("dcp.load", "torch/distributed/checkpoint/state_dict_loader.py", "load"),
-          ("  read_metadata", "dcp_datastates/reader.py", "read_metadata"),
-          ("  read_data", "dcp_datastates/reader.py", "read_data"),
-          ("    the repair's fetch", "dcp_datastates/tiers/replica_repair.py", "fetch"),
-          ("    the cooperative plan", "dcp_datastates/loading/cooperative.py", "plan"),
-          ("    the reads", "dcp_datastates/loading/reads.py", "read_tasks"),
-          ("    the check of every rank's reads (again)", "dcp_datastates/loading/node_local.py", "again"))
+          ("  read_metadata", "dcp_datastates/load/reader.py", "read_metadata"),
+          ("  read_data", "dcp_datastates/load/reader.py", "read_data"),
+          ("    the repair's fetch", "dcp_datastates/replicas/repair.py", "fetch"),
+          ("    the cooperative plan", "dcp_datastates/load/cooperative.py", "plan"),
+          ("    the reads", "dcp_datastates/load/reads.py", "read_tasks"),
+          ("    the check of every rank's reads (again)", "dcp_datastates/replicas/for_load.py", "again"))
 
 
 def _phase_times(prof) -> dict[str, float]:

@@ -76,7 +76,7 @@ def _rank(rank: int, world: int, port: int, method: str, steps: int, every: int,
     from torch.distributed.fsdp import fully_shard
 
     from dcp_datastates import Checkpointer
-    from dcp_datastates.tiers.replica_helper import SENDER_ENV
+    from dcp_datastates.replicas.helper import SENDER_ENV
 
     torch.set_num_threads(1)
     os.environ[SENDER_ENV] = "process" if method.endswith("_helper") else "thread"

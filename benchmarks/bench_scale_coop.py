@@ -41,8 +41,8 @@ import scale_model as sm
 
 from dcp_datastates.format.checksum import BLOCK_SIZE
 from dcp_datastates.gcpause import paused_gc
-from dcp_datastates.loading.cooperative import FANOUT, Cooperation
-from dcp_datastates.loading.ranges import ByteRange
+from dcp_datastates.load.cooperative import FANOUT, Cooperation
+from dcp_datastates.load.ranges import ByteRange
 
 
 def _nbytes(t: sm.Tensor, rows: int) -> int:

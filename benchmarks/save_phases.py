@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from state import small_tensors_state  # noqa: E402
 
-import dcp_datastates.saving as saving  # noqa: E402
+import dcp_datastates.save.rank_save as saving  # noqa: E402
 from dcp_datastates import DataStatesSavePlanner, DataStatesWriter  # noqa: E402
 from dcp_datastates.engine import snapshot  # noqa: E402
 

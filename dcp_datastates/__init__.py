@@ -1,7 +1,6 @@
 """dcp-datastates: a lazy, multi-tier storage backend for torch.distributed.checkpoint."""
 
 from ._version import __version__
-from .checkpointer import Checkpointer
 from .errors import (
     CheckpointBusyError,
     CheckpointError,
@@ -20,11 +19,12 @@ from .errors import (
     UnsupportedFormatVersion,
     UnsupportedValueError,
 )
-from .guard import SnapshotGuard, async_save
+from .load.reader import DataStatesReader
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .providers import TypeProvider, register_provider, unregister_provider
-from .reader import DataStatesReader
-from .writer import DataStatesWriter
+from .run.checkpointer import Checkpointer
+from .save.guard import SnapshotGuard, async_save
+from .save.writer import DataStatesWriter
 
 __all__ = [
     "CheckpointError", "CheckpointExistsError", "Checkpointer", "ChecksumMismatch", "CoverageError",

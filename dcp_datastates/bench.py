@@ -11,10 +11,10 @@ from concurrent.futures import Future
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .guard import async_save
-from .reader import DataStatesReader
+from .load.reader import DataStatesReader
+from .save.guard import async_save
+from .save.writer import DataStatesWriter
 from .tiers.direct_io import evict_from_page_cache
-from .writer import DataStatesWriter
 
 
 def transformer_state(total_gb: float = 1.5, hidden: int = 2048, vocab: int = 32000) -> dict:

@@ -38,9 +38,9 @@ from .format import MANIFEST_NAME
 from .format.dtypes import dtype_from_name
 from .format.names import PERSISTED_RECORD, data_file_rank
 from .format.values import decode_value
+from .replicas.records import records_in
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
-from .tiers.replica_records import records_in
 from .verify import Verified, inspect_run, verify_checkpoint, verify_node_copy, verify_run
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOT_A_CHECKPOINT, EXIT_FOREIGN, EXIT_ERROR = 1, 2, 3, 4, 5, 6

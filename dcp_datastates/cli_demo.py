@@ -33,12 +33,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from .bench import write_charts
-from .checkpointer import Checkpointer
-from .reader import DataStatesReader, load_manifest
+from .load.reader import DataStatesReader, load_manifest
+from .run.checkpointer import Checkpointer
+from .save.writer import DataStatesWriter
 from .tiers import StorageTier
 from .tiers.direct_io import evict_from_page_cache
 from .verify import verify_checkpoint
-from .writer import DataStatesWriter
 
 
 def _port() -> int:

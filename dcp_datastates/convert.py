@@ -38,8 +38,8 @@ from .format.layout import align_up
 from .format.limits import MAX_FILE_BYTES, FormatViolation
 from .format.model import BareBox, check_tiling
 from .format.names import MANIFEST_NAME
-from .reader import DataStatesReader
-from .writer import DataStatesWriter
+from .load.reader import DataStatesReader
+from .save.writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ unchanged.  These subclasses add what the format can use:
   from msgpack (``load_value``), without the ``torch.save``/``torch.load``
   round trip that DCP's ``load_bytes`` interface needs.
 
-Where a plan's items' bytes go is ``placement.py``'s work, not the planner's.
+Where a plan's items' bytes go is ``save/placement.py``'s work, not the planner's.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from .format.checksum import verify_blocks
 from .format.codec import decode_block
 from .format.limits import FormatViolation
 from .format.names import STEP_DIR, is_manifest_name, rank_file_of, step_of
+from .replicas.records import records_in
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
-from .tiers.replica_records import records_in
 
 
 def inspect_run(tier) -> list[dict]:

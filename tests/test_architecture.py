@@ -73,7 +73,7 @@ def test_no_class_over_350_lines(path):
 
 def test_writer_is_a_thin_adapter():
     """DataStatesWriter only adapts DCP's calls to the layers below (issue 13: under 300 lines)."""
-    tree = ast.parse((ROOT / "dcp_datastates" / "writer.py").read_text())
+    tree = ast.parse((ROOT / "dcp_datastates" / "save/writer.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DataStatesWriter")
     assert cls.end_lineno - cls.lineno + 1 < 300
 

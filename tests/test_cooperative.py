@@ -41,7 +41,7 @@ class _Counted:
 
 def _count_ours() -> None:
     """Count every byte our reader reads from storage (local ranged reads and tier reads)."""
-    from dcp_datastates.loading import files
+    from dcp_datastates.load import files
     from dcp_datastates.tiers import StorageTier
     real_range, real_into = files.read_range, StorageTier.read_into
 
@@ -345,7 +345,7 @@ def _peer_killed(rank, world, base):
     gone) or its own, untouched."""
     import datetime
 
-    from dcp_datastates.loading import cooperative
+    from dcp_datastates.load import cooperative
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
     if rank == 1:
         def die(self, *a, **k):
@@ -407,7 +407,7 @@ def _owner_bug(rank, world, base):
     error; the peer reads those blocks itself and no rank waits out a timeout."""
     import datetime
 
-    from dcp_datastates.loading import files
+    from dcp_datastates.load import files
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
     if rank == 1:
         def read_range(*a, **k):

@@ -413,7 +413,7 @@ def test_a_forked_child_does_not_keep_a_save_link_open():
 
     import pytest
 
-    from dcp_datastates.session import SaveSession
+    from dcp_datastates.save.progress import SaveSession
     s = SaveSession(lazy=True)
     s.mark_snapshot()
     sent = ForkingPickler.dumps(s)  # as DCP sends it to its checkpoint process

@@ -90,7 +90,7 @@ def test_dtype_mismatch_warns(tmp_path, caplog):
     path = str(tmp_path / "c")
     dcp.save({"w": torch.randn(16)}, storage_writer=DataStatesWriter(path), no_dist=True)
     out = {"w": torch.zeros(16, dtype=torch.bfloat16)}
-    with caplog.at_level(logging.WARNING, logger="dcp_datastates.reader"):
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates.load.reader"):
         dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
     assert any("saved as float32" in r.message and "bfloat16" in r.message for r in caplog.records)
 
@@ -105,7 +105,7 @@ def test_one_fallback_warning_per_file(tmp_path, caplog):
         if n.endswith(".dsd"):
             os.remove(os.path.join(fast, n))
     out = {k: torch.zeros(1024) for k in sd}
-    with caplog.at_level(logging.WARNING, logger="dcp_datastates.reader"):
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates.load.reader"):
         dcp.load(out, storage_reader=DataStatesReader(fast, fallback=[slow]), no_dist=True)
     assert all(torch.equal(out[k], sd[k]) for k in sd)
     fallbacks = [r for r in caplog.records if "instead" in r.message]

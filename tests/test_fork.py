@@ -106,7 +106,7 @@ def _a_later_descriptor_under_a_closed_links_number() -> int | None:
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from dcp_datastates.session import SaveSession
+    from dcp_datastates.save.progress import SaveSession
     s = SaveSession(lazy=True)
     s.mark_snapshot()
     # the copy in the checkpoint process; its pipe end travels through multiprocessing's

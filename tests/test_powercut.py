@@ -22,7 +22,7 @@ from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.format.names import is_manifest_name
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest
-from dcp_datastates.tiers.replica_records import records_in
+from dcp_datastates.replicas.records import records_in
 from dcp_datastates.verify import verify_checkpoint
 from tests.crashsim import LONG_SCENARIOS
 from tests.dist import run_ranks

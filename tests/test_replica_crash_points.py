@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.errors import first_line
-from dcp_datastates.tiers.replica_helper import SENDER_ENV
-from dcp_datastates.tiers.replicator import TIMEOUT_ENV
+from dcp_datastates.replicas.helper import SENDER_ENV
+from dcp_datastates.replicas.replicator import TIMEOUT_ENV
 from tests import crashsim
 from tests.dist import run_ranks
 

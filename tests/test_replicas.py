@@ -38,10 +38,10 @@ from dcp_datastates.format.names import (
 )
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest, manifest_head
-from dcp_datastates.tiers.replica_group import ReplicaGroup, ReplicaVote
-from dcp_datastates.tiers.replica_helper import SENDER_ENV
-from dcp_datastates.tiers.replica_records import read_record
-from dcp_datastates.tiers.replicator import TIMEOUT_ENV
+from dcp_datastates.replicas.group import ReplicaGroup, ReplicaVote
+from dcp_datastates.replicas.helper import SENDER_ENV
+from dcp_datastates.replicas.records import read_record
+from dcp_datastates.replicas.replicator import TIMEOUT_ENV
 from tests.dist import run_ranks
 
 PER_NODE = 2
@@ -293,7 +293,7 @@ def _on_reads(seen) -> None:
     """Call ``seen(path, nbytes)`` before every read this process makes from a stored file:
     through the storage seam (``StorageTier.read_into``: the repair's hashing and sending, the
     reader's batched small reads) and through the reader's open descriptors (``read_range``)."""
-    from dcp_datastates.loading import files as loading_files
+    from dcp_datastates.load import files as loading_files
     real_into, real_range = StorageTier.read_into, loading_files.read_range
 
     def read_into(self, name, offset, buf, **kw):
@@ -1126,7 +1126,7 @@ def test_a_step_saved_again_replaces_the_older_save_on_every_node(tmp_path):
 
 
 def test_a_save_is_given_a_new_epoch_only_when_a_group_broke_and_every_rank_is_idle():
-    from dcp_datastates.tiers.replica_group import decide_epoch
+    from dcp_datastates.replicas.group import decide_epoch
     idle, busy = ReplicaVote(2, False, True), ReplicaVote(2, False, False)
     assert decide_epoch([idle, idle]) == 2
     assert decide_epoch([ReplicaVote(2, True, True), idle]) == 3
@@ -1139,15 +1139,15 @@ def test_what_a_member_sends_is_unpickled_into_plain_types_and_records_only():
     """The replica group's object collectives take objects from the job's own ranks; even so,
     what arrives never names a function or class outside the library to run."""
     from dcp_datastates.tiers import replica_group
-    from dcp_datastates.tiers.replicas import CommittedSave
+    from dcp_datastates.format.records import CommittedSave
     sent = (CommittedSave("s", b"m", ("t",), 1), {1}, frozenset({2}), None, 1.5, b"x", [("a", True)])
     assert replica_group._objects(pickle.dumps(sent)) == sent
     with pytest.raises(pickle.UnpicklingError, match="posix.system"):
         replica_group._objects(pickle.dumps(os.system))
     # nor a function of the library's, or anything reached through one of its modules' names
     for module, name in (("dcp_datastates.tiers.borrowed", "clear_borrowed"),
-                         ("dcp_datastates.tiers.replica_group", "os.getpid"),
-                         ("dcp_datastates.tiers.replica_group", "ReplicaGroup")):
+                         ("dcp_datastates.replicas.group", "os.getpid"),
+                         ("dcp_datastates.replicas.group", "ReplicaGroup")):
         calls = (pickle.PROTO + bytes([4]) + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module.encode()
                  + pickle.SHORT_BINUNICODE + bytes([len(name)]) + name.encode() + pickle.STACK_GLOBAL
                  + pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.STOP)

@@ -25,14 +25,15 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_datastates import DataStatesReader, DataStatesSavePlanner, DataStatesWriter
 from dcp_datastates.format.names import MANIFEST_NAME, TEMP_INFIX, data_file_save_id, replica_record_of
-from dcp_datastates.format.replica_record import ReplicaRecord
+from dcp_datastates.replicas.records import ReplicaRecord
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_head
-from dcp_datastates.tiers.replica_group import ReplicaVote
-from dcp_datastates.tiers.replica_helper import SENDER_ENV
-from dcp_datastates.tiers.replica_records import read_record
-from dcp_datastates.tiers.replicas import CommittedSave, commit_on_node
-from dcp_datastates.tiers.replicator import TIMEOUT_ENV
+from dcp_datastates.replicas.group import ReplicaVote
+from dcp_datastates.replicas.helper import SENDER_ENV
+from dcp_datastates.replicas.records import read_record
+from dcp_datastates.format.records import CommittedSave
+from dcp_datastates.replicas.work import commit_on_node
+from dcp_datastates.replicas.replicator import TIMEOUT_ENV
 from tests import crashsim
 from tests.dist import run_ranks
 from tests.test_replicas import (

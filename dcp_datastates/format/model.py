@@ -535,7 +535,7 @@ def small_segs(m: Manifest, entry: TensorEntry, chunk: Chunk) -> list[Seg] | Non
     is a small plain record of the whole tensor (at most ``SMALL_ITEM_BYTES``: a replicated
     tensor DCP's dedup had one rank write, which every rank reads, such as an optimizer's step)
     stored as it is in memory in ``m``'s own files: a node-local load whose node lacks such a
-    file is sent these bytes alone, not the file (``tiers/replica_repair.py``).  None otherwise
+    file is sent these bytes alone, not the file (``replicas/repair.py``).  None otherwise
     (a small shard of a sharded tensor is read with its writer's files)."""
     e = chunk.extent
     if (e is None or e.nbytes > SMALL_ITEM_BYTES or tuple(chunk.sizes) != tuple(entry.size) or any(chunk.offsets)

@@ -21,9 +21,9 @@ PERSISTED_RECORD = ".persisted"  # which slower tiers committed their copy (for 
 UPLOADED_PREFIX = ".uploaded.rank-"  # a rank finished uploading to a slow tier
 FAILED_PREFIX = ".failed.rank-"  # a rank gave up uploading to a slow tier
 TEMP_INFIX = ".tmp-"  # commit_bytes writes NAME.tmp-XXXXXXXX, then renames it
-REPLICA_PREFIX = ".replicas.rank-"  # a rank's record of a step's peer replicas (replicas.py)
+REPLICA_PREFIX = ".replicas.rank-"  # a rank's record of a step's peer replicas (replicas/for_run.py)
 # a rank's byte ranges of files its node does not hold, fetched for a load from another node's
-# copy (tiers/replica_repair.py): a subdirectory of the node's step directory, never a copy
+# copy (replicas/repair.py): a subdirectory of the node's step directory, never a copy
 BORROWED_PREFIX = ".borrowed.rank-"
 
 STEP_DIR = re.compile(r"^step-(\d+)$")

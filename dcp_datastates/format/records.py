@@ -180,3 +180,34 @@ def _rows(a: np.ndarray, first: np.ndarray, count: np.ndarray, width: int) -> tu
     """The ``width`` columns of rows that start at ``first`` (one run of ``count`` rows per rank) in ``a``."""
     at = runs(first, count, width)
     return tuple(a[at + k] for k in range(width))
+
+
+# The committed save as DCP hands it to every rank: the coordinator's ``finish`` puts these in
+# the save's ``Metadata.storage_data``.
+MANIFEST_KEY = "dcp_datastates.manifest"  # the committed manifest's bytes in the save's Metadata.storage_data
+TOOK_OVER_KEY = "dcp_datastates.took_over"  # beside it: the dead attempts whose claim the save took over
+SAVE_ID_KEY = "dcp_datastates.save_id"  # and the save's id
+REPLICA_EPOCH_KEY = "dcp_datastates.replica_epoch"  # and the replica group's epoch it was given
+
+
+@dataclass(frozen=True)
+class CommittedSave:
+    """What the coordinator's commit of a plain writer's save hands to the other nodes."""
+
+    save_id: str
+    manifest: bytes  # the committed manifest
+    took_over: tuple[str, ...] = ()  # save ids of dead attempts whose claim the save took over
+    # the replica group's epoch the coordinator gave the save (``replica_group.decide_epoch``);
+    # None: not decided (the ranks did not vote)
+    replica_epoch: int | None = None
+
+
+def committed_save(metadata) -> CommittedSave | None:
+    """The save as its coordinator committed it, from the ``Metadata`` DCP hands every rank
+    (``storage_data``); None where it carries none (not committed by this writer)."""
+    sd = getattr(metadata, "storage_data", None)
+    if not isinstance(sd, dict) or sd.get(MANIFEST_KEY) is None or sd.get(SAVE_ID_KEY) is None:
+        return None
+    epoch = sd.get(REPLICA_EPOCH_KEY)
+    return CommittedSave(str(sd[SAVE_ID_KEY]), sd[MANIFEST_KEY], tuple(sd.get(TOOK_OVER_KEY, ())),
+                         None if epoch is None else int(epoch))

@@ -44,12 +44,12 @@ from torchtitan.tools.utils import GarbageCollection  # pyright: ignore[reportMi
 from ..engine.device_cache import prepare_device_cache
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..format.names import MANIFEST_NAME
-from ..guard import async_save
+from ..load.reader import DataStatesReader
 from ..planner import DataStatesLoadPlanner, DataStatesSavePlanner
-from ..reader import DataStatesReader
+from ..save.guard import async_save
+from ..save.writer import DataStatesWriter
 from ..tiers import StorageTier
 from ..tiers.manifests import manifest_is_ours
-from ..writer import DataStatesWriter
 
 log = logging.getLogger(__name__)
 

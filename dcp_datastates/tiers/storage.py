@@ -9,6 +9,7 @@ the operations the layers above use, each delegated to the tier's ``Backend``
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import fsspec
 
@@ -22,6 +23,11 @@ from .remote import FsspecBackend
 def _is_local(fs) -> bool:
     protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "file" in protos or "local" in protos
+
+
+def url_tuple(x: Sequence[str] | str | None) -> tuple[str, ...]:
+    """One URL, several, or none, as a tuple of strings."""
+    return tuple(str(p) for p in ([x] if isinstance(x, str) else x or []))
 
 
 class StorageTier:

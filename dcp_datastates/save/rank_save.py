@@ -5,13 +5,13 @@ everything that belongs to that save and to no other: the tier, the incremental 
 directory claims, the engine job, the flush to slower tiers, and the records it sent.  A save
 that begins while an earlier one still flushes has its own, so the two never share a field.
 
-Lifecycle (DCP drives it; see ``writer.py`` for the calls):
+Lifecycle (DCP drives it; see ``save/writer.py`` for the calls):
 
 1. ``plan_local`` (all ranks): the directory exists, no committed checkpoint is replaced
    unless asked, the incremental base is found.
 2. ``claim`` (the coordinator; every rank with per-rank manifests): the directory is claimed
    on every tier before anything is written.
-3. ``write`` (all ranks): the items are placed (``placement.py``) and handed to the engine;
+3. ``write`` (all ranks): the items are placed (``save/placement.py``) and handed to the engine;
    the future resolves with DCP's results once the data files are durable.
 4. ``commit`` (the coordinator; every rank with per-rank manifests): the manifest is built
    from every rank's records and committed; what it superseded is tidied and the claim let go.
@@ -31,38 +31,34 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._version import __version__
-from .engine import get_engine
-from .engine.device_cache import device_cache_for
-from .engine.host_cache import shared_host_cache
-from .engine.live import any_gpu, ready_point, want_pinned
-from .engine.snapshot import CopyItem, SaveJob
-from .errors import CheckpointError, CheckpointExistsError
-from .format import MANIFEST_NAME, encode_manifest
-from .format.assemble import PART_INDEX, PartItem, index_of, manifest_of, part_of
-from .format.model import Manifest
-from .format.names import is_packed_file, rank_manifest_name
-from .format.v4.rules import RuleTable
-from .gcpause import paused_gc
+from .._version import __version__
+from ..engine import get_engine
+from ..engine.device_cache import device_cache_for
+from ..engine.host_cache import shared_host_cache
+from ..engine.live import any_gpu, ready_point, want_pinned
+from ..engine.snapshot import CopyItem, SaveJob
+from ..errors import CheckpointError, CheckpointExistsError
+from ..format import MANIFEST_NAME, encode_manifest
+from ..format.assemble import PART_INDEX, PartItem, index_of, manifest_of, part_of
+from ..format.model import Manifest
+from ..format.names import is_packed_file, rank_manifest_name
+from ..format.records import MANIFEST_KEY, REPLICA_EPOCH_KEY, SAVE_ID_KEY, TOOK_OVER_KEY
+from ..format.v4.rules import RuleTable
+from ..gcpause import paused_gc
+from ..planner import RULES_KEY
+from ..tiers import StorageTier
+from ..tiers.base_lock import BaseHold
+from ..tiers.incremental import Base, load_base, still_committed
+from ..tiers.manifests import committed_here
+from ..tiers.ownership import SaveClaims
+from ..tiers.persist import Persistence
 from .options import WriterOptions
 from .placement import Placed, Written, lay_out, results_of
-from .planner import RULES_KEY
-from .session import SaveSession
-from .tiers import StorageTier
-from .tiers.base_lock import BaseHold
-from .tiers.incremental import Base, load_base, still_committed
-from .tiers.manifests import committed_here
-from .tiers.ownership import SaveClaims
-from .tiers.persist import Persistence
-from .tiers.replicas import CommittedSave
+from .progress import SaveSession
 
 log = logging.getLogger(__name__)
 
 WRITER_NAME = f"dcp-datastates {__version__}"
-MANIFEST_KEY = "dcp_datastates.manifest"  # the committed manifest's bytes in the save's Metadata.storage_data
-TOOK_OVER_KEY = "dcp_datastates.took_over"  # beside it: the dead attempts whose claim the save took over
-SAVE_ID_KEY = "dcp_datastates.save_id"  # and the save's id
-REPLICA_EPOCH_KEY = "dcp_datastates.replica_epoch"  # and the replica group's epoch it was given
 PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
 
 
@@ -77,17 +73,6 @@ class PlannedSave:
     base: tuple[str, str] | None = None
     # the replica group's epoch of the save, from the ranks' votes (``replica_group.decide_epoch``)
     replica_epoch: int | None = None
-
-
-def committed_save(metadata) -> CommittedSave | None:
-    """The save as its coordinator committed it, from the ``Metadata`` DCP hands every rank
-    (``storage_data``); None where it carries none (not committed by this writer)."""
-    sd = getattr(metadata, "storage_data", None)
-    if not isinstance(sd, dict) or sd.get(MANIFEST_KEY) is None or sd.get(SAVE_ID_KEY) is None:
-        return None
-    epoch = sd.get(REPLICA_EPOCH_KEY)
-    return CommittedSave(str(sd[SAVE_ID_KEY]), sd[MANIFEST_KEY], tuple(sd.get(TOOK_OVER_KEY, ())),
-                         None if epoch is None else int(epoch))
 
 
 def _world(at_least: int = 1) -> int:
@@ -164,6 +149,16 @@ class RankSave:
     def planned_base(self) -> tuple[str, str] | None:
         """The base this rank read, as ``PlannedSave.base`` names it."""
         return None if self.base is None else (self.base.name, self.base.manifest.save_id)
+
+    def take_plan(self, planned: PlannedSave, save_id: str, rules: RuleTable | None) -> None:
+        """The coordinator's global plan for this rank (``write_data``): its place in the save,
+        the save's id (``save_id``: the planned one, or a fresh one where it repeats a save
+        of this process), the base to reference, the replica group's epoch and the sharding
+        rules of a format 4 save (None: no rules)."""
+        self.rank, self.save_id = planned.rank, save_id
+        self.agree_base(planned.base)
+        self.replica_epoch = planned.replica_epoch
+        self.rules = rules
 
     def agree_base(self, planned: tuple[str, str] | None) -> None:
         """Reference only the base the coordinator read (``planned``): the one its claim names

@@ -29,8 +29,8 @@ from multiprocessing.reduction import DupFd
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import forked
-from .errors import CheckpointError, SnapshotError
+from .. import forked
+from ..errors import CheckpointError, SnapshotError
 
 log = logging.getLogger(__name__)
 

@@ -33,20 +33,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from .engine.device_cache import prepare_device_cache
-from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
-from .errors import CheckpointError, first_line
-from .format import decode_manifest
-from .format.model import Manifest
-from .guard import async_save
-from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
-from .reader import DataStatesReader
-from .replicas import KnownSave, NodeCopies
-from .run_retention import Protected, RunRetention
-from .run_steps import RunSteps
-from .saving import committed_save
-from .tiers import StorageTier
-from .writer import DataStatesWriter
+from ..engine.device_cache import prepare_device_cache
+from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
+from ..errors import CheckpointError, first_line
+from ..format import decode_manifest
+from ..format.model import Manifest
+from ..format.records import committed_save
+from ..load.reader import DataStatesReader
+from ..planner import DataStatesLoadPlanner, DataStatesSavePlanner
+from ..replicas.for_run import KnownSave, NodeCopies
+from ..save.guard import async_save
+from ..save.writer import DataStatesWriter
+from ..tiers import StorageTier
+from .retention import Protected, RunRetention
+from .steps import RunSteps
 
 log = logging.getLogger(__name__)
 

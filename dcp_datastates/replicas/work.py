@@ -47,12 +47,13 @@ from ..format.names import (
     replica_record_name,
     replica_record_of,
 )
-from ..format.replica_record import ReplicaRecord
+from ..format.records import CommittedSave
 from ..format.values import pack_plain
-from .manifests import load_manifest, manifest_head
-from .replica_group import ReplicaGroup
-from .storage import StorageTier
-from .tidy import Tidy
+from ..tiers.manifests import load_manifest, manifest_head
+from ..tiers.storage import StorageTier
+from ..tiers.tidy import Tidy
+from .group import ReplicaGroup
+from .records import ReplicaRecord
 
 log = logging.getLogger(__name__)
 
@@ -314,18 +315,6 @@ def _with_digests(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, in
         if nxt[0] != x[0]:
             out.append((x[0], -1, 16))
     return out
-
-
-@dataclass(frozen=True)
-class CommittedSave:
-    """What the coordinator's commit of a plain writer's save hands to the other nodes."""
-
-    save_id: str
-    manifest: bytes  # the committed manifest
-    took_over: tuple[str, ...] = ()  # save ids of dead attempts whose claim the save took over
-    # the replica group's epoch the coordinator gave the save (``replica_group.decide_epoch``);
-    # None: not decided (the ranks did not vote)
-    replica_epoch: int | None = None
 
 
 def commit_on_node(tier: StorageTier, committed: CommittedSave) -> None:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .errors import CheckpointError
-from .format.names import is_manifest_name, step_of
-from .tiers import StorageTier
-from .tiers.manifests import ManifestHead, load_manifest, manifest_head, manifest_is_ours
-from .tiers.replica_group import ReplicaVote
+from ..errors import CheckpointError
+from ..format.names import is_manifest_name, step_of
+from ..replicas.group import ReplicaVote
+from ..tiers import StorageTier
+from ..tiers.manifests import ManifestHead, load_manifest, manifest_head, manifest_is_ours
 
 log = logging.getLogger(__name__)
 

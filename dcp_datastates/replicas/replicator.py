@@ -26,12 +26,12 @@ from torch.futures import Future as TorchFuture
 
 from .. import forked
 from ..format.names import REPLICA_LOCK
-from ..format.replica_record import ReplicaRecord
-from .base_lock import BaseHold
-from .replica_group import ReplicaGroup, ReplicaVote, decide_epoch, job_store
-from .replica_helper import HelperProcess, helper_possible
-from .replicas import NodeMap, ReplicaPeers, ReplicaWork, node_name
-from .storage import StorageTier
+from ..tiers.base_lock import BaseHold
+from ..tiers.storage import StorageTier
+from .group import ReplicaGroup, ReplicaVote, decide_epoch, job_store
+from .helper import HelperProcess, helper_possible
+from .records import ReplicaRecord
+from .work import NodeMap, ReplicaPeers, ReplicaWork, node_name
 
 log = logging.getLogger(__name__)
 

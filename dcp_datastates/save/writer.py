@@ -2,9 +2,9 @@
 
 It turns DCP's calls into calls on the objects below it and holds no policy of its own: the
 options are a ``WriterOptions``, the saves through it and how each begins are its
-``WriterSessions`` (``session.py``), each save on this rank is a ``RankSave``
-(``saving.py``), which owns the save's tier, base, claims, engine job and flush, and the
-replicas of its saves are its ``WriterReplicas`` (``writer_replicas.py``).
+``WriterSessions`` (``save/progress.py``), each save on this rank is a ``RankSave``
+(``save/rank_save.py``), which owns the save's tier, base, claims, engine job and flush, and the
+replicas of its saves are its ``WriterReplicas`` (``replicas/for_writer.py``).
 
 Call order under ``dcp.save`` / ``dcp.async_save`` (DCP drives it):
 
@@ -38,16 +38,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .engine.device_cache import prepare_device_cache
-from .engine.host_cache import default_host_cache_bytes, prepare_host_cache
-from .engine.snapshot import SaveJob
-from .errors import CheckpointError
-from .format.v4.rules import RuleTable
-from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions, url_tuple
-from .saving import PlannedSave, RankSave
-from .tiers import StorageTier
-from .writer_replicas import WriterReplicas
-from .writer_sessions import SAVE_IDS, WriterSessions
+from ..engine.device_cache import prepare_device_cache
+from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
+from ..engine.snapshot import SaveJob
+from ..errors import CheckpointError
+from ..format.v4.rules import RuleTable
+from ..replicas.for_writer import WriterReplicas
+from ..tiers import StorageTier
+from ..tiers.storage import url_tuple
+from .options import DEFAULT_DEDUP_UNIT, FileSystemWriterArgs, WriterOptions
+from .rank_save import PlannedSave, RankSave
+from .staging import SAVE_IDS, WriterSessions
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class DataStatesWriter(StorageWriter):
             so no in-place change, however made, can reach the checkpoint.
         replicas: each rank's files of a save also land on ``replicas`` other nodes' directories
             (``path`` is then node-local: every node has its own), sent over a gloo group of
-            their own in the background once the save commits (``tiers/replicas.py``); each
+            their own in the background once the save commits (``replicas/work.py``); each
             node commits the manifest in its own directory.  Load with
             ``DataStatesReader(path, node_local=True)``, which first makes every node's
             directory whole from its peers' copies.  ``node``: this rank's node (default:
@@ -144,7 +145,8 @@ class DataStatesWriter(StorageWriter):
         self.sessions = WriterSessions()  # one save at a time through this writer
         self._save: RankSave | None = None  # the save whose calls run now, or the last one
         self.process_group = process_group
-        self.replication = WriterReplicas(self.options, process_group)
+        self.replication = WriterReplicas(self.options.replicas, self.options.node,
+                                          self.options.async_mode == "process", process_group)
 
     @property
     def async_mode(self) -> str | None:
@@ -254,7 +256,7 @@ class DataStatesWriter(StorageWriter):
         base = save.planned_base()
         if len(plans) == 1 and not self.use_collectives:
             return [dataclasses.replace(plans[0], storage_data=PlannedSave(self.rank, self.save_id, base))]
-        save.replica_epoch = epoch = self.replication.epoch(plans)
+        epoch = self.replication.epoch(plans)
         return [dataclasses.replace(p, storage_data=PlannedSave(i, self.save_id, base, epoch))
                 for i, p in enumerate(plans)]
 
@@ -265,20 +267,19 @@ class DataStatesWriter(StorageWriter):
                 sd = plan.storage_data
                 if not isinstance(sd, PlannedSave):  # no global plan of this writer's (DCP replayed one)
                     sd = PlannedSave(self.rank, self.save_id, save.planned_base())
-                self.rank = save.rank = sd.rank
-                self.save_id = save.save_id = SAVE_IDS.fresh(sd.save_id, self.save_id,
-                                                             coordinator=self.is_coordinator, path=self.path)
-                save.agree_base(sd.base)
-                save.replica_epoch = sd.replica_epoch
+                self.rank = sd.rank
+                self.save_id = SAVE_IDS.fresh(sd.save_id, self.save_id, coordinator=self.is_coordinator,
+                                              path=self.path)
                 rules = getattr(planner, "rules", None)
-                save.rules = rules if self.use_collectives and isinstance(rules, RuleTable) else None
+                save.take_plan(sd, self.save_id, rules if self.use_collectives and isinstance(rules, RuleTable) else None)
                 written = save.write(plan, planner, self.sessions.session(), on_failed=lambda e: self._fail(e, save))
                 return written
         except BaseException as e:
             written.set_exception(e)
             raise
         finally:
-            self.replication.queue(self._save, written)
+            if (save := self._save) is not None:
+                self.replication.queue(save.tier, save.save_id, written, save.hold, save.replica_epoch)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with self._failing() as save:

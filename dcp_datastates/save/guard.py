@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 import torch.distributed.checkpoint as dcp
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 class SnapshotGuard:

@@ -18,20 +18,20 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
-from .engine import CopyItem
-from .engine.live import version_at_start
-from .errors import ProviderError, UnsupportedValueError
-from .format import dtype_name
-from .format.checksum import Digests
-from .format.codec import MIN_BYTES, codec_for
-from .format.layout import place_regions, stripe_count
-from .format.model import Extent, Seg, ValueEntry
-from .format.names import data_file_name, packed_file_name
-from .format.records import ItemRecord, RankRecord
-from .gcpause import paused_gc
-from .planner import PLAIN_TENSORS, dcps_ways
-from .providers import ObjectProvider, TensorRegion, provider_for, type_provider_for
-from .tiers.incremental import Base
+from ..engine import CopyItem
+from ..engine.live import version_at_start
+from ..errors import ProviderError, UnsupportedValueError
+from ..format import dtype_name
+from ..format.checksum import Digests
+from ..format.codec import MIN_BYTES, codec_for
+from ..format.layout import place_regions, stripe_count
+from ..format.model import Extent, Seg, ValueEntry
+from ..format.names import data_file_name, packed_file_name
+from ..format.records import ItemRecord, RankRecord
+from ..gcpause import paused_gc
+from ..planner import PLAIN_TENSORS, dcps_ways
+from ..providers import ObjectProvider, TensorRegion, provider_for, type_provider_for
+from ..tiers.incremental import Base
 
 
 def original_object(planner: SavePlanner, item: WriteItem) -> tuple[object, bool]:

@@ -1,5 +1,5 @@
 """A load from a node's own directory (``DataStatesReader(node_local=True)``, and
-``Checkpointer`` with replicas): the repair's two steps (``tiers/replica_repair.py``) around
+``Checkpointer`` with replicas): the repair's two steps (``replicas/repair.py``) around
 DCP's calls, and the stored files a rank's plan reads, which is what its node is given.
 
 A chunk's record may be in a metadata part the node lacks, so the files are found from the
@@ -21,14 +21,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from ..errors import ChecksumMismatch, DataFileError, ManifestError, first_line
 from ..format.model import Chunk, Manifest, small_segs
 from ..format.names import rank_file_of
-from ..tiers.replica_repair import NodeRepair, Reads
-from ..tiers.replicator import shared_replicator
 from ..tiers.storage import StorageTier
+from .repair import NodeRepair, Reads
+from .replicator import shared_replicator
 
 log = logging.getLogger(__name__)
 
 
-# what a read of a damaged, cut or missing copy raises (``loading/files.py``): a copy another
+# what a read of a damaged, cut or missing copy raises (``load/files.py``): a copy another
 # node holds may serve it
 DAMAGE = (ChecksumMismatch, DataFileError, ManifestError, OSError)
 

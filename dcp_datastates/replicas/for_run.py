@@ -1,8 +1,8 @@
 """``NodeCopies``: what ``Checkpointer`` does per node when its first tier is node-local: the
 manifest the coordinator committed on its own node committed here too, with ``replicas`` this
-rank's files of each step sent on to its peers' nodes (``tiers/replicas.py``), and before a
+rank's files of each step sent on to its peers' nodes (``replicas/work.py``), and before a
 restore this node's directory of the step given what its ranks read from the others
-(``tiers/replica_repair.py``)."""
+(``replicas/repair.py``)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .errors import CheckpointError
-from .format.replica_record import ReplicaRecord
-from .tiers import StorageTier
-from .tiers.base_lock import BaseHold
-from .tiers.manifests import load_manifest, manifest_head
-from .tiers.replica_group import ReplicaVote
-from .tiers.replica_records import read_record
-from .tiers.replica_repair import NodeRepair
-from .tiers.replicas import CommittedSave, commit_on_node
-from .tiers.replicator import Replicator
+from ..errors import CheckpointError
+from ..format.records import CommittedSave
+from ..tiers import StorageTier
+from ..tiers.base_lock import BaseHold
+from ..tiers.manifests import load_manifest, manifest_head
+from .group import ReplicaVote
+from .records import ReplicaRecord, read_record
+from .repair import NodeRepair
+from .replicator import Replicator
+from .work import commit_on_node
 
 log = logging.getLogger(__name__)
 

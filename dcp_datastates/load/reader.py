@@ -1,10 +1,10 @@
 """``DataStatesReader``: DCP's ``StorageReader`` for the dcp-datastates format.
 
 This module is DCP's adapter only: it loads the committed manifest from the fastest tier
-holding a valid one, tells DCP what it holds (``loading/metadata.py``), checks that every rank
+holding a valid one, tells DCP what it holds (``load/metadata.py``), checks that every rank
 restores the same save and that the plan fills every destination tensor, delivers values, and
-runs the read tasks (``loading/tasks.py``) through a fetcher that falls back tier by tier
-(``loading/files.py``).  Nothing read from storage is ever unpickled unless the reader was
+runs the read tasks (``load/tasks.py``) through a fetcher that falls back tier by tier
+(``load/files.py``).  Nothing read from storage is ever unpickled unless the reader was
 built with ``allow_pickle=True``.
 """
 
@@ -27,28 +27,28 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from .errors import (
+from ..errors import (
     ChecksumMismatch,
     CoverageError,
     ManifestError,
     NotACheckpointError,
     PickleNotAllowedError,
 )
-from .format import MANIFEST_NAME, Manifest, dtype_from_name
-from .format.model import ValueEntry
-from .format.values import decode_value
-from .gcpause import paused_gc
-from .loading.cooperative import Cooperation, cooperative_for, group_for
-from .loading.files import ReadStats
-from .loading.metadata import manifest_to_metadata
-from .loading.node_local import NodeLocalLoad
-from .loading.reads import ReadOptions, read_tasks
-from .loading.tasks import ReadTask, SmallTask, is_whole, small_whole
-from .options import url_tuple
-from .planner import deliver_object
-from .tiers import StorageTier
-from .tiers.manifests import load_manifest
-from .tiers.replica_repair import NodeRepair
+from ..format import MANIFEST_NAME, Manifest, dtype_from_name
+from ..format.model import ValueEntry
+from ..format.values import decode_value
+from ..gcpause import paused_gc
+from ..planner import deliver_object
+from ..replicas.for_load import NodeLocalLoad
+from ..replicas.repair import NodeRepair
+from ..tiers import StorageTier
+from ..tiers.manifests import load_manifest
+from ..tiers.storage import url_tuple
+from .cooperative import Cooperation, cooperative_for, group_for
+from .files import ReadStats
+from .metadata import manifest_to_metadata
+from .reads import ReadOptions, read_tasks
+from .tasks import ReadTask, SmallTask, is_whole, small_whole
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class DataStatesReader(StorageReader):
             node-local copy an earlier attempt left) is not read.  Whatever it is, ranks that
             read manifests of different saves fail the load before reading any byte.
         cooperative: each stored block the job needs is read from storage by one rank and sent
-            to the others that need it (``loading/cooperative.py``): HSDP replicas and
+            to the others that need it (``load/cooperative.py``): HSDP replicas and
             replicated parameters are then read once per job, not once per rank.  ``"auto"``
             (the default): on when ``dcp.load`` runs on more than one rank of
             ``process_group``; ``False``: every rank reads for itself.

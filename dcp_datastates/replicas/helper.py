@@ -34,8 +34,8 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from .replica_group import ReplicaGroup, job_store
-from .replicas import ReplicaPeers, ReplicaWork
+from .group import ReplicaGroup, job_store
+from .work import ReplicaPeers, ReplicaWork
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A rank's replica record of one step (``names.replica_record_name``): which of its files it
 sent to peers on other nodes and who confirmed them, and which files of other ranks its node's
-directory holds for them (``Checkpointer(replicas=K)``, ``replicas.py``)."""
+directory holds for them; and reading the records of a step directory."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 import msgpack
 
-from .values import pack_plain
+from ..errors import CheckpointError
+from ..format.names import replica_record_name, replica_record_of
+from ..format.values import pack_plain
+from ..tiers.storage import StorageTier
 
 RECORD_MAX = 1 << 20  # bytes a record may have: a damaged one is never read whole
 
@@ -42,3 +45,24 @@ class ReplicaRecord:
     def complete(self) -> bool:
         """Whether every replica of this rank's files was confirmed."""
         return len(set(self.confirmed)) >= self.replicas
+
+
+def read_record(tier: StorageTier, rank: int, save_id: str) -> ReplicaRecord | None:
+    """Rank ``rank``'s replica record of save ``save_id`` in ``tier``, if any and readable."""
+    name = replica_record_name(rank, save_id)
+    try:
+        return ReplicaRecord.from_bytes(tier.read_bytes(name, max_bytes=RECORD_MAX))
+    except (OSError, CheckpointError, ValueError, KeyError, TypeError, msgpack.UnpackException):
+        return None
+
+
+def records_in(tier: StorageTier, save_id: str) -> list[ReplicaRecord]:
+    """The replica records of save ``save_id`` in directory ``tier``, by rank."""
+    out = []
+    for name in sorted(tier.listdir()):
+        got = replica_record_of(name)
+        if got is not None and got[1] == save_id:
+            rec = read_record(tier, got[0], save_id)
+            if rec is not None:
+                out.append(rec)
+    return out

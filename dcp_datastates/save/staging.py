@@ -1,7 +1,7 @@
 """How saves begin through one writer: one at a time (``SaveSlot``), each async save's state
 dict as DCP gets it (``StagedState``, and ``ProcessHandoff`` when DCP pickles it for its
 checkpoint process), and the save ids a process wrote with (``SaveIds``).  What a save's
-completion state is, and how the trainer waits for it, is ``session.py``."""
+completion state is, and how the trainer waits for it, is ``save/progress.py``."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .engine.live import copy_small, for_process, iter_tensors, ready_point, version_at_start, versions
-from .engine.snapshot import tensor_version
-from .errors import CheckpointError, SnapshotError, TornSnapshotError
+from ..engine.live import copy_small, for_process, iter_tensors, ready_point, version_at_start, versions
+from ..engine.snapshot import tensor_version
+from ..errors import CheckpointError, SnapshotError, TornSnapshotError
+from ..tiers.claim import release_idle
 from .options import WriterOptions
-from .session import SAVE_THREADS, SaveSession, hold_step
-from .tiers.claim import release_idle
+from .progress import SAVE_THREADS, SaveSession, hold_step
 
 log = logging.getLogger(__name__)
 

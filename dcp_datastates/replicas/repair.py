@@ -1,13 +1,13 @@
 """Before a restore from node-local copies: each node's directory of the step given what its
 ranks read, from copies on other nodes whose bytes match the digests recorded when they were
-replicated (``replicas.py``).  Collectives over the replicator's group, in two steps:
+replicated (``replicas/for_run.py``).  Collectives over the replicator's group, in two steps:
 
 1. ``NodeRepair.survey`` (before the manifest is read): the ranks of each node list what it
    holds of the save (names, sizes and recorded digests, each rank a share of the directory;
    no file read but the manifest); a node without the manifest receives it, and every rank
    reads the file list from its own node's copy (sent only where a node has none); the answer
    is whether every file the manifest lists is held, at its size, on some node.
-2. ``NodeRepair.fetch`` (once each rank knows its load plan, ``loading/node_local.py``): each node
+2. ``NodeRepair.fetch`` (once each rank knows its load plan, ``replicas/for_load.py``): each node
    receives the files its ranks read that it lacks, each from a node that holds it, checked on
    arrival against the digest recorded when it was replicated.  What a node holds at its size
    is read once, by the load, which checks every block against its digest; where some rank's
@@ -37,14 +37,13 @@ from ..format.names import (
     replica_record_name,
     replica_record_of,
 )
-from ..format.replica_record import ReplicaRecord
-from .borrowed import clear_borrowed
-from .manifests import load_manifest, manifest_head
-from .replica_moves import Lent, Move, Wire
-from .replica_records import read_record
-from .replicas import PIECE
+from ..tiers.borrowed import clear_borrowed
+from ..tiers.manifests import load_manifest, manifest_head
+from ..tiers.storage import StorageTier
+from .moves import Lent, Move, Wire
+from .records import ReplicaRecord, read_record
 from .replicator import Replicator
-from .storage import StorageTier
+from .work import PIECE
 
 log = logging.getLogger(__name__)
 

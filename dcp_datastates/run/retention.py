@@ -17,9 +17,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .format.model import Manifest
-from .run_steps import RunSteps
-from .tiers.retention import purge_steps
+from ..format.model import Manifest
+from ..tiers.retention import purge_steps
+from .steps import RunSteps
 
 log = logging.getLogger(__name__)
 

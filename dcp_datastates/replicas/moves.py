@@ -22,10 +22,10 @@ import xxhash
 
 from ..errors import CheckpointError
 from ..format.model import Span
-from .backend import Sink
-from .replica_group import ReplicaGroup
-from .replicas import PIECE, Landing, piece_buffer
-from .storage import StorageTier
+from ..tiers.backend import Sink
+from ..tiers.storage import StorageTier
+from .group import ReplicaGroup
+from .work import PIECE, Landing, piece_buffer
 
 log = logging.getLogger(__name__)
 

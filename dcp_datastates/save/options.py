@@ -8,18 +8,13 @@ argument.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .format.checksum import BLOCK_SIZE
-from .format.codec import check_available
+from ..format.checksum import BLOCK_SIZE
+from ..format.codec import check_available
+from ..tiers.storage import url_tuple
 
 DEFAULT_DEDUP_UNIT = 4 << 20
-
-
-def url_tuple(x: Sequence[str] | str | None) -> tuple[str, ...]:
-    """One URL, several, or none, as a tuple of strings."""
-    return tuple(str(p) for p in ([x] if isinstance(x, str) else x or []))
 
 
 @dataclass(frozen=True, kw_only=True)

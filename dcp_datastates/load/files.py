@@ -70,7 +70,7 @@ class FileSet:
         self.tiers = tiers
         self.homes = homes
         # files the first tier (a node's own directory) serves from the ranges this rank was
-        # sent of them (``tiers/replica_repair.py``): the directory that holds those ranges
+        # sent of them (``replicas/repair.py``): the directory that holds those ranges
         self.borrowed = borrowed or {}
         self._fds: dict[tuple[int, str], int | None] = {}
         self._siblings: dict[tuple[int, str], StorageTier] = {}
