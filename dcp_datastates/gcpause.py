@@ -10,8 +10,9 @@ process-wide pause from here.
 from __future__ import annotations
 
 import gc
-import os
 import threading
+
+from . import process_state
 
 # young objects at the end of a pause above which they go to the oldest generation (_GcPause)
 PROMOTE_AFTER = 10_000
@@ -70,7 +71,7 @@ def _promote_young() -> None:
 # One pause for the whole process, by design: the collector is process-wide, so every thread's
 # pause must be counted in one place (see _GcPause).
 _GC_PAUSE = _GcPause()
-os.register_at_fork(after_in_child=_GC_PAUSE.after_fork)
+process_state.in_child(_GC_PAUSE.after_fork)
 
 
 def paused_gc() -> _GcPause:

@@ -19,7 +19,6 @@ import itertools
 from collections import ChainMap
 
 import torch
-import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint._traverse import set_element
@@ -48,6 +47,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import process_state
 from .errors import CheckpointError
 from .format.limits import SMALL_ITEM_BYTES, FormatViolation
 from .format.model import ChunkMetadataView, TensorEntry
@@ -111,7 +111,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             if plan is None:
                 plan = super().create_local_plan()
         self.rules = None
-        if self.sharding_rules and _world() > 1 and isinstance(self.state_dict, dict):
+        if self.sharding_rules and process_state.world_size() > 1 and isinstance(self.state_dict, dict):
             self.rules, items = _rules(self.state_dict, plan.items if plan.usable else self.plan.items)
             if plan.usable:
                 plan = dataclasses.replace(plan, items=items,
@@ -297,10 +297,6 @@ def _walk(flat: dict, paths: dict, prefix: str, path: tuple, d: dict) -> bool:
 
 def _small(item: WriteItem) -> bool:
     return item.type != WriteItemType.BYTE_IO and (item.tensor_storage_size() or 0) <= SMALL_ITEM_BYTES
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _rules(state_dict: dict, items: list[WriteItem]) -> tuple[RuleTable, list[WriteItem]]:

@@ -115,3 +115,55 @@ def test_module_functions_do_not_write_a_writer_or_reader():
                     if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in names:
                         bad.append(f"{path.name}:{sub.lineno} {fn.name} sets {t.value.id}.{t.attr}")
     assert not bad, bad
+
+
+def _calls(path: pathlib.Path, dotted: str) -> list[int]:
+    tree = ast.parse(path.read_text())
+    return [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == dotted]
+
+
+def test_one_fork_handler():
+    """Process-wide state has one fork handler (``process_state``); modules register with it."""
+    where = {str(p.relative_to(ROOT)): _calls(p, "os.register_at_fork") for p in LIB}
+    assert {k: v for k, v in where.items() if v} == {"dcp_datastates/process_state.py": [where[
+        "dcp_datastates/process_state.py"][0]]}
+
+
+def test_one_check_of_the_process_group():
+    """'Is there a process group' is asked in one helper (``process_state.group_up``)."""
+    where = sorted(str(p.relative_to(ROOT)) for p in LIB if _calls(p, "dist.is_initialized"))
+    assert where == ["dcp_datastates/process_state.py"]
+
+
+# The modules that use torch.distributed's collectives themselves (docs/design.md lists them):
+# replication, the cooperative load, the demo's launcher and the one helper of the rest.
+COLLECTIVES = {"dcp_datastates/process_state.py", "dcp_datastates/load/cooperative.py",
+               "dcp_datastates/cli_demo.py"}
+
+
+def test_torch_distributed_only_where_the_design_says():
+    bad = []
+    for p in LIB:
+        rel = str(p.relative_to(ROOT))
+        for n in ast.walk(ast.parse(p.read_text())):
+            mods = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+                    [f"{n.module}.{a.name}" for a in n.names] if isinstance(n, ast.ImportFrom) and n.module else [])
+            if any(m in ("torch.distributed", "torch.distributed.distributed_c10d") for m in mods):
+                if rel not in COLLECTIVES and not rel.startswith("dcp_datastates/replicas/"):
+                    bad.append(f"{rel}:{n.lineno}")
+    assert not bad, bad
+
+
+def test_a_save_is_changed_only_by_itself():
+    """Nothing outside ``RankSave`` sets a save's fields (``save.x = ...``)."""
+    bad = []
+    for p in LIB:
+        if p.name == "rank_save.py":
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AugAssign) else []
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "save":
+                        bad.append(f"{p.name}:{n.lineno} save.{sub.attr}")
+    assert not bad, bad

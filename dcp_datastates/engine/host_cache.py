@@ -24,7 +24,7 @@ import torch
 import cuda_ext
 from cuda_ext import pinned_buffer
 
-from .. import forked
+from .. import process_state
 from ..format.layout import ALIGNMENT, align_up
 
 log = logging.getLogger(__name__)
@@ -184,11 +184,11 @@ def _forget_caches_in_child() -> None:
     its own on first use (``snapshot._forget_engines_in_child``)."""
     global _shared_lock
     _shared_lock = threading.Lock()
-    forked.keep(dict(_shared))
+    process_state.keep(dict(_shared))
     _shared.clear()
 
 
-os.register_at_fork(after_in_child=_forget_caches_in_child)
+process_state.in_child(_forget_caches_in_child)
 
 
 def shared_host_cache(capacity: int, pinned: bool) -> HostCache:

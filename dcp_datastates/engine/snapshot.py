@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import queue
 import threading
 import time
@@ -49,7 +48,7 @@ import xxhash
 
 import cuda_ext
 
-from .. import forked
+from .. import process_state
 from ..errors import TornSnapshotError
 from ..format.checksum import BLOCK_SIZE, block_checksums
 from ..format.codec import encode_block
@@ -751,12 +750,12 @@ def _forget_engines_in_child() -> None:
     workers it lacks would take its saves and never run them.  It makes its own on first use."""
     global _engine_lock
     _engine_lock = threading.Lock()
-    forked.keep(dict(_engines), list(_watcher))
+    process_state.keep(dict(_engines), list(_watcher))
     _engines.clear()
     _watcher.clear()
 
 
-os.register_at_fork(after_in_child=_forget_engines_in_child)
+process_state.in_child(_forget_engines_in_child)
 
 
 class _Workers:

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from .. import process_state
 from ..errors import PeerLoadError, first_line
 from ..format.checksum import verify_blocks
 from ..format.values import pack_plain
@@ -410,7 +411,7 @@ def cooperative_for(setting: bool | str, ranks: int, pg, path: str | None) -> bo
     """The coordinator's decision: whether a load by ``ranks`` ranks is cooperative.  It is when
     ``setting`` is not False, more than one rank loads, and DCP's group is ``pg`` (the default
     group if None): another group's ranks would not all take part."""
-    if setting is False or ranks < 1 or not (dist.is_available() and dist.is_initialized()):
+    if setting is False or ranks < 1 or not process_state.group_up():
         return False
     size = dist.get_world_size(pg)
     if ranks != size:

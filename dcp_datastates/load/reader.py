@@ -18,7 +18,6 @@ import pickle
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 import xxhash
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import Metadata
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from .. import process_state
 from ..errors import (
     ChecksumMismatch,
     CoverageError,
@@ -277,7 +277,7 @@ class DataStatesReader(StorageReader):
         borrowed = self._local.borrowed() if self._local is not None else None
         share = read_tasks(tasks, tiers, m.homes, m.block_size, coop, stats, self._options, borrowed)
         self._deliver_all(tasks, planner)
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = process_state.rank()
         if len(tiers) > 1 and stats.served:
             log.info("rank %d restored %s", rank, ", ".join(
                 f"{n / 2**20:.1f} MiB from {u}" for u, n in stats.served.items()))

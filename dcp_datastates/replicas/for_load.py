@@ -15,9 +15,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from .. import process_state
 from ..errors import ChecksumMismatch, DataFileError, ManifestError, first_line
 from ..format.model import Chunk, Manifest, small_segs
 from ..format.names import rank_file_of
@@ -58,7 +58,7 @@ class NodeLocalLoad:
            save_id: str | None = None) -> "NodeLocalLoad":
         """The load of ``tier``, this node's directory, repaired over the replica group of
         ``process_group``'s ranks (made here if this process has none: a collective)."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not process_state.group_up():
             raise ValueError("node_local=True gathers copies over torch.distributed: call "
                              "dist.init_process_group first")
         return cls(NodeRepair(shared_replicator(None, process_group, node), tier, tier.url, save_id,
@@ -116,8 +116,7 @@ class NodeLocalLoad:
         whether some rank's reads met a damaged, cut or missing copy, and whether some rank
         read from a slower tier.  If either, the survey runs again (what the nodes hold may
         have changed since the first)."""
-        votes: list = [None] * dist.get_world_size(self.repair.pg)
-        dist.all_gather_object(votes, (isinstance(failed, DAMAGE), elsewhere), group=self.repair.pg)
+        votes = process_state.gather((isinstance(failed, DAMAGE), elsewhere), self.repair.pg)
         damaged = [r for r, v in enumerate(votes) if v[0]]
         served = [r for r, v in enumerate(votes) if v[1]]
         if not damaged and not served:

@@ -12,8 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
+from .. import process_state
 from ..errors import CheckpointError
 from ..format.records import CommittedSave
 from ..tiers import StorageTier
@@ -49,7 +48,7 @@ class NodeCopies:
         self.tier_of, self.pg = tier_of, pg
         self.replicator: Replicator | None = None
         if replicas:
-            if not (dist.is_available() and dist.is_initialized()):
+            if not process_state.group_up():
                 raise ValueError("replicas travel over torch.distributed: call dist.init_process_group first")
             self.replicator = Replicator(replicas, pg, node)  # a collective: every rank
         self._lock = threading.Lock()

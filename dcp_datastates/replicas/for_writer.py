@@ -15,11 +15,11 @@ import concurrent.futures
 import dataclasses
 import logging
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.futures import Future
 
+from .. import process_state
 from ..errors import CheckpointError
 from ..format.records import committed_save
 from ..tiers.base_lock import BaseHold
@@ -46,7 +46,7 @@ class WriterReplicas:
         self._manifest: concurrent.futures.Future | None = None  # coordinator: its CommittedSave, or None
         self._replicated: concurrent.futures.Future | None = None  # the last save's ReplicaRecord (or None)
         if replicas:
-            if not (dist.is_available() and dist.is_initialized()):
+            if not process_state.group_up():
                 raise ValueError("replicas travel over torch.distributed: call dist.init_process_group "
                                  "before making DataStatesWriter(replicas=...)")
             if not in_checkpoint_process:  # else it is made in DCP's checkpoint process, at its first save

@@ -24,7 +24,7 @@ from typing import TypeVar
 import torch.distributed as dist
 from torch.futures import Future as TorchFuture
 
-from .. import forked
+from .. import process_state
 from ..format.names import REPLICA_LOCK
 from ..tiers.base_lock import BaseHold
 from ..tiers.storage import StorageTier
@@ -254,11 +254,11 @@ def _forget_replicators_in_child() -> None:
     """A forked child is no member of its parent's replica groups and has none of its threads."""
     global _SHARED_LOCK
     _SHARED_LOCK = threading.Lock()
-    forked.keep(dict(_SHARED))
+    process_state.keep(dict(_SHARED))
     _SHARED.clear()
 
 
-os.register_at_fork(after_in_child=_forget_replicators_in_child)
+process_state.in_child(_forget_replicators_in_child)
 
 
 def shared_replicator(replicas: int | None, pg=None, node: str | None = None) -> Replicator:

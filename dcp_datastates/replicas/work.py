@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import msgpack
 import torch
-import torch.distributed as dist
 import xxhash
 
+from .. import process_state
 from ..errors import CheckpointError
 from ..format import decode_manifest
 from ..format.layout import ALIGNMENT, align_up
@@ -81,11 +81,7 @@ class NodeMap:
     def gather(cls, pg=None, node: str | None = None) -> "NodeMap":
         """Every rank's node, gathered over ``pg`` (a collective)."""
         mine = node or node_name()
-        if not (dist.is_available() and dist.is_initialized()):
-            return cls((mine,))
-        got: list = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(got, mine, group=pg)
-        return cls(tuple(got))
+        return cls(tuple(process_state.gather(mine, pg)))
 
     def layout(self) -> tuple[list[str], dict[str, list[int]]]:
         """The node names, sorted, and each node's ranks (callers must not change them)."""

@@ -29,10 +29,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import cast
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from .. import process_state
 from ..engine.device_cache import prepare_device_cache
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..errors import CheckpointError, first_line
@@ -100,7 +100,7 @@ class Checkpointer:
         self.keep = list(keep)
         self.persist_every = persist_every
         self.async_mode = async_mode
-        if async_mode == "process" and not (dist.is_available() and dist.is_initialized()):
+        if async_mode == "process" and not process_state.group_up():
             raise ValueError("Checkpointer(async_mode='process') needs an initialized process group "
                              "(DCP's checkpoint daemon joins it): call dist.init_process_group first, "
                              "or use async_mode='thread'")
@@ -144,7 +144,7 @@ class Checkpointer:
     @property
     def rank(self) -> int:
         """This process's rank in the checkpointer's process group (0 without one)."""
-        return dist.get_rank(self.pg) if dist.is_available() and dist.is_initialized() else 0
+        return process_state.rank(self.pg)
 
     # ------------------------------------------------------------------- save
     def save(self, step: int, state: dict):

@@ -13,8 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
+from .. import process_state
 from ..errors import CheckpointError
 from ..format.names import is_manifest_name, step_of
 from ..replicas.group import ReplicaVote
@@ -157,11 +156,7 @@ class RunSteps:
 
     def _everyone(self, obj) -> list:
         """Every rank's ``obj`` over ``pg`` (an all-gather), or this one's alone without a group."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return [obj]
-        out: list = [None] * dist.get_world_size(self.pg)
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
+        return process_state.gather(obj, self.pg)
 
     def _heads(self, step: int) -> tuple[ManifestHead | None, ...]:
         return tuple(manifest_head(self.tier(i, step)) for i in range(len(self.tiers)))

@@ -29,7 +29,7 @@ from multiprocessing.reduction import DupFd
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import forked
+from .. import process_state
 from ..errors import CheckpointError, SnapshotError
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ def _close_links_in_child() -> None:
     _LINKS.clear()
 
 
-os.register_at_fork(after_in_child=_close_links_in_child)
+process_state.in_child(_close_links_in_child)
 
 
 def _read_exactly(fd: int, n: int) -> bytes | None:
@@ -314,11 +314,11 @@ def _forget_sessions_in_child() -> None:
     it does not have (the hook stays, with nothing pending)."""
     global _barrier_lock
     _barrier_lock = threading.Lock()
-    forked.keep(list(_pending))
+    process_state.keep(list(_pending))
     _pending.clear()
 
 
-os.register_at_fork(after_in_child=_forget_sessions_in_child)
+process_state.in_child(_forget_sessions_in_child)
 
 
 def hold_step(session: SaveSession, timeout_s: float) -> None:

@@ -25,12 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .. import process_state
 from .._version import __version__
 from ..engine import get_engine
 from ..engine.device_cache import device_cache_for
@@ -73,16 +73,6 @@ class PlannedSave:
     base: tuple[str, str] | None = None
     # the replica group's epoch of the save, from the ranks' votes (``replica_group.decide_epoch``)
     replica_epoch: int | None = None
-
-
-def _world(at_least: int = 1) -> int:
-    up = dist.is_available() and dist.is_initialized()
-    return max(dist.get_world_size() if up else 1, at_least)
-
-
-def global_rank(default: int) -> int:
-    """This process's rank in the default process group (``default`` without one)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else default
 
 
 class RankSave:
@@ -308,7 +298,7 @@ class RankSave:
         """Format 4: commit this rank's records as its metadata part beside its data files; the
         one result the coordinator gets names it."""
         assert self.rules is not None, "a part is written where the planner gave rules"
-        grank = global_rank(self.rank)
+        grank = process_state.rank(default=self.rank)
         out = written.results
         items = [PartItem(wr.index.fqn, None, wr.storage_data, None)
                  if wr.storage_data.kind in ("value", "provider-value") else
@@ -316,7 +306,7 @@ class RankSave:
                           tuple(p.item.tensor_data.size) if p.item.tensor_data is not None else ())
                  for p, wr in zip(placed, out)]
         part = part_of(items, out[0].storage_data.rank if out else None, self.rules, rank=grank,
-                       world=_world(grank + 1), save_id=self.save_id, torch_version=torch.__version__,
+                       world=max(process_state.world_size(), grank + 1), save_id=self.save_id, torch_version=torch.__version__,
                        writer=WRITER_NAME)
         self.tier.commit_bytes(part.name, part.body, sync=self.opts.sync_files)
         self.part_file = {part.name: len(part.body)}
@@ -355,9 +345,9 @@ class RankSave:
         rules = raw.get(RULES_KEY)
         with paused_gc():
             if isinstance(rules, RuleTable) and self.use_collectives:
-                return index_of(metadata, results, self.save_id, rules, self.path, world=_world(),
+                return index_of(metadata, results, self.save_id, rules, self.path, world=process_state.world_size(),
                                 torch_version=torch.__version__, writer=WRITER_NAME)
-            manifest = manifest_of(metadata, results, self.save_id, world=_world(),
+            manifest = manifest_of(metadata, results, self.save_id, world=process_state.world_size(),
                                    torch_version=torch.__version__, writer=WRITER_NAME)
         if not self.use_collectives:
             manifest.ranks = [self.rank]

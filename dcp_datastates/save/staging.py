@@ -13,8 +13,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
+from .. import process_state
 from ..engine.live import copy_small, for_process, iter_tensors, ready_point, version_at_start, versions
 from ..engine.snapshot import tensor_version
 from ..errors import CheckpointError, SnapshotError, TornSnapshotError
@@ -280,7 +280,7 @@ class SaveIds:
         fails before writing."""
         if self._add(planned):
             return planned
-        alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+        alone = process_state.world_size() == 1
         if alone and coordinator:
             self._add(own)
             return own
@@ -294,11 +294,7 @@ class SaveIds:
         """Per-rank manifests (``use_collectives=False``) still name one save: rank 0's id, sent
         to the others with one broadcast on the default process group (DCP itself ends such a
         save with a barrier on it).  A single process keeps its own."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return mine
-        box = [mine]
-        dist.broadcast_object_list(box, src=0)
-        return str(box[0])
+        return str(process_state.broadcast(mine))
 
 
 SAVE_IDS = SaveIds()  # the process's (see SaveIds)

@@ -7,8 +7,9 @@ for, gets the disk first.  It lives in the tiers layer because both use it.
 
 from __future__ import annotations
 
-import os
 import threading
+
+from .. import process_state
 
 # Process-wide on purpose: background uploads yield to every save of the process (persist.py).
 _active = [0]
@@ -21,7 +22,7 @@ def _forget_jobs_in_child() -> None:
     _active[0], _active_cv = 0, threading.Condition()
 
 
-os.register_at_fork(after_in_child=_forget_jobs_in_child)
+process_state.in_child(_forget_jobs_in_child)
 
 
 def job_started() -> None:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 
 import msgpack
 
-from .. import forked
+from .. import process_state
 from ..errors import CheckpointBusyError, CheckpointError, ClaimLostError
 from ..format.names import CLAIM_NAME, RANK_CLAIM_PREFIX, TEMP_INFIX
 from ..format.values import pack_plain
@@ -213,12 +213,12 @@ def _forget_claims_in_child() -> None:
     """A forked child holds none of its parent's claims: it never renews or lets go of them
     (their lock files' descriptors are closed in it: ``local._drop_locks_in_child``)."""
     global _live_lock, _renewer
-    forked.keep(dict(_live), _renewer)
+    process_state.keep(dict(_live), _renewer)
     _live_lock, _renewer = threading.Lock(), _Renewer()
     _live.clear()
 
 
-os.register_at_fork(after_in_child=_forget_claims_in_child)
+process_state.in_child(_forget_claims_in_child)
 
 
 # ------------------------------------------------------------------- a claim

@@ -18,6 +18,7 @@ import threading
 import uuid
 import weakref
 
+from .. import process_state
 from ..errors import UnsafeFileError
 from ..format.layout import align_up
 from .backend import Backend, HeldLock, LockUnsupported, Sink
@@ -226,7 +227,7 @@ def _drop_locks_in_child() -> None:
     _LOCKS_HELD.clear()
 
 
-os.register_at_fork(after_in_child=_drop_locks_in_child)
+process_state.in_child(_drop_locks_in_child)
 
 
 class LocalBackend(Backend):

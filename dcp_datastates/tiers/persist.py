@@ -28,7 +28,7 @@ from functools import partial
 
 import msgpack
 
-from .. import forked
+from .. import process_state
 from ..errors import CheckpointError, ManifestError
 from ..format.manifest import decode_manifest
 from ..format.model import Manifest
@@ -101,11 +101,11 @@ _pool_lock = threading.Lock()
 def _forget_pool_in_child() -> None:
     """A forked child has none of the pool's threads: it starts its own on its first upload."""
     global _pool, _pool_lock
-    forked.keep(_pool)
+    process_state.keep(_pool)
     _pool, _pool_lock = None, threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_pool_in_child)
+process_state.in_child(_forget_pool_in_child)
 
 
 def _background_priority() -> None:

@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .. import process_state
 from . import direct_io
 from .direct_io import StagingBuffer, mostly_cached
 
@@ -64,7 +65,7 @@ def _new_lock_in_child() -> None:
     _lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_new_lock_in_child)
+process_state.in_child(_new_lock_in_child)
 
 
 def choices() -> dict[int, ReadPathChoice]:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 
+from .. import process_state
 from ..errors import CheckpointError, ForeignFormatError, NotACheckpointError
 from ..format.model import Manifest
 from ..format.names import (
@@ -61,7 +61,7 @@ def _new_lock_in_child() -> None:
     _inflight_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_new_lock_in_child)
+process_state.in_child(_new_lock_in_child)
 
 
 def pin(run: StorageTier, name: str, file: str, *, on: bool = True) -> None:
