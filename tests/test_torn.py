@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, SnapshotGuard, async_save
@@ -294,3 +295,63 @@ def _process_at_call(rank, world, path):
     _mutate("data", sd["t11"])
     fut.result(timeout=120)
     _loads_exactly(path, before)
+
+
+# ------------------------------------------------------------ in-place changes through DTensors
+# An in-place op through a DTensor (FSDP2's sharded parameters) bumps the version counter of the
+# DTensor, not of its local shard (the op reaches the shard below autograd), so a check that
+# reads the shards' counters alone let such a change commit a torn checkpoint.
+
+def _fsdp_mutated_after_the_call(rank, world, path, mode, how):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])  # 512 KiB shards
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    sd = get_model_state_dict(model)
+    at_call = {k: v.to_local().clone() for k, v in sd.items()}
+    ctype = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    fut = dcp.async_save(sd, storage_writer=DataStatesWriter(path, host_cache_bytes=1 << 20),
+                         async_checkpointer_type=ctype)
+    with torch.no_grad():  # right after the call, no wait: through the DTensors
+        for p in model.parameters():
+            if how == "parameter":
+                p.mul_(0.5).add_(1.0)
+            else:  # the state dict's own DTensor (a detached alias of the parameter)
+                sd_value = sd[next(k for k, v in model.named_parameters() if v is p)]
+                assert isinstance(sd_value, DTensor)
+                sd_value.mul_(0.5).add_(1.0)
+    try:
+        fut.result(timeout=120)
+        failed = None
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; checked below
+        failed = _unwrap(e)
+    dist.barrier()
+    committed = os.path.exists(os.path.join(path, ".metadata"))
+    if failed is not None:
+        assert not committed or rank != 0, "a save that failed on the coordinator committed"
+        assert isinstance(failed, TornSnapshotError) or "changed in place" in str(failed), repr(failed)
+    if committed:  # whatever committed is the state at the call, on every rank
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=DataStatesReader(path))
+        for k, v in out.items():
+            assert torch.equal(v.to_local(), at_call[k]), f"{k}: the checkpoint holds a changed shard"
+    if mode == "thread":  # DCP plans before any copy: the change always comes first
+        assert failed is not None and not committed, "an in-place change through a DTensor committed"
+
+
+@pytest.mark.parametrize("how", ["parameter", "state_dict_value"])
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_in_place_change_through_a_dtensor_never_commits_a_torn_checkpoint(tmp_path, mode, how):
+    from tests.dist import run_ranks
+    run_ranks(2, _fsdp_mutated_after_the_call, str(tmp_path / "step-1"), mode, how)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 import cuda_ext
 
 from ..errors import CheckpointError
-from .snapshot import CopyItem, tensor_version
+from .snapshot import CopyItem, Watch, tensor_version
 
 
 def iter_tensors(obj):
@@ -47,20 +47,43 @@ def storage_key(t: torch.Tensor):
         return None
 
 
-def versions(tensors: list[torch.Tensor]) -> dict:
-    """Version counter per storage, read when the save starts."""
+def iter_dtensors(obj):
+    """Every DTensor of a state dict, depth first."""
+    if isinstance(obj, DTensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_dtensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_dtensors(v)
+
+
+def versions(tensors: list[torch.Tensor], through: list[torch.Tensor] = ()) -> dict:
+    """A ``Watch`` per storage of ``tensors``, read when the save starts; ``through``: the
+    DTensors whose local shards are among them, whose own counters are read too."""
+    wrappers: dict = {}
+    for d in through:
+        wrappers.setdefault(storage_key(_local(d)), []).append(d)
     out = {}
     for t in tensors:
         k = storage_key(t)
-        v = tensor_version(t)
-        if k is not None and v is not None:
-            out[k] = v
+        if k is None or k in out:
+            continue
+        via = tuple(wrappers.get(k, ()))
+        v = Watch.read(t, via)
+        if v is not None:
+            out[k] = Watch(v, via)
     return out
 
 
-def version_at_start(started: dict, t: torch.Tensor) -> int | None:
-    """``t``'s version when the save started (its current one if it was not seen then)."""
-    return started.get(storage_key(t), tensor_version(t))
+def watch_of(started: dict, t: torch.Tensor) -> Watch | None:
+    """``t``'s watch from the save's start (from now, where ``t`` was not seen then)."""
+    w = started.get(storage_key(t))
+    if w is not None:
+        return w
+    v = tensor_version(t)
+    return None if v is None else Watch(v)
 
 
 def any_gpu(items: list[CopyItem]) -> bool:
@@ -95,6 +118,7 @@ class SmallCopies:
     nbytes: int = 0
     copies: list = field(default_factory=list)
     left: list = field(default_factory=list)
+    through: list = field(default_factory=list)  # the DTensors whose local shards are left
     live: bool = False
 
 
@@ -106,7 +130,8 @@ def copy_small(state_dict, budget: int, whole: dict[str, int] | None = None) -> 
     bytes last.  Everything else stays as it is: copied lazily, under the version check.  A
     tensor that appears twice is copied once."""
     if budget <= 0 and not whole:
-        return SmallCopies(state_dict, left=list(iter_tensors(state_dict)), live=True)
+        return SmallCopies(state_dict, left=list(iter_tensors(state_dict)),
+                           through=list(iter_dtensors(state_dict)), live=True)
     walk = _SmallCopier(state_dict, budget, dict(whole or {}))
     walk.out.state_dict = walk(state_dict)
     return walk.out
@@ -140,7 +165,9 @@ class _SmallCopier:
                 got = obj
                 if type(obj) is DTensor:
                     local = self.copied(obj.to_local())
-                    if local is not None:
+                    if local is None:
+                        self.out.through.append(obj)
+                    else:
                         got = DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
                                                  shape=obj.shape, stride=obj.stride())
                 elif type(obj) in _PLAIN:
@@ -148,6 +175,7 @@ class _SmallCopier:
                     got = obj if got is None else got
                 else:  # a ShardedTensor, another subclass: copied lazily, its tensors tracked
                     self.out.left.extend(iter_tensors(obj))
+                    self.out.through.extend(iter_dtensors(obj))
                 self.memo[id(obj)] = got
             self.out.live = self.out.live or got is obj
             return got
@@ -158,6 +186,7 @@ class _SmallCopier:
         if not isinstance(obj, _INERT):  # an object not walked (a BytesIO, a provider's type)
             self.out.live = True
             self.out.left.extend(iter_tensors(obj))  # a dict or list subclass: its tensors stay tracked
+            self.out.through.extend(iter_dtensors(obj))
         return obj
 
 

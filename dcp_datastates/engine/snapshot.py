@@ -81,9 +81,9 @@ class CopyItem:
     # filled by the flush threads, in any order: (item_pos, file, file_offset, nbytes) where
     # file is a sink index (new bytes) or a base file name (bytes reused from the base)
     placed: list = field(default_factory=list)
-    # the source's version counter when the save started (lazy saves; None: not tracked, as
+    # the source's version counters when the save started (lazy saves; None: not tracked, as
     # for tensors made under inference_mode).  Checked once its bytes are copied.
-    version: int | None = None
+    watch: Watch | None = None
     # 0: the bytes are stored as they are; else the header (format/codec.py) its blocks are
     # compressed with, each block on its own into a sink of compressed blocks
     codec: int = 0
@@ -470,8 +470,8 @@ class SnapshotEngine:
 
     def _snapshot_done(self, job: SaveJob, copier) -> None:
         copier.synchronize()  # every byte has left the live tensors
-        torn = [it.key for it in job.items if it.version is not None and it.source is not None
-                and tensor_version(it.source) != it.version]
+        torn = [it.key for it in job.items if it.watch is not None and it.source is not None
+                and it.watch.changed(it.source)]
         if torn:
             raise TornSnapshotError(
                 f"{len(torn)} tensor(s) changed in place while the lazy snapshot was copying them "
@@ -479,7 +479,7 @@ class SnapshotEngine:
                 "(or use SnapshotGuard, Checkpointer.register_step_pre_hook, or the torchtitan "
                 "integration) before the optimizer step", checkpoint=job.label)
         for it in job.items:
-            it.source = None  # release references: the allocator may reuse the memory now
+            it.source = it.watch = None  # release references: the allocator may reuse the memory now
         job.timings["snapshot_done"] = time.monotonic()
         # the future first: its callbacks (the session's "snapshotted" stamp) run before the
         # event lets the flush threads close the files and report the data written
@@ -687,6 +687,31 @@ def tensor_version(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """The version counters a lazy save reads for one storage it copies later: the storage's
+    own, and those of the DTensors whose local shard it is (``through``).  An in-place op
+    through a DTensor (FSDP2's parameters, an optimizer's state) bumps the DTensor's counter,
+    not its shard's: the op reaches the shard below autograd, where no counter is bumped."""
+
+    at_start: int  # the counters' sum when the save started
+    through: tuple[torch.Tensor, ...] = ()
+
+    @staticmethod
+    def read(t: torch.Tensor, through: tuple[torch.Tensor, ...] = ()) -> int | None:
+        """The counters' sum now (None where torch does not track ``t``'s)."""
+        v = tensor_version(t)
+        if v is None:
+            return None
+        return v + sum(w for d in through if (w := tensor_version(d)) is not None)
+
+    def changed(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (the storage's tensor) or a DTensor it was reached through changed in
+        place since the save started."""
+        now = self.read(t, self.through)
+        return now is not None and now != self.at_start
 
 
 class _CpuCopier:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from ..engine import CopyItem
-from ..engine.live import version_at_start
+from ..engine.live import watch_of
 from ..errors import ProviderError, UnsupportedValueError
 from ..format import dtype_name
 from ..format.checksum import Digests
@@ -128,7 +128,7 @@ def lay_out(plan: SavePlan, planner: SavePlanner, *, rank: int, save_id: str, th
             ci.base = base.extents(item.index.fqn, tuple(item.index.offset or ())).get(r.name or "")
             ci.base_files = base.here
         if started is not None:
-            ci.version = version_at_start(started, r.source)
+            ci.watch = watch_of(started, r.source)
         copy_items.append(ci)
         try:
             dt = dtype_name(r.source.dtype)

@@ -15,8 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import process_state
-from ..engine.live import copy_small, for_process, iter_tensors, ready_point, version_at_start, versions
-from ..engine.snapshot import tensor_version
+from ..engine.live import copy_small, for_process, iter_tensors, ready_point, versions, watch_of
 from ..errors import CheckpointError, SnapshotError, TornSnapshotError
 from ..tiers.claim import release_idle
 from .options import WriterOptions
@@ -106,7 +105,7 @@ class ProcessHandoff:
             _wait_ready(s.ready, state)
             moved = for_process(state, self.room, "host_cache_bytes + eager_copy_bytes")
             started = s.versions or {}
-            torn = [t for t in moved.copied if version_at_start(started, t) != tensor_version(t)]
+            torn = [t for t in moved.copied if (w := watch_of(started, t)) is not None and w.changed(t)]
             if torn:
                 raise TornSnapshotError(
                     f"{len(torn)} tensor(s) changed in place before DCP handed the save to its checkpoint "
@@ -187,7 +186,7 @@ class WriterSessions:
             # live that changes in place before its bytes are copied fails the save
             # (engine/snapshot.py), never a torn checkpoint
             session.ready = ready_point(small.left + small.copies)
-            session.versions = versions(small.left)
+            session.versions = versions(small.left, small.through)
         except BaseException as e:
             session.mark_failed(e)  # lets the optimizer's step barrier go
             self.slot.give_back(session)
