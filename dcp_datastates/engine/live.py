@@ -9,6 +9,7 @@ KiB costs more to plan, track and copy later than to copy now, and a state of no
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +60,7 @@ def iter_dtensors(obj):
             yield from iter_dtensors(v)
 
 
-def versions(tensors: list[torch.Tensor], through: list[torch.Tensor] = ()) -> dict:
+def versions(tensors: list[torch.Tensor], through: Sequence[torch.Tensor] = ()) -> dict:
     """A ``Watch`` per storage of ``tensors``, read when the save starts; ``through``: the
     DTensors whose local shards are among them, whose own counters are read too."""
     wrappers: dict = {}
