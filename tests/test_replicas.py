@@ -1348,3 +1348,32 @@ def test_small_tensor_bytes_lent_from_a_damaged_copy_are_refused_and_read_again_
         assert f.read(1) == byte  # node 0's copy was replaced by a good one
     # the nodes that read ranges of it took it whole in the checked fetch, from node 1
     assert {n: _data_writers(base, n) for n in range(4)} == {0: {0, 3}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 2, 3}}
+
+
+def _record_of(step_dir: str, rank: int) -> str:
+    return os.path.join(step_dir, next(n for n in os.listdir(step_dir)
+                                       if (got := replica_record_of(n)) and got[0] == rank))
+
+
+def _short_timeout(node: int, base: str) -> None:
+    os.environ[TIMEOUT_ENV] = "20"  # a rank left waiting fails the test in seconds, not minutes
+
+
+@pytest.mark.parametrize("field,bad", [("sent", "entries-are-integers"), ("held", "not-a-map"),
+                                       ("confirmed", "not-a-list"), ("replicas", "not-a-number")])
+def test_a_malformed_replica_record_is_skipped_and_the_restore_goes_on(tmp_path, caplog, field, bad):
+    """A record that is valid msgpack but not a record (issue 69, case 6): skipped with one line
+    naming it, on every rank alike, never raised on one rank while the others wait."""
+    import msgpack
+    base = str(tmp_path)
+    _killed(4, base, False)
+    path = _record_of(os.path.join(base, "node1", "step-5"), 2)
+    rec = msgpack.unpackb(open(path, "rb").read(), raw=False, strict_map_key=False)
+    rec[field] = {"sent": {k: 7 for k in rec["sent"]}, "held": [1, 2], "confirmed": {"x": 1},
+                  "replicas": "two"}[field]
+    with open(path, "wb") as f:
+        f.write(msgpack.packb(rec))
+    started = time.monotonic()
+    run_ranks(4, _restore, base, False, 5, None, 1, _short_timeout)
+    assert time.monotonic() - started < 120
+    assert read_record(StorageTier(os.path.dirname(path)), 2, rec["save_id"]) is None
