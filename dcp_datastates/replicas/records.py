@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import msgpack
 
@@ -68,7 +69,7 @@ class ReplicaRecord:
         return len(set(self.confirmed)) >= self.replicas
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
