@@ -42,7 +42,7 @@ from ..planner import deliver_object
 from ..replicas.for_load import NodeLocalLoad
 from ..replicas.repair import NodeRepair
 from ..tiers import StorageTier
-from ..tiers.manifests import load_manifest
+from ..tiers.manifests import checkpoint_name, load_manifest, one_checkpoint
 from ..tiers.storage import url_tuple
 from .cooperative import Cooperation, cooperative_for, group_for
 from .files import ReadStats
@@ -200,7 +200,8 @@ class DataStatesReader(StorageReader):
         """DCP: the plan, telling the coordinator which save this rank's manifest is."""
         if plan.storage_data is not None or self.manifest is None:
             return plan
-        return dataclasses.replace(plan, storage_data=ManifestServed(self.manifest.save_id, self.manifest_tier))
+        return dataclasses.replace(plan, storage_data=ManifestServed(
+            self.manifest.save_id, self.manifest_tier, checkpoint_name(self.path or "")))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """DCP: once every rank is shown to load the same save, the plans, each telling its rank
@@ -423,14 +424,19 @@ class LoadTerms:
 
 @dataclasses.dataclass(frozen=True)
 class ManifestServed:
-    """A rank's load plan's storage data: the save its manifest is, and the tier it came from."""
+    """A rank's load plan's storage data: the save its manifest is, the tier it came from and
+    the checkpoint the rank named (``tiers.manifests.checkpoint_name``)."""
     save_id: str
     tier: str | None
+    checkpoint: str = ""
 
 
 def _one_save(plans: list[LoadPlan], path: str | None) -> None:
     """Raise unless every rank's manifest is the same save: ranks restoring different saves of
-    one step (a node-local copy an earlier attempt left) would mix two states."""
+    one step (a node-local copy an earlier attempt left) would mix two states; ranks that name
+    different checkpoints are told so first."""
+    one_checkpoint([(r, p.storage_data.checkpoint, None) for r, p in enumerate(plans)
+                    if isinstance(p.storage_data, ManifestServed)], path or "")
     saves: dict[str, list[tuple[int, str | None]]] = {}
     for rank, p in enumerate(plans):
         if isinstance(p.storage_data, ManifestServed):

@@ -38,7 +38,7 @@ from ..format.names import (
     replica_record_of,
 )
 from ..tiers.borrowed import clear_borrowed
-from ..tiers.manifests import load_manifest, manifest_head
+from ..tiers.manifests import checkpoint_name, load_manifest, manifest_head, one_checkpoint
 from ..tiers.storage import StorageTier
 from .moves import Lent, Move, Wire
 from .records import ReplicaRecord, read_record
@@ -260,11 +260,16 @@ class NodeRepair:
 
     def _surveyed(self) -> bool:
         self._complete = False
-        if self.given is None and self.save_id is None:
-            heads = [h for h in self._gather(manifest_head(self.tier) if self.leader else None) if h is not None]
-            if not heads:
-                return False
-            self.save_id = max(heads, key=lambda h: (h.created_unix, h.save_id)).save_id
+        if self.given is None:  # what the load reads, the same on every rank, decided before anything moves
+            want_head = self.save_id is None
+            asked = self._gather((checkpoint_name(self.tier.url), self.save_id,
+                                  manifest_head(self.tier) if want_head and self.leader else None))
+            one_checkpoint([(r, name, save) for r, (name, save, _) in enumerate(asked)], self.label)
+            if want_head:
+                heads = [h for _, _, h in asked if h is not None]
+                if not heads:
+                    return False
+                self.save_id = max(heads, key=lambda h: (h.created_unix, h.save_id)).save_id
         mates = self.ranks[self.node]
         mine = _listing(self.tier, str(self.save_id), mates.index(self.rep.peers.me), len(mates))
         shares: dict[str, list[Listing]] = defaultdict(list)

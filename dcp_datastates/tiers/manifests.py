@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import posixpath
 from collections.abc import Sequence
 
 import msgpack
@@ -245,3 +246,24 @@ def committed_here(tier: StorageTier, *, rank: int | None) -> bool:
         return True
     return rank is not None and any(
         (p := parse_rank_manifest(n)) is not None and p[0] == rank for n in names)
+
+
+def checkpoint_name(url: str) -> str:
+    """The name a load gives its checkpoint: the directory's last component (``step-3``), the
+    same on every rank whether the directory is shared or each node has its own."""
+    return posixpath.basename(url.rstrip("/")) or url
+
+
+def one_checkpoint(named: Sequence[tuple[int, str, str | None]], label: str) -> None:
+    """Raise, the same on every rank, unless every rank of a load names one checkpoint (and,
+    where given, one save of it): ``named`` holds each rank's (rank, checkpoint name, save id
+    or None).  Ranks that name different ones would otherwise read, or repair, two states."""
+    seen: dict[tuple[str, str | None], list[int]] = {}
+    for rank, name, save in named:
+        seen.setdefault((name, save), []).append(rank)
+    if len(seen) > 1:
+        parts = "; ".join(f"{name!r}{'' if save is None else f' save {save}'} on rank(s) "
+                          f"{', '.join(map(str, ranks[:4]))}{'...' if len(ranks) > 4 else ''}"
+                          for (name, save), ranks in seen.items())
+        raise CheckpointError(f"the ranks of this load name different checkpoints ({parts}); "
+                              "every rank must load the same one", checkpoint=label)
