@@ -260,20 +260,24 @@ class NodeRepair:
 
     def _surveyed(self) -> bool:
         self._complete = False
-        if self.given is None:  # what the load reads, the same on every rank, decided before anything moves
-            want_head = self.save_id is None
-            asked = self._gather((checkpoint_name(self.tier.url), self.save_id,
-                                  manifest_head(self.tier) if want_head and self.leader else None))
-            one_checkpoint([(r, name, save) for r, (name, save, _) in enumerate(asked)], self.label)
-            if want_head:
-                heads = [h for _, _, h in asked if h is not None]
-                if not heads:
-                    return False
-                self.save_id = max(heads, key=lambda h: (h.created_unix, h.save_id)).save_id
+        # what the load reads, the same on every rank, decided by the first gather, before
+        # anything moves: the checkpoint every rank names (and the save, where one is named)
+        named = None if self.given is not None else (checkpoint_name(self.tier.url), self.save_id)
+        if self.given is None and self.save_id is None:
+            asked = self._gather((named, manifest_head(self.tier) if self.leader else None))
+            self._one_checkpoint([n for n, _ in asked])
+            heads = [h for _, h in asked if h is not None]
+            if not heads:
+                return False
+            self.save_id = max(heads, key=lambda h: (h.created_unix, h.save_id)).save_id
+            named = None  # agreed
         mates = self.ranks[self.node]
         mine = _listing(self.tier, str(self.save_id), mates.index(self.rep.peers.me), len(mates))
         shares: dict[str, list[Listing]] = defaultdict(list)
-        for node, part in self._gather((self.node, mine)):
+        listed = self._gather((self.node, mine, named))
+        if named is not None:
+            self._one_checkpoint([n for _, _, n in listed])
+        for node, part, _ in listed:
             shares[node].append(part)
         listings = {n: _merged(parts) for n, parts in shares.items()}
         files = self.given if self.given is not None else self._manifest_everywhere(listings)
@@ -294,6 +298,10 @@ class NodeRepair:
         earlier_ok = [e.survey() for e in self._earlier]  # each a collective: none skipped
         self._complete = not lost and all(earlier_ok)
         return self._complete
+
+    def _one_checkpoint(self, named: list) -> None:
+        """Raise, on every rank alike, unless every rank names one checkpoint (and save)."""
+        one_checkpoint([(r, name, save) for r, (name, save) in enumerate(named)], self.label)
 
     def _manifest_everywhere(self, listings: dict[str, Listing]) -> FileList | None:
         """The manifest sent to every node that lacks it (a collective); the file list it gives,
