@@ -516,7 +516,7 @@ def test_purges_of_one_checkpointer_never_overlap(tmp_path, monkeypatch):
     """``wait_persisted()`` purges too; it takes the same lock as the background passes."""
 
     from dcp_datastates import Checkpointer
-    from dcp_datastates import run_retention as ck
+    from dcp_datastates.run import retention as ck
     active, peak, lock = [0], [0], threading.Lock()
     orig = ck.purge_steps
 
@@ -571,3 +571,50 @@ def test_a_lease_released_while_it_is_renewed_stays_released(tmp_path, monkeypat
     release.join(30)
     assert not tier.exists(CLAIM_NAME), "the released claim was written back"
     assert not holds_live_claim(tier, CLAIM_NAME)
+
+
+# ------------------------------------------------ two writers of one process, one directory
+# A save of this process is told apart from a dead one only by the lock it holds, until its
+# manifest is committed and its cleanup done (issue 69, case 3): writer B used to release the
+# claim of writer A's save between A's fence and its rename (A's data was durable, so A read
+# as "not busy"), commit, tidy A's data file away, and then A's rename put A's manifest back
+# over files that were gone.
+
+@pytest.mark.parametrize("lock", ["kernel-lock", "lease"])
+def test_two_writers_of_one_process_on_one_path_never_break_the_directory(tmp_path, monkeypatch, lock):
+    if lock == "lease":  # a tier that keeps no locks: claims are leases
+        def no_lock(self, path):
+            raise LockUnsupported("test: leases only")
+        monkeypatch.setattr(LocalBackend, "try_lock", no_lock)
+        monkeypatch.setattr(LocalBackend, "lock_held", no_lock)
+    path = str(tmp_path / "step-1")
+    in_commit, orig = threading.Event(), LocalBackend.commit
+
+    def slow_commit(self, root, p, tmp_name, data, *, sync):  # writer A's manifest rename, held 3 s
+        if p.endswith("/.metadata") and threading.current_thread().name == "writer-a":
+            in_commit.set()
+            time.sleep(3)
+        return orig(self, root, p, tmp_name, data, sync=sync)
+    monkeypatch.setattr(LocalBackend, "commit", slow_commit)
+    outcome: dict[str, object] = {}
+
+    def save(name: str, seed: int) -> None:
+        try:
+            dcp.save(_state(seed), storage_writer=DataStatesWriter(path, overwrite=True), no_dist=True)
+            outcome[name] = "ok"
+        except BaseException as e:  # noqa: BLE001 - the outcome is checked below
+            outcome[name] = e
+    a = threading.Thread(target=save, args=("a", 1), name="writer-a")
+    a.start()
+    assert in_commit.wait(60)
+    b = threading.Thread(target=save, args=("b", 2), name="writer-b")
+    b.start()
+    a.join(120)
+    b.join(120)
+    assert outcome["a"] == "ok", outcome
+    # B either waited for A (and replaced it) or was refused as busy: as from another process
+    assert outcome["b"] == "ok" or isinstance(outcome["b"], CheckpointBusyError), outcome
+    want = _state(2 if outcome["b"] == "ok" else 1)
+    out = {"w": torch.zeros(256, 1024), "v": torch.zeros(4096), "seed": 0}
+    dcp.load(out, storage_reader=DataStatesReader(path), no_dist=True)
+    assert torch.equal(out["w"], want["w"]) and torch.equal(out["v"], want["v"]) and out["seed"] == want["seed"]

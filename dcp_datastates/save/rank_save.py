@@ -20,6 +20,7 @@ Lifecycle (DCP drives it; see ``save/writer.py`` for the calls):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,16 @@ from .progress import SaveSession
 log = logging.getLogger(__name__)
 
 WRITER_NAME = f"dcp-datastates {__version__}"
+# The save each thread runs now (thread ident -> save id), of this process: a thread runs one
+# save at a time, so one it began before is over (``RankSave.running``).
+_SAVE_IN_THREAD: dict[int | None, str] = {}
+
+
+@process_state.in_child
+def _no_saves_in_child() -> None:
+    """A forked child runs none of its parent's saves."""
+    _SAVE_IN_THREAD.clear()
+
 PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
 
 
@@ -101,6 +112,8 @@ class RankSave:
         self.timings: dict[str, float] = {}
         self.replica_epoch: int | None = None  # the coordinator's: handed to every rank with the Metadata
         self._planned_at = 0.0
+        self._thread: threading.Thread | None = None  # where the save's calls run (``claim``)
+        self._ended = False  # committed here and tidied, its part over, or failed
         self._wrote = False
         self._writing = False  # in ``write``, before the engine's job exists
 
@@ -123,7 +136,10 @@ class RankSave:
 
     def claim(self) -> None:
         self._planned_at, self._wrote = time.monotonic(), False
+        self._thread = threading.current_thread()
+        _SAVE_IN_THREAD[self._thread.ident] = self.save_id  # the save this thread runs now
         self.claims = SaveClaims(self.save_id, rank=None if self.use_collectives else self.rank, busy=self.busy,
+                                 running=self.running,
                                  base="" if self.base is None else self.base.name)
         self.claims.acquire([self.tier, *self.persist_tiers()])
         if self.base is not None and not still_committed(self.tier, self.base):
@@ -168,6 +184,7 @@ class RankSave:
         the base locks go then (``SaveToReplicate.hold``)."""
         if not self.opts.replicas:
             self.hold.release()
+        self._ended = True
         self._end(session)
 
     def busy(self) -> bool:
@@ -178,9 +195,21 @@ class RankSave:
             return True
         return not self._wrote and time.monotonic() - self._planned_at < PLANNED_GRACE_S
 
+    def running(self) -> bool:
+        """Whether this save has not ended: its manifest is still to be committed here and its
+        cleanup done.  A save runs in one thread (DCP's, or the caller's for ``dcp.save``),
+        which runs one save at a time: once that thread ended, or began another save, this
+        one is over, whether or not it was told (DCP tells a writer nothing of a save that
+        failed on another rank)."""
+        t = self._thread
+        return (not self._ended and t is not None and t.is_alive()
+                and _SAVE_IN_THREAD.get(t.ident) == self.save_id)
+
     def release(self, url: str | None = None) -> None:
         """This save failed on ``url`` (default: every tier): let its claims go, keeping their
         records for the next save there to take over (see ``SaveClaims.abandon``)."""
+        if url is None:
+            self._ended = True
         if self.claims is not None:
             self.claims.abandon(url)
         if url is None or url == self.tier.url:
@@ -333,6 +362,7 @@ class RankSave:
         # tidy this tier before a slower tier can commit: that commit writes this directory's
         # `.persisted` record, whose temporary file the tidy would take for a leftover of its own
         self.after_commit(self.tier, manifest)
+        self._ended = True  # committed and tidied here: what is left is the flush (``busy``)
         self.hold.release()  # the manifest names what it references now
         if self.persistence is not None:
             self.persistence.start_commits(manifest, body, name, collective=self.use_collectives,

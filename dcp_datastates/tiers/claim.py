@@ -146,8 +146,11 @@ def _this_record(save_id: str, base: str = "") -> ClaimRecord:
 @dataclasses.dataclass
 class _Holder:
     """A save of this process that holds claims.  Process-wide on purpose: a claim found on
-    disk whose save id is here belongs to this process, live while ``busy()``."""
+    disk whose save id is here belongs to this process, live while the save is ``busy()``
+    (work in flight) or ``running()`` (its commit and cleanup still to come): the same rule as
+    for a claim of another process, whose lock lives until that process lets it go."""
     busy: Callable[[], bool]
+    running: Callable[[], bool]
     claims: list["Claim"] = dataclasses.field(default_factory=list)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -376,8 +379,8 @@ class _Acquire:
         h = None if cur is None else _holder(cur.save_id)
         if h is None or cur is None or cur.save_id == self.rec.save_id:
             return False
-        if h.busy():
-            log.info("%s is being saved by an earlier save of this process (%s); waiting for it "
+        if h.busy() or h.running():
+            log.info("%s is being saved by another save of this process (%s); waiting for it "
                      "to finish", self.tier.url, cur.save_id)
             if not h.done.wait(self.wait_own_s):
                 raise CheckpointBusyError(
@@ -479,13 +482,15 @@ class _Acquire:
 
 
 def acquire(tier: StorageTier, name: str, save_id: str, *, lease_s: float = DEFAULT_LEASE_S,
-            wait_own_s: float = 600.0, busy: Callable[[], bool] = _always, base: str = "") -> Claim:
+            wait_own_s: float = 600.0, busy: Callable[[], bool] = _always,
+            running: Callable[[], bool] = _always, base: str = "") -> Claim:
     """Claim ``tier`` for save ``save_id``, or raise :class:`CheckpointBusyError`.
 
-    ``busy()`` tells whether this save still has work in flight; a claim of this process whose
-    save is no longer busy (DCP failed the save on another rank, say) is let go.  A claim held
-    by a busy save of this same process (a re-save while the previous save of this directory
-    is still flushing) is waited for, up to ``wait_own_s``.  ``base``: the sibling directory an
+    ``busy()`` tells whether this save still has work in flight, ``running()`` whether its
+    commit and cleanup are still to come.  A claim held by another save of this same process
+    that is either (a re-save while the previous save of this directory is still flushing, or
+    a second writer while the first commits) is waited for, up to ``wait_own_s``; one whose
+    save is neither (it failed, or DCP abandoned it) is let go.  ``base``: the sibling directory an
     incremental save references, which retention then leaves alone while the claim lives."""
     tier.makedirs()
     # the directory's name, durable whoever made it: one that made it and died before making
@@ -498,8 +503,8 @@ def acquire(tier: StorageTier, name: str, save_id: str, *, lease_s: float = DEFA
         log.debug("%s keeps no locks (%s): the claim is a lease", tier.url, e)
         claim = attempt.by_lease()
     with _live_lock:
-        h = _live.setdefault(save_id, _Holder(busy))
-        h.busy = busy
+        h = _live.setdefault(save_id, _Holder(busy, running))
+        h.busy, h.running = busy, running
         h.claims.append(claim)
     if claim.lock is None:
         _renewer.ensure()
@@ -575,7 +580,7 @@ def holds_live_claim(tier: StorageTier, name: str) -> bool:
         return True
     h = None if cur is None else _holder(cur.save_id)
     if h is not None:
-        return h.busy()
+        return h.busy() or h.running()
     return _lease_stale(tier, name, cur, DEFAULT_LEASE_S) is None
 
 

@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 class SaveClaims:
     """Claims and tidy-ups of one save (``rank`` set: per-rank manifests, one claim per rank)."""
 
-    def __init__(self, save_id: str, *, rank: int | None, busy, base: str = "") -> None:
+    def __init__(self, save_id: str, *, rank: int | None, busy, running, base: str = "") -> None:
         self.save_id = save_id
+        self.running = running
         self.base = base  # an incremental save's base directory name (kept while this claim lives)
         self.rank = rank
         self.busy = busy
@@ -43,7 +44,7 @@ class SaveClaims:
         try:
             for i, t in enumerate(tiers):
                 try:
-                    c = acquire(t, name, self.save_id, busy=self.busy, base=self.base)
+                    c = acquire(t, name, self.save_id, busy=self.busy, running=self.running, base=self.base)
                 except CheckpointError:
                     raise  # busy: another save holds it
                 except Exception as e:  # fsspec backends raise their own types
