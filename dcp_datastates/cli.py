@@ -1,4 +1,4 @@
-"""``dcp-datastates`` / ``python -m dcp_datastates``: inspect, verify, convert, bench, demo.
+"""``dcp-datastates`` / ``python -m dcp_datastates``: inspect, verify, clean, convert, bench, demo.
 
 Exit codes: 0 ok; 1 damaged (verify found a problem); 2 bad usage or a refused request (a
 pickle without ``--allow-pickle``); 3 the path does not exist; 4 the path holds no committed
@@ -10,6 +10,7 @@ Known errors print one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +42,15 @@ from .format.values import decode_value
 from .replicas.records import records_in
 from .tiers import StorageTier
 from .tiers.manifests import load_manifest
-from .verify import Verified, inspect_run, verify_checkpoint, verify_node_copy, verify_run
+from .verify import (
+    Verified,
+    clean_run,
+    inspect_run,
+    leftovers,
+    verify_checkpoint,
+    verify_node_copy,
+    verify_run,
+)
 
 EXIT_DAMAGED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_NOT_A_CHECKPOINT, EXIT_FOREIGN, EXIT_ERROR = 1, 2, 3, 4, 5, 6
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.I)
@@ -88,15 +97,19 @@ def cmd_inspect(args) -> int:
 
     tier = StorageTier(args.path, _opts(args))
     if not tier.exists(MANIFEST_NAME) and any(n.startswith("step-") for n in tier.listdir()):
-        rows = inspect_run(tier)
+        rows, left = inspect_run(tier), leftovers(tier)
         if args.json:
-            print(json.dumps({"path": args.path, "steps": rows}, indent=1))
+            print(json.dumps({"path": args.path, "steps": rows,
+                              "uncommitted": [dataclasses.asdict(x) for x in left]}, indent=1))
             return 0
         print(f"run {args.path}: {len(rows)} committed steps")
         print(f"{'step':>8}  {'owned':>12}  {'shared':>12}  {'used by later':>14}")
         for r in rows:
             print(f"{r['step']:>8}  {_fmt_bytes(r['owned_bytes']):>12}  {_fmt_bytes(r['shared_bytes']):>12}  "
                   f"{_fmt_bytes(r['used_by_later']):>14}")
+        for x in left:
+            print(f"{x.dir}: uncommitted, {_fmt_bytes(x.reclaimable_bytes)} in {x.files} file(s) no committed step "
+                  f"references" + (" (a save is writing it now)" if x.claimed else " (`dcp-datastates clean` removes them)"))
         return 0
     m = load_manifest(tier)
     replicas = [{"rank": r.rank, "replicas": r.replicas, "confirmed_by": r.confirmed, "complete": r.complete,
@@ -327,6 +340,21 @@ def _exit_code(e: CheckpointError, path: str | None) -> int:
     return EXIT_ERROR
 
 
+def cmd_clean(args) -> int:
+    """Remove what interrupted saves left in a run directory; a dry run unless ``--yes``."""
+    tier = StorageTier(args.path, _opts(args))
+    found = clean_run(tier, dry_run=not args.yes)
+    if not found:
+        print(f"run {args.path}: nothing to clean")
+        return 0
+    total = _fmt_bytes(sum(x.reclaimable_bytes for x in found))
+    for x in found:
+        print(f"{'removed' if args.yes else 'would remove'} {x.dir}: {_fmt_bytes(x.reclaimable_bytes)} "
+              f"in {x.files} file(s)")
+    print(f"run {args.path}: {total} {'freed' if args.yes else 'to free; run again with --yes to remove it'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; known errors print one line and return their exit code."""
     # the CLI runs in one process: DCP's notes about a missing process group are noise here
@@ -386,6 +414,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-charts", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("clean", help="remove what interrupted saves left in a run directory (dry run "
+                                     "unless --yes); committed steps and saves in flight are never touched")
+    p.add_argument("path", help="run directory (holding step-N directories) or fsspec URL")
+    p.add_argument("--yes", action="store_true", help="remove them (default: only list them)")
+    p.add_argument("--storage-options", help="fsspec options as JSON, for URLs")
+    p.set_defaults(fn=cmd_clean)
     for name, fn, help_ in (("inspect", cmd_inspect, "list keys, dtypes, shapes, chunks and bytes"),
                             ("verify", cmd_verify, "check every checksum; exit 1 on damage")):
         p = sub.add_parser(name, help=help_)

@@ -11,10 +11,12 @@ from .errors import CheckpointError, ManifestError
 from .format.checksum import verify_blocks
 from .format.codec import decode_block
 from .format.limits import FormatViolation
-from .format.names import STEP_DIR, is_manifest_name, rank_file_of, step_of
+from .format.names import STEP_DIR, is_manifest_name, is_ours, rank_file_of, step_of
 from .replicas.records import records_in
 from .tiers import StorageTier
+from .tiers.claim import claimed
 from .tiers.manifests import load_manifest
+from .tiers.retention import live_files, purge_steps
 
 
 def inspect_run(tier) -> list[dict]:
@@ -38,6 +40,53 @@ def inspect_run(tier) -> list[dict]:
             if home in by_dir:
                 by_dir[home]["used_by_later"] += n
     return rows
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A step directory under a run that holds no committed manifest: what an interrupted save
+    (Ctrl-C, a full disk, a killed job) or a purge's husk left.  ``reclaimable_bytes``: the
+    size of its files no committed checkpoint of the run references; ``claimed``: a save is
+    writing it right now (never cleaned)."""
+
+    dir: str
+    reclaimable_bytes: int
+    files: int
+    claimed: bool
+
+
+def leftovers(run) -> list[Leftover]:
+    """The uncommitted step directories of ``run`` (a ``StorageTier``), by step."""
+    live = live_files(run)
+    out = []
+    for name, kind in run.entries():
+        if kind != "dir" or not STEP_DIR.match(name):
+            continue
+        t = run.child(name)
+        entries = t.entries()
+        if any(is_manifest_name(n) for n, _ in entries):
+            continue
+        keep = live.get(name, set())
+        mine = [n for n, k in entries if k == "file" and is_ours(n) and n not in keep]
+        sizes = 0
+        for n in mine:
+            try:
+                sizes += t.size(n)
+            except OSError:  # removed meanwhile
+                continue
+        out.append(Leftover(name, sizes, len(mine), claimed(t)))
+    return sorted(out, key=lambda x: step_of(x.dir) or 0)
+
+
+def clean_run(run, *, dry_run: bool = True) -> list[Leftover]:
+    """Remove what the uncommitted step directories of ``run`` hold that no committed checkpoint
+    references (retention's own sweep, ``purge_steps``: under the same locks, never a step a
+    save is writing, never a file a committed step reads).  ``dry_run``: remove nothing.
+    Returns what was (or would be) cleaned."""
+    found = [x for x in leftovers(run) if not x.claimed]
+    if not dry_run and found:
+        purge_steps(run, [x.dir for x in found])
+    return found
 
 
 VERIFY_PIECE = 16 << 20  # bytes read and checked at a time: memory stays bounded

@@ -143,3 +143,56 @@ def test_demo_runs_kills_and_resumes(tmp_path):
     assert "demo passed" in r.stdout, r.stdout[-3000:]
     assert "identical to DCP FileSystemReader" in r.stdout and "resumed from step" in r.stdout
     assert os.path.exists(tmp_path / "demo" / "timeline.png")
+
+
+# ------------------------------------------- interrupted saves: visible, and cleaned on request
+
+def _interrupted_run(tmp_path, monkeypatch) -> str:
+    """step-1 committed; step-2's save died before its commit (its data files are left)."""
+    from dcp_datastates.tiers.local import LocalBackend
+    run = str(tmp_path / "run")
+    dcp.save(_state(), storage_writer=DataStatesWriter(os.path.join(run, "step-1")), no_dist=True)
+    orig = LocalBackend.commit
+
+    def no_commit(self, root, p, tmp_name, data, *, sync):
+        if p.endswith("/.metadata"):
+            raise OSError(28, "No space left on device")
+        return orig(self, root, p, tmp_name, data, sync=sync)
+    monkeypatch.setattr(LocalBackend, "commit", no_commit)
+    with pytest.raises(BaseException):
+        dcp.save(_state(), storage_writer=DataStatesWriter(os.path.join(run, "step-2")), no_dist=True)
+    monkeypatch.setattr(LocalBackend, "commit", orig)
+    assert any(n.startswith("data-") for n in os.listdir(os.path.join(run, "step-2")))
+    return run
+
+
+def test_inspect_shows_an_interrupted_save_and_clean_removes_only_it(tmp_path, monkeypatch):
+    run = _interrupted_run(tmp_path, monkeypatch)
+    left = sum(os.path.getsize(os.path.join(run, "step-2", n)) for n in os.listdir(os.path.join(run, "step-2")))
+    out = cli("inspect", run).stdout
+    assert "step-2" in out and "uncommitted" in out, out
+    info = json.loads(cli("inspect", run, "--json").stdout)
+    assert [(u["dir"], u["claimed"]) for u in info["uncommitted"]] == [("step-2", False)], info
+    assert 0 < info["uncommitted"][0]["reclaimable_bytes"] <= left
+    dry = cli("clean", run)  # a dry run by default: names what would go, removes nothing
+    assert "step-2" in dry.stdout and "--yes" in dry.stdout, dry.stdout
+    assert os.path.isdir(os.path.join(run, "step-2"))
+    cli("clean", run, "--yes")
+    assert not os.path.exists(os.path.join(run, "step-2"))
+    out = _zeros(_state())
+    dcp.load(out, storage_reader=DataStatesReader(os.path.join(run, "step-1")), no_dist=True)
+    assert _equal(out, _state())
+    assert "uncommitted" not in cli("inspect", run).stdout
+
+
+def test_clean_leaves_a_step_a_save_is_writing(tmp_path, monkeypatch):
+    from dcp_datastates.tiers.claim import acquire
+    run = _interrupted_run(tmp_path, monkeypatch)
+    held = acquire(StorageTier(os.path.join(run, "step-2")), ".claim", "live0000save")  # a save in flight
+    try:
+        info = json.loads(cli("inspect", run, "--json").stdout)
+        assert [u["claimed"] for u in info["uncommitted"]] == [True]
+        cli("clean", run, "--yes")
+        assert any(n.startswith("data-") for n in os.listdir(os.path.join(run, "step-2")))
+    finally:
+        held.release()
