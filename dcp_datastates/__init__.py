@@ -15,6 +15,7 @@ from .errors import (
     PickleNotAllowedError,
     ProviderError,
     SnapshotError,
+    StorageFailedError,
     TornSnapshotError,
     UnsupportedFormatVersion,
     UnsupportedValueError,
@@ -31,7 +32,7 @@ __all__ = [
     "DataStatesLoadPlanner", "DataStatesSavePlanner",
     "DataFileError", "DataStatesReader", "DataStatesWriter", "ManifestError", "MissingKeyError",
     "NotACheckpointError", "PickleNotAllowedError", "ProviderError", "SnapshotError",
-    "SnapshotGuard", "TornSnapshotError", "CheckpointBusyError", "ClaimLostError",
+    "SnapshotGuard", "StorageFailedError", "TornSnapshotError", "CheckpointBusyError", "ClaimLostError",
     "TypeProvider", "UnsupportedFormatVersion", "UnsupportedValueError", "__version__",
     "async_save", "register_provider", "unregister_provider",
 ]

@@ -130,5 +130,17 @@ class ForeignFormatError(ManifestError):
     """The path holds a checkpoint of another format (DCP's own ``FileSystemWriter``)."""
 
 
+class StorageFailedError(CheckpointError, OSError):
+    """A storage operation failed (a full disk, an I/O error, permission denied): the message
+    names the tier and the file; still an ``OSError`` (``errno`` kept) for callers that
+    handle those."""
+
+    @classmethod
+    def of(cls, e: OSError, what: str, *, checkpoint: str, file: str) -> "StorageFailedError":
+        err = cls(f"{what} failed: {e.strerror or e}", checkpoint=checkpoint, file=file)
+        err.errno = e.errno
+        return err
+
+
 class PeerLoadError(CheckpointError):
     """A cooperative load could not exchange blocks with another rank (it died or hung)."""

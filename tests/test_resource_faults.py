@@ -65,6 +65,9 @@ def test_disk_full(small_fs, mode, caplog):
             fut = async_save(big, storage_writer=w, no_dist=True)
             fut.result(timeout=120)  # the error surfaces in the save's future
     assert "No space left on device" in str(ei.value) or "ENOSPC" in str(ei.value) or "28" in str(ei.value)
+    # the error names the tier and the file it failed on (issue 69: a bare OSError named neither)
+    text = str(ei.value)
+    assert f"checkpoint={path}" in text and "file=data-" in text, text
     assert not os.path.exists(os.path.join(path, ".metadata"))  # never committed
     assert not [n for n in os.listdir(path) if n.endswith(".dsd")]  # partial data removed
     assert _loads(os.path.join(small_fs, "step-1"), earlier)  # earlier checkpoint untouched
@@ -72,6 +75,31 @@ def test_disk_full(small_fs, mode, caplog):
     ok = os.path.join(os.path.dirname(small_fs), "elsewhere")
     dcp.save(big, storage_writer=DataStatesWriter(ok), no_dist=True)
     assert _loads(ok, big)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_at_the_commit_names_the_tier_and_the_file(tmp_path, monkeypatch, mode):
+    """The manifest's commit meets ENOSPC: the error names the checkpoint and ``.metadata`` (a
+    bare ``OSError: [Errno 28]`` named neither), and stays an OSError with its errno."""
+    from dcp_datastates import StorageFailedError
+    from dcp_datastates.tiers.local import LocalBackend
+    orig = LocalBackend.commit
+
+    def full(self, root, p, tmp_name, data, *, sync):
+        if p.endswith("/.metadata"):
+            raise OSError(28, "No space left on device")
+        return orig(self, root, p, tmp_name, data, sync=sync)
+    monkeypatch.setattr(LocalBackend, "commit", full)
+    path = str(tmp_path / "step-1")
+    with pytest.raises(BaseException) as ei:
+        if mode == "sync":
+            dcp.save(_sd(1), storage_writer=DataStatesWriter(path), no_dist=True)
+        else:
+            async_save(_sd(1), storage_writer=DataStatesWriter(path), no_dist=True).result(timeout=120)
+    failures = getattr(ei.value, "failures", {}) or {0: ei.value}
+    err = failures[0][0] if isinstance(failures[0], tuple) else failures[0]
+    assert isinstance(err, StorageFailedError) and isinstance(err, OSError) and err.errno == 28, repr(err)
+    assert f"checkpoint={path}" in str(err) and "file=.metadata" in str(err) and "No space" in str(err)
 
 
 def test_full_persistent_tier_fails_the_flush_promptly(small_fs, tmp_path):

@@ -38,7 +38,7 @@ from ..engine.device_cache import device_cache_for
 from ..engine.host_cache import shared_host_cache
 from ..engine.live import any_gpu, ready_point, want_pinned
 from ..engine.snapshot import CopyItem, SaveJob
-from ..errors import CheckpointError, CheckpointExistsError
+from ..errors import CheckpointError, CheckpointExistsError, StorageFailedError
 from ..format import MANIFEST_NAME, encode_manifest
 from ..format.assemble import PART_INDEX, PartItem, index_of, manifest_of, part_of
 from ..format.model import Manifest
@@ -349,7 +349,10 @@ class RankSave:
         manifest, body = self._manifest(metadata, results)
         name = MANIFEST_NAME if self.use_collectives else rank_manifest_name(self.rank, self.save_id)
         self.fence(self.tier.url)
-        self.tier.commit_bytes(name, body, sync=self.opts.sync_files)
+        try:
+            self.tier.commit_bytes(name, body, sync=self.opts.sync_files)
+        except OSError as e:  # a full disk, say: the error names the tier and the file
+            raise StorageFailedError.of(e, "committing the manifest", checkpoint=self.tier.url, file=name) from e
         if self.use_collectives:
             # DCP broadcasts this Metadata to every rank as the save's result: a run-level
             # checkpointer on another node commits the manifest on its own disk from it.
