@@ -178,3 +178,17 @@ def test_convert_streams_in_bounded_memory(tmp_path):
     dcp.load(back, storage_reader=DataStatesReader(str(tmp_path / "back")), no_dist=True)
     assert back["step"] == 5 and all(torch.equal(back["model"][k], state["model"][k]) for k in back["model"])
     assert not os.path.exists(str(tmp_path / "back") + ".convert-scratch")
+
+
+def test_a_checkpointer_given_one_path_as_a_string_saves_there(tmp_path, monkeypatch):
+    """``Checkpointer("/ckpt/run")`` (one tier, not a list): before, each character of the
+    path was a tier, and the first save claimed ``/step-1`` at the file system's root."""
+    monkeypatch.chdir(tmp_path)  # were a character a tier, its steps would land here, not at /
+    run = str(tmp_path / "run")
+    ck = Checkpointer(run, async_mode=None)
+    assert ck.tiers == [run]
+    ck.save(1, {"w": torch.ones(4)})
+    assert os.path.exists(os.path.join(run, "step-1", ".metadata"))
+    out = {"w": torch.zeros(4)}
+    assert ck.load(out) == 1 and torch.equal(out["w"], torch.ones(4))
+    ck.close()

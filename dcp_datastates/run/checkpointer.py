@@ -45,6 +45,7 @@ from ..replicas.for_run import KnownSave, NodeCopies
 from ..save.guard import async_save
 from ..save.writer import DataStatesWriter
 from ..tiers import StorageTier
+from ..tiers.storage import url_tuple
 from .retention import Protected, RunRetention
 from .steps import RunSteps
 
@@ -83,11 +84,12 @@ class Checkpointer:
         writer_options: further ``DataStatesWriter`` keyword arguments.
     """
 
-    def __init__(self, tiers: list[str], *, keep: list[int] | int | None = None,
+    def __init__(self, tiers: Sequence[str] | str, *, keep: list[int] | int | None = None,
                  persist_every: int = 1, async_mode: str | None = "thread", process_group=None,
                  node_local: bool = False, storage_options: list[dict | None] | None = None,
                  incremental: bool = False, replicas: int = 0, node: str | None = None,
                  **writer_options) -> None:
+        tiers = url_tuple(tiers)  # one path, or several: never a path's characters
         if not tiers:
             raise ValueError("Checkpointer needs at least one tier")
         if persist_every < 1:
