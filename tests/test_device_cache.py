@@ -15,7 +15,7 @@ from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.engine import device_cache as dcm
 from dcp_datastates.engine.device_cache import DeviceCache, device_cache_for
 from dcp_datastates.engine.host_cache import HostCache
-from dcp_datastates.engine.snapshot import CopyItem, SnapshotEngine
+from dcp_datastates.engine.snapshot import CopyItem, SnapshotEngine, Watch
 from dcp_datastates.tiers import local as storage
 from dcp_datastates.tiers.local import LocalSink
 
@@ -51,7 +51,7 @@ def _items(tensors: dict[str, torch.Tensor]) -> list[CopyItem]:
     items, off = [], 0
     for k, t in tensors.items():
         n = t.numel() * t.element_size()
-        items.append(CopyItem(k, t, off, n, version=t._version))
+        items.append(CopyItem(k, t, off, n, watch=Watch(t._version)))
         off += -(-n // 4096) * 4096
     return items
 
