@@ -428,7 +428,7 @@ class ManifestServed:
     the checkpoint the rank named (``tiers.manifests.checkpoint_name``)."""
     save_id: str
     tier: str | None
-    checkpoint: str = ""
+    checkpoint: str | None = None
 
 
 def _one_save(plans: list[LoadPlan], path: str | None) -> None:

@@ -248,22 +248,26 @@ def committed_here(tier: StorageTier, *, rank: int | None) -> bool:
         (p := parse_rank_manifest(n)) is not None and p[0] == rank for n in names)
 
 
-def checkpoint_name(url: str) -> str:
-    """The name a load gives its checkpoint: the directory's last component (``step-3``), the
-    same on every rank whether the directory is shared or each node has its own."""
-    return posixpath.basename(url.rstrip("/")) or url
+def checkpoint_name(url: str) -> str | None:
+    """The checkpoint a load names, where its directory's name says it: the step directory's
+    name (``step-3``), the same on every rank whether the directory is shared or each node has
+    its own.  None for any other name (a node's copy may be called anything): no opinion."""
+    name = posixpath.basename(url.rstrip("/"))
+    return name if STEP_DIR.match(name) else None
 
 
-def one_checkpoint(named: Sequence[tuple[int, str, str | None]], label: str) -> None:
-    """Raise, the same on every rank, unless every rank of a load names one checkpoint (and,
-    where given, one save of it): ``named`` holds each rank's (rank, checkpoint name, save id
-    or None).  Ranks that name different ones would otherwise read, or repair, two states."""
-    seen: dict[tuple[str, str | None], list[int]] = {}
-    for rank, name, save in named:
-        seen.setdefault((name, save), []).append(rank)
-    if len(seen) > 1:
-        parts = "; ".join(f"{name!r}{'' if save is None else f' save {save}'} on rank(s) "
-                          f"{', '.join(map(str, ranks[:4]))}{'...' if len(ranks) > 4 else ''}"
-                          for (name, save), ranks in seen.items())
-        raise CheckpointError(f"the ranks of this load name different checkpoints ({parts}); "
-                              "every rank must load the same one", checkpoint=label)
+def one_checkpoint(named: Sequence[tuple[int, str | None, str | None]], label: str) -> None:
+    """Raise, the same on every rank, unless the ranks of a load agree on one checkpoint:
+    ``named`` holds each rank's (rank, step directory name or None, save id or None); None is
+    no opinion.  Ranks that name different steps, or different saves, would otherwise read,
+    or repair, two states."""
+    for what, at in (("checkpoints", 1), ("saves", 2)):
+        seen: dict[str, list[int]] = {}
+        for n in named:
+            if n[at] is not None:
+                seen.setdefault(str(n[at]), []).append(n[0])
+        if len(seen) > 1:
+            parts = "; ".join(f"{v!r} on rank(s) {', '.join(map(str, r[:4]))}{'...' if len(r) > 4 else ''}"
+                              for v, r in seen.items())
+            raise CheckpointError(f"the ranks of this load name different {what} ({parts}); every rank "
+                                  "must load the same one", checkpoint=label)
