@@ -58,7 +58,9 @@ class Wire:
 
     def files(self, moves: list[Move], digests: dict[str, str]) -> set[str]:
         """Send each of ``moves`` (every rank walks the same list in the same order); the names
-        this rank received and kept."""
+        this rank received and kept: each only with the digest ``digests`` records for it, or,
+        where none is recorded (a file no replication vouched for), with the digest its sender
+        took of what it sent (the load then checks each block it reads, as always)."""
         kept = set()
         for mv in moves:
             if self.me not in (mv.src, mv.dst):
@@ -67,7 +69,7 @@ class Wire:
             if self.me == mv.src:
                 _send_file(self.group, self.tier, mv.name, mv.size, peer)
                 continue
-            ok = _recv_file(self.group, self.tier, mv.name, mv.size, peer, digests[mv.name])
+            ok = _recv_file(self.group, self.tier, mv.name, mv.size, peer, digests.get(mv.name))
             if ok:
                 kept.add(mv.name)
             log.log(logging.INFO if ok else logging.WARNING, "%s: %s %s from rank %d", self.label,
@@ -228,8 +230,10 @@ def _send_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, pee
     group.send(torch.frombuffer(bytearray(tail), dtype=torch.uint8), peer)
 
 
-def _recv_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, peer: int, digest: str) -> bool:
-    """Receive ``name`` into ``tier``; keep it only when its bytes match ``digest``.  Where this
+def _recv_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, peer: int,
+               digest: str | None) -> bool:
+    """Receive ``name`` into ``tier``; keep it only when its bytes match ``digest`` (None: the
+    digest its sender sends after the bytes, which one that could not read them zeroes).  Where this
     node's storage cannot take it, the bytes are still received (the sender, and every rank
     after it in the moves, stays in step) and dropped: False."""
     buf = piece_buffer()
@@ -259,7 +263,8 @@ def _recv_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, pee
     if landing is None:
         return False
     try:
-        return landing.keep(tail.numpy().tobytes() if landing.hash.hexdigest() == digest else b"")
+        sent = tail.numpy().tobytes()
+        return landing.keep(sent if digest is None or landing.hash.hexdigest() == digest else b"")
     except OSError as e:
         log.warning("%s/%s cannot be stored here (%s): dropped", tier.url, name, e)
         return False

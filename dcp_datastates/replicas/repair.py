@@ -51,13 +51,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Listing:
     """What one node holds of a save: each step file's size, the digests its replica records
-    give (its own files' and those it holds for others), its manifest's digest, and the
-    replicas the save wanted (its records'; 0 where none is here)."""
+    give (its own files' and those it holds for others), its manifest's digest and the save
+    that manifest commits (which may be another attempt's), and the replicas the save wanted
+    (its records'; 0 where none is here)."""
 
     sizes: dict[str, int]
     recorded: dict[str, str]
     manifest: str | None
     wanted: int = 0
+    manifest_save: str | None = None
 
 
 _NOTHING = Listing({}, {}, None)
@@ -174,7 +176,8 @@ def _listing(tier: StorageTier, save_id: str, share: int = 0, shares: int = 1) -
             except OSError:
                 continue
     manifest = _digest(tier, MANIFEST_NAME) if share == 0 and MANIFEST_NAME in names else None
-    return Listing(sizes, recorded, manifest, wanted)
+    head = manifest_head(tier) if manifest is not None else None
+    return Listing(sizes, recorded, manifest, wanted, None if head is None else head.save_id)
 
 
 def _digests_in(rec: ReplicaRecord | None) -> Iterable[tuple[str, str]]:
@@ -192,13 +195,91 @@ def _merged(parts: Iterable[Listing]) -> Listing:
     """One node's listing from its ranks' shares."""
     sizes: dict[str, int] = {}
     recorded: dict[str, str] = {}
-    manifest, wanted = None, 0
+    manifest, wanted, save = None, 0, None
     for x in parts:
         sizes.update(x.sizes)
         recorded.update(x.recorded)
-        manifest = manifest or x.manifest
+        manifest, save = (manifest, save) if manifest is not None else (x.manifest, x.manifest_save)
         wanted = max(wanted, x.wanted)
-    return Listing(sizes, recorded, manifest, wanted)
+    return Listing(sizes, recorded, manifest, wanted, save)
+
+
+class DecidedSave:
+    """The save a node-local load decided on (``save_id``: the newest any node holds, or the
+    one named), made the one every node holds: every rank names the same checkpoint
+    (``agree``), the save's manifest goes to each node that lacks it or holds another attempt's,
+    and every rank gets the file list it gives (``spread``).  What the load reads is decided
+    here, once, before any file moves; ``NodeRepair`` then moves files for that save alone."""
+
+    def __init__(self, repair: "NodeRepair") -> None:
+        self.rep, self.tier, self.label = repair.rep, repair.tier, repair.label
+        self.ranks, self.node, self._wire = repair.ranks, repair.node, repair._wire
+        self.save_id = repair.save_id
+
+    def agree(self, named: list) -> None:
+        """Raise, on every rank alike, unless every rank names one checkpoint (and save)."""
+        one_checkpoint([(r, name, save) for r, (name, save) in enumerate(named)], self.label)
+
+    def spread(self, listings: dict[str, Listing]) -> FileList | None:
+        """The manifest of the save this load decided on (``save_id``) sent to every node that
+        lacks it or holds one of another attempt of the step (a collective); the file list it
+        gives, the same on every rank (None: no node holds a manifest of that save).  A node's
+        manifest of another save is replaced only so, by the load's decision: the save every
+        rank reads is then the one every node holds, and the other attempt's files stay for the
+        next save there, or retention, to remove."""
+        ofsave = sorted({x.manifest for x in listings.values()
+                         if x.manifest is not None and x.manifest_save == self.save_id})
+        if not ofsave:
+            return None
+        want = ofsave[0]  # one save's manifest: the same bytes on every node that committed it
+        holders = sorted(n for n, x in listings.items() if x.manifest == want)
+        moves = [Move(MANIFEST_NAME, self.ranks[holders[i % len(holders)]][0], self.ranks[n][0],
+                      listings[holders[0]].sizes[MANIFEST_NAME])
+                 for i, n in enumerate(sorted(self.ranks)) if listings.get(n, _NOTHING).manifest != want]
+        if moves:  # the same list on every rank (from the gathered listings): all skip, or none
+            replaced = sorted(n for n in self.ranks if listings.get(n, _NOTHING).manifest is not None
+                              and listings[n].manifest != want)
+            if replaced:
+                log.warning("%s: node(s) %s hold a manifest of another attempt of this step; the load "
+                            "reads save %s, whose manifest replaces it there", self.label, replaced, self.save_id)
+            self._wire.files(moves, {MANIFEST_NAME: want})
+            self.rep.group.barrier()  # every manifest received is committed before it is read
+        # each rank reads its node's manifest, which names the save decided on only where the
+        # node held it or received it whole (a copy is kept only with the digest wanted)
+        return self._agree(self._file_list())
+
+    def _file_list(self) -> FileList | None:
+        """What this node's copy of the manifest lists; None where it cannot be read."""
+        try:
+            m = load_manifest(self.tier)
+        except (CheckpointError, OSError) as e:  # this node's ranks read elsewhere or fail
+            log.warning("%s: no readable manifest on this node after the repair: %s", self.label, e)
+            return None
+        if self.save_id is not None and m.save_id != self.save_id:
+            log.warning("%s: this node's manifest is of save %s, not of save %s the load reads",
+                        self.label, m.save_id, self.save_id)
+            return None
+        referenced: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
+        for name, home in m.homes.items():
+            save_id = data_file_save_id(name)
+            if save_id is not None and name in m.files:
+                referenced[(home, save_id)][name] = m.files[name]
+        return FileList({n: s for n, s in m.files.items() if n not in m.homes}, m.world_size, dict(referenced),
+                        small_ranges(m))
+
+    def _agree(self, got: FileList | None) -> FileList | None:
+        """Every rank's file list, the same on all: each read its own node's manifest; only
+        where a rank could not is the list sent, once, from the first rank that could (None:
+        no rank could).  What a rank receives grows with the list, not with the ranks."""
+        me, ranks = self.rep.peers.me, self.rep.peers.ranks
+        flags = torch.tensor([int(got is not None), me if got is not None else len(ranks)], dtype=torch.int64)
+        self.rep.group.all_reduce_min(flags)
+        everyone, first = bool(flags[0]), int(flags[1])
+        if everyone:
+            return got
+        if first == len(ranks):
+            return None
+        return self.rep.group.broadcast_object(got, first)
 
 
 class NodeRepair:
@@ -265,7 +346,7 @@ class NodeRepair:
         named = None if self.given is not None else (checkpoint_name(self.tier.url), self.save_id)
         if self.given is None and self.save_id is None:
             asked = self._gather((named, manifest_head(self.tier) if self.leader else None))
-            self._one_checkpoint([n for n, _ in asked])
+            DecidedSave(self).agree([n for n, _ in asked])
             heads = [h for _, h in asked if h is not None]
             if not heads:
                 return False
@@ -275,12 +356,13 @@ class NodeRepair:
         mine = _listing(self.tier, str(self.save_id), mates.index(self.rep.peers.me), len(mates))
         shares: dict[str, list[Listing]] = defaultdict(list)
         listed = self._gather((self.node, mine, named))
+        decided = DecidedSave(self)
         if named is not None:
-            self._one_checkpoint([n for _, _, n in listed])
+            decided.agree([n for _, _, n in listed])
         for node, part, _ in listed:
             shares[node].append(part)
         listings = {n: _merged(parts) for n, parts in shares.items()}
-        files = self.given if self.given is not None else self._manifest_everywhere(listings)
+        files = self.given if self.given is not None else decided.spread(listings)
         if files is None:
             return False
         recorded = {f: d for x in listings.values() for f, d in x.recorded.items()}
@@ -298,64 +380,6 @@ class NodeRepair:
         earlier_ok = [e.survey() for e in self._earlier]  # each a collective: none skipped
         self._complete = not lost and all(earlier_ok)
         return self._complete
-
-    def _one_checkpoint(self, named: list) -> None:
-        """Raise, on every rank alike, unless every rank names one checkpoint (and save)."""
-        one_checkpoint([(r, name, save) for r, (name, save) in enumerate(named)], self.label)
-
-    def _manifest_everywhere(self, listings: dict[str, Listing]) -> FileList | None:
-        """The manifest sent to every node that lacks it (a collective); the file list it gives,
-        the same on every rank (None: no node holds a manifest of the save)."""
-        counts: dict[str, int] = {}
-        for x in listings.values():
-            if x.manifest is not None:
-                counts[x.manifest] = counts.get(x.manifest, 0) + 1
-        if not counts:
-            return None
-        # the manifest: the copy most nodes share (every node committed the same bytes), only to
-        # nodes that lack one: a node's committed manifest of another save is never replaced
-        want = max(counts, key=lambda d: (counts[d], d))
-        holders = sorted(n for n, x in listings.items() if x.manifest == want)
-        moves = [Move(MANIFEST_NAME, self.ranks[holders[i % len(holders)]][0], self.ranks[n][0],
-                      listings[holders[0]].sizes[MANIFEST_NAME])
-                 for i, n in enumerate(sorted(self.ranks)) if MANIFEST_NAME not in listings.get(n, _NOTHING).sizes]
-        if moves:  # the same list on every rank (from the gathered listings): all skip, or none
-            self._wire.files(moves, {MANIFEST_NAME: want})
-            self.rep.group.barrier()  # every manifest received is committed before it is read
-        here = listings.get(self.node, _NOTHING)
-        # a manifest received (none was here) was kept only with the digest wanted; one of
-        # another save, or one whose digest could not be taken, is not this save's list
-        received = MANIFEST_NAME not in here.sizes and self.tier.exists(MANIFEST_NAME)
-        return self._agree_file_list(self._file_list() if here.manifest == want or received else None)
-
-    def _file_list(self) -> FileList | None:
-        """What this node's copy of the manifest lists; None where it cannot be read."""
-        try:
-            m = load_manifest(self.tier)
-        except (CheckpointError, OSError) as e:  # this node's ranks read elsewhere or fail
-            log.warning("%s: no readable manifest on this node after the repair: %s", self.label, e)
-            return None
-        referenced: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)
-        for name, home in m.homes.items():
-            save_id = data_file_save_id(name)
-            if save_id is not None and name in m.files:
-                referenced[(home, save_id)][name] = m.files[name]
-        return FileList({n: s for n, s in m.files.items() if n not in m.homes}, m.world_size, dict(referenced),
-                        small_ranges(m))
-
-    def _agree_file_list(self, got: FileList | None) -> FileList | None:
-        """Every rank's file list, the same on all: each read its own node's manifest; only
-        where a rank could not is the list sent, once, from the first rank that could (None:
-        no rank could).  What a rank receives grows with the list, not with the ranks."""
-        me, ranks = self.rep.peers.me, self.rep.peers.ranks
-        flags = torch.tensor([int(got is not None), me if got is not None else len(ranks)], dtype=torch.int64)
-        self.rep.group.all_reduce_min(flags)
-        everyone, first = bool(flags[0]), int(flags[1])
-        if everyone:
-            return got
-        if first == len(ranks):
-            return None
-        return self.rep.group.broadcast_object(got, first)
 
     def fetch(self, needs: Reads | None, verify: bool = False) -> bool:
         """Step 2 (a collective): this node given the files its ranks read (``needs``: this
@@ -414,7 +438,7 @@ class NodeRepair:
                 for name in sorted(want[node]):
                     seen = tried.setdefault((node, name), set())
                     src = [h for h in s.holders(name) if name not in first[h] and h not in seen]
-                    if name not in s.recorded or not src:
+                    if not src:  # a file no record vouches for travels too: each block is checked on reading
                         continue
                     i = len(moves)
                     pick = src[i % len(src)]
