@@ -207,9 +207,12 @@ def _merged(parts: Iterable[Listing]) -> Listing:
 class DecidedSave:
     """The save a node-local load decided on (``save_id``: the newest any node holds, or the
     one named), made the one every node holds: every rank names the same checkpoint
-    (``agree``), the save's manifest goes to each node that lacks it or holds another attempt's,
-    and every rank gets the file list it gives (``spread``).  What the load reads is decided
-    here, once, before any file moves; ``NodeRepair`` then moves files for that save alone."""
+    (``agree``), every rank gets the file list the save's manifest gives (``file_list``), and
+    only once every file of it is known to be on some node does its manifest go to each node
+    that lacks it or holds another attempt's (``place``): a save that cannot be read whole
+    replaces no manifest anywhere, so the restore may try an older one.  What the load reads is
+    decided here, once, before any file moves; ``NodeRepair`` then moves files for that save
+    alone."""
 
     def __init__(self, repair: "NodeRepair") -> None:
         self.rep, self.tier, self.label = repair.rep, repair.tier, repair.label
@@ -220,18 +223,30 @@ class DecidedSave:
         """Raise, on every rank alike, unless every rank names one checkpoint (and save)."""
         one_checkpoint([(r, name, save) for r, (name, save) in enumerate(named)], self.label)
 
-    def spread(self, listings: dict[str, Listing]) -> FileList | None:
-        """The manifest of the save this load decided on (``save_id``) sent to every node that
-        lacks it or holds one of another attempt of the step (a collective); the file list it
-        gives, the same on every rank (None: no node holds a manifest of that save).  A node's
-        manifest of another save is replaced only so, by the load's decision: the save every
-        rank reads is then the one every node holds, and the other attempt's files stay for the
-        next save there, or retention, to remove."""
+    def file_list(self, listings: dict[str, Listing]) -> FileList | None:
+        """The file list of the save decided on, the same on every rank (a collective): each rank
+        reads its own node's manifest where it is that save's, the others are sent it once
+        (None: no node holds a manifest of that save)."""
+        if self._wanted(listings) is None:
+            return None
+        return self._agree(self._file_list())
+
+    def _wanted(self, listings: dict[str, Listing]) -> str | None:
+        """The digest of the decided save's manifest (the same bytes on every node that
+        committed it); None where no node holds it."""
         ofsave = sorted({x.manifest for x in listings.values()
                          if x.manifest is not None and x.manifest_save == self.save_id})
-        if not ofsave:
-            return None
-        want = ofsave[0]  # one save's manifest: the same bytes on every node that committed it
+        return ofsave[0] if ofsave else None
+
+    def place(self, listings: dict[str, Listing]) -> None:
+        """The decided save's manifest sent to every node that lacks it or holds one of another
+        attempt of the step (a collective; called once every file of the save is on some node).
+        A node's manifest of another save is replaced only so, by the load's decision: the save
+        every rank reads is then the one every node holds, and the other attempt's files stay for
+        the next save there, or retention, to remove."""
+        want = self._wanted(listings)
+        if want is None:
+            return
         holders = sorted(n for n, x in listings.items() if x.manifest == want)
         moves = [Move(MANIFEST_NAME, self.ranks[holders[i % len(holders)]][0], self.ranks[n][0],
                       listings[holders[0]].sizes[MANIFEST_NAME])
@@ -244,9 +259,6 @@ class DecidedSave:
                             "reads save %s, whose manifest replaces it there", self.label, replaced, self.save_id)
             self._wire.files(moves, {MANIFEST_NAME: want})
             self.rep.group.barrier()  # every manifest received is committed before it is read
-        # each rank reads its node's manifest, which names the save decided on only where the
-        # node held it or received it whole (a copy is kept only with the digest wanted)
-        return self._agree(self._file_list())
 
     def _file_list(self) -> FileList | None:
         """What this node's copy of the manifest lists; None where it cannot be read."""
@@ -362,7 +374,7 @@ class NodeRepair:
         for node, part, _ in listed:
             shares[node].append(part)
         listings = {n: _merged(parts) for n, parts in shares.items()}
-        files = self.given if self.given is not None else decided.spread(listings)
+        files = self.given if self.given is not None else decided.file_list(listings)
         if files is None:
             return False
         recorded = {f: d for x in listings.values() for f, d in x.recorded.items()}
@@ -371,6 +383,8 @@ class NodeRepair:
         if lost:
             log.warning("%s: %d file(s) on no node (first: %s); reading them from a slower tier if one "
                         "holds the step", self.label, len(lost), lost[0])
+        elif self.given is None:  # whole on the nodes: every node is given its manifest (the same on every rank)
+            decided.place(listings)
         # the files it reads from earlier checkpoints, each directory surveyed in turn: every
         # rank walks the same ones in the same order (the file list is the same on all)
         self._earlier = [] if self.given is not None else [

@@ -342,46 +342,57 @@ class Checkpointer:
         # one all-gather: each rank's steps, the saves of its newest, its replica group's vote
         start = self.steps.start_restore(step, besides=besides, vote=None if self.node_copies is None
                                          else self.node_copies.restore_vote())
-        for tried, s in enumerate(start.order):
-            save = self.steps.agreed_save(s, start)
-            # the votes were taken before any repair: only the first step's may use them
-            votes = start.votes() if tried == 0 else None
-            fix = self.node_copies.repair(s, save, votes) if self.node_copies is not None else None
-            if fix is not None and not fix.survey() \
-                    and not any(self.steps.is_committed(i, s) for i in range(1, len(self.tiers))):
-                log.warning("step %d: some of its files are on no node and no slower tier holds it; "
-                            "trying an older step", s)
-                failed.append((s, CheckpointError(f"step {s}: some of its files are on no node and no "
-                                                  "slower tier holds it", checkpoint=self.step_path(0, s))))
-                continue
-            reader = DataStatesReader(
-                self.step_path(0, s), storage_options=self.storage_options[0],
-                fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
-                fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None,
-                save_id=save if save is not None else self.steps.agreed_save(s), process_group=self.pg,
-                _node_repair=fix)
-            try:
-                dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
-            except BaseException as e:  # CheckpointException is a BaseException
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                log.warning("step %d could not be restored from any tier (%s); trying an older one",
-                            s, first_line(e, 300))
-                failed.append((s, e))
-                continue
-            log.info("restored step %d (manifest from %s; %s)", s, reader.manifest_tier,
-                     ", ".join(f"{n / 2**20:.1f} MiB from {u}" for u, n in reader.served.items()))
-            self.last_restore = {"step": s, "manifest_tier": reader.manifest_tier, "served": dict(reader.served)}
-            return s
+        tried = 0
+        for s in start.order:
+            # the saves of the step, newest first: on node-local tiers an older attempt may be
+            # whole on the nodes where the newest is not (the repair gives no node a manifest of
+            # a save it cannot read whole)
+            for save in self.steps.saves_to_try(s, start) or [None]:
+                # the votes were taken before any repair: only the first attempt may use them
+                votes = start.votes() if tried == 0 else None
+                tried += 1
+                got = self._restore(state, s, save, votes)
+                if isinstance(got, BaseException):
+                    failed.append((s, got))
+                    continue
+                self.last_restore = {"step": s, "manifest_tier": got.manifest_tier, "served": dict(got.served)}
+                return s
         if not failed:
             return None
         if step is not None:
             raise failed[0][1]
         newest, why = failed[0]
         raise CheckpointError(
-            f"none of the committed steps {[f for f, _e in failed]} of this run could be restored, so "
-            f"nothing was loaded (a fresh start would replace the run); step {newest} failed with: "
+            f"none of the committed steps {list(dict.fromkeys(f for f, _e in failed))} of this run could be "
+            f"restored, so nothing was loaded (a fresh start would replace the run); step {newest} failed with: "
             f"{first_line(why, 300)}", checkpoint=self.tiers[0]) from why
+
+    def _restore(self, state: dict, s: int, save: str | None, votes) -> DataStatesReader | BaseException:
+        """One try at restoring save ``save`` of step ``s`` (every rank alike): the reader that
+        loaded it, or why it could not."""
+        fix = self.node_copies.repair(s, save, votes) if self.node_copies is not None else None
+        if fix is not None and not fix.survey() \
+                and not any(self.steps.is_committed(i, s) for i in range(1, len(self.tiers))):
+            log.warning("step %d (save %s): some of its files are on no node and no slower tier holds "
+                        "it; trying an older save or step", s, save)
+            return CheckpointError(f"step {s}: some files of save {save} are on no node and no slower "
+                                   "tier holds it", checkpoint=self.step_path(0, s))
+        reader = DataStatesReader(
+            self.step_path(0, s), storage_options=self.storage_options[0],
+            fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
+            fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None,
+            save_id=save, process_group=self.pg, _node_repair=fix)
+        try:
+            dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
+        except BaseException as e:  # CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            log.warning("step %d could not be restored from any tier (%s); trying an older save or step",
+                        s, first_line(e, 300))
+            return e
+        log.info("restored step %d (manifest from %s; %s)", s, reader.manifest_tier,
+                 ", ".join(f"{n / 2**20:.1f} MiB from {u}" for u, n in reader.served.items()))
+        return reader
 
     # ---------------------------------------------------------------- retention
     def _protected(self, tiers: Sequence[int]) -> Protected:

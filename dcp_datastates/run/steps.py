@@ -162,17 +162,26 @@ class RunSteps:
         return tuple(manifest_head(self.tier(i, step)) for i in range(len(self.tiers)))
 
     def agreed_save(self, step: int, start: RestoreStart | None = None) -> str | None:
-        """The save of ``step`` every rank restores when tiers hold different ones (a node kept
-        a copy from an attempt the job rolled back): the newest on a tier all ranks share, else
-        the newest on a node-local tier; None when no copy says (the reader decides alone).
+        """The save of ``step`` every rank restores first when tiers hold different ones (a node
+        kept a copy from an attempt the job rolled back): the newest on a tier all ranks share,
+        else the newest on a node-local tier; None when no copy says (the reader decides
+        alone).  ``saves_to_try`` gives the others, in the order a restore tries them."""
+        saves = self.saves_to_try(step, start)
+        return saves[0] if saves else None
+
+    def saves_to_try(self, step: int, start: RestoreStart | None = None) -> list[str]:
+        """The saves of ``step`` a restore tries, the same list on every rank: those on tiers all
+        ranks share, newest first, then those only node-local tiers hold, newest first (a node's
+        copy may be of an attempt that no set of nodes holds whole: an older attempt may be).
         Decided from the heads ``start`` holds of ``step`` where it holds them (of every copy
         committed), else from an all-gather over ``pg`` of every rank's."""
         views = start.heads_of(step) if start is not None else None
         if views is None:
             views = self._everyone(self._heads(step))
         shared = range(1 if self.node_local else 0, len(self.tiers))
+        out: list[str] = []
         for tiers in (shared, range(0, 1 if self.node_local else 0)):
-            found = [h for v in views if v is not None for i in tiers if (h := v[i]) is not None]
-            if found:
-                return max(found, key=lambda h: (h.created_unix, h.save_id)).save_id
-        return None
+            found = {h.save_id: h for v in views if v is not None for i in tiers if (h := v[i]) is not None}
+            out += [h.save_id for h in sorted(found.values(), key=lambda h: (h.created_unix, h.save_id), reverse=True)
+                    if h.save_id not in out]
+        return out
