@@ -35,17 +35,16 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from .. import process_state
 from ..engine.device_cache import prepare_device_cache
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
-from ..errors import CheckpointError, first_line
 from ..format import decode_manifest
 from ..format.model import Manifest
 from ..format.records import committed_save
-from ..load.reader import DataStatesReader
-from ..planner import DataStatesLoadPlanner, DataStatesSavePlanner
+from ..planner import DataStatesSavePlanner
 from ..replicas.for_run import KnownSave, NodeCopies
 from ..save.guard import async_save
 from ..save.writer import DataStatesWriter
 from ..tiers import StorageTier
 from ..tiers.storage import url_tuple
+from .restore import Restore
 from .retention import Protected, RunRetention
 from .steps import RunSteps
 
@@ -333,66 +332,15 @@ class Checkpointer:
         or None where the run has no committed step (a fresh start).
 
         Every rank reads each byte from the fastest tier holding a valid copy; a step that no
-        tier can serve completely is skipped for the next older one.  Where committed steps
-        exist and none can be restored, ``CheckpointError`` (never None: a trainer would start
-        afresh and its saves and retention would replace the run)."""
+        tier can serve completely is skipped for the next older one (``Restore``).  Where
+        committed steps exist and none can be restored, ``CheckpointError`` (never None: a
+        trainer would start afresh and its saves and retention would replace the run)."""
         self.wait()
-        besides = self._inflight.step if self._inflight else None
-        failed: list[tuple[int, BaseException]] = []  # newest first
-        # one all-gather: each rank's steps, the saves of its newest, its replica group's vote
-        start = self.steps.start_restore(step, besides=besides, vote=None if self.node_copies is None
-                                         else self.node_copies.restore_vote())
-        tried = 0
-        for s in start.order:
-            # the saves of the step, newest first: on node-local tiers an older attempt may be
-            # whole on the nodes where the newest is not (the repair gives no node a manifest of
-            # a save it cannot read whole)
-            for save in self.steps.saves_to_try(s, start) or [None]:
-                # the votes were taken before any repair: only the first attempt may use them
-                votes = start.votes() if tried == 0 else None
-                tried += 1
-                got = self._restore(state, s, save, votes)
-                if isinstance(got, BaseException):
-                    failed.append((s, got))
-                    continue
-                self.last_restore = {"step": s, "manifest_tier": got.manifest_tier, "served": dict(got.served)}
-                return s
-        if not failed:
-            return None
-        if step is not None:
-            raise failed[0][1]
-        newest, why = failed[0]
-        raise CheckpointError(
-            f"none of the committed steps {list(dict.fromkeys(f for f, _e in failed))} of this run could be "
-            f"restored, so nothing was loaded (a fresh start would replace the run); step {newest} failed with: "
-            f"{first_line(why, 300)}", checkpoint=self.tiers[0]) from why
-
-    def _restore(self, state: dict, s: int, save: str | None, votes) -> DataStatesReader | BaseException:
-        """One try at restoring save ``save`` of step ``s`` (every rank alike): the reader that
-        loaded it, or why it could not."""
-        fix = self.node_copies.repair(s, save, votes) if self.node_copies is not None else None
-        if fix is not None and not fix.survey() \
-                and not any(self.steps.is_committed(i, s) for i in range(1, len(self.tiers))):
-            log.warning("step %d (save %s): some of its files are on no node and no slower tier holds "
-                        "it; trying an older save or step", s, save)
-            return CheckpointError(f"step {s}: some files of save {save} are on no node and no slower "
-                                   "tier holds it", checkpoint=self.step_path(0, s))
-        reader = DataStatesReader(
-            self.step_path(0, s), storage_options=self.storage_options[0],
-            fallback=[self.step_path(i, s) for i in range(1, len(self.tiers))],
-            fallback_options=self.storage_options[1] if len(self.tiers) > 1 else None,
-            save_id=save, process_group=self.pg, _node_repair=fix)
-        try:
-            dcp.load(state, storage_reader=reader, process_group=self.pg, planner=DataStatesLoadPlanner())
-        except BaseException as e:  # CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            log.warning("step %d could not be restored from any tier (%s); trying an older save or step",
-                        s, first_line(e, 300))
-            return e
-        log.info("restored step %d (manifest from %s; %s)", s, reader.manifest_tier,
-                 ", ".join(f"{n / 2**20:.1f} MiB from {u}" for u, n in reader.served.items()))
-        return reader
+        restore = Restore(self.steps, self.storage_options, self.node_copies, self.pg)
+        got = restore.run(state, step, besides=self._inflight.step if self._inflight else None)
+        if got is not None:
+            self.last_restore = restore.last
+        return got
 
     # ---------------------------------------------------------------- retention
     def _protected(self, tiers: Sequence[int]) -> Protected:
