@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 import time
 
@@ -69,3 +70,30 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ------------------------------------------------------------ the test's side
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wait_file(path: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"the child exited ({proc.returncode}) before {path}: {out[-3000:]}")
+        assert time.monotonic() < deadline, f"no {path} within {timeout} s"
+        time.sleep(0.05)
+
+
+def hold_claim(path: str, save_id: str, ready: str) -> subprocess.Popen:
+    """A live process holding ``path``'s claim for save ``save_id``, once it returns."""
+    p = subprocess.Popen([sys.executable, "-m", "tests.claim_child", "hold", path, save_id, ready],
+                         env=dict(os.environ, PYTHONPATH=_ROOT), cwd=_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_file(ready, p)
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+    return p

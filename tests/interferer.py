@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 import sys
 import threading
 
@@ -102,3 +103,34 @@ class _Seam:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ------------------------------------------------------------ the test's side
+def _env(locks: bool) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    return env if locks else dict(env, **{NO_LOCKS_ENV: "1"})
+
+
+class Interferer:
+    def __init__(self, locks: bool = True) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.p = subprocess.Popen([sys.executable, "-m", "tests.interferer"], env=_env(locks), cwd=root, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def send(self, line: str) -> str:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+        answer = self.p.stdout.readline().strip()
+        assert answer == "paused" or answer.startswith("done "), f"{line}: {answer or 'the interferer died'}"
+        return answer
+
+    def __call__(self, line: str) -> int:
+        """Run ``line`` to its end; the storage calls it made."""
+        return int(self.send(line).split()[1])
+
+    def close(self) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.close()
+        self.p.wait(60)

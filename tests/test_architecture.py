@@ -167,3 +167,23 @@ def test_a_save_is_changed_only_by_itself():
                     if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "save":
                         bad.append(f"{p.name}:{n.lineno} save.{sub.attr}")
     assert not bad, bad
+
+
+TESTS = sorted((ROOT / "tests").glob("test_*.py"))
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in support modules (``tests/README.md``), never in a test module."""
+    bad = []
+    for p in TESTS:
+        for n in ast.walk(ast.parse(p.read_text())):
+            mods = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+                    [n.module or ""] + [f"{n.module}.{a.name}" for a in n.names] if isinstance(n, ast.ImportFrom) else [])
+            bad += [f"{p.name}:{n.lineno} {m}" for m in mods
+                    if m.startswith("tests.test_") and m.split(".")[1] != p.stem]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("path", TESTS, ids=lambda p: p.name)
+def test_no_test_file_over_800_lines(path):
+    assert len(path.read_text().splitlines()) <= 800, path.name

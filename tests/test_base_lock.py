@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.interferer import Interferer as _Interferer
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.errors import CheckpointError
 from dcp_datastates.tiers.local import LocalBackend
@@ -31,28 +32,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 
-class _Interferer:
-    def __init__(self, locks: bool = True) -> None:
-        env = ENV if locks else dict(ENV, **{NO_LOCKS_ENV: "1"})
-        self.p = subprocess.Popen([sys.executable, "-m", "tests.interferer"], env=env, cwd=ROOT, text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-    def send(self, line: str) -> str:
-        assert self.p.stdin is not None and self.p.stdout is not None
-        self.p.stdin.write(line + "\n")
-        self.p.stdin.flush()
-        answer = self.p.stdout.readline().strip()
-        assert answer == "paused" or answer.startswith("done "), f"{line}: {answer or 'the interferer died'}"
-        return answer
-
-    def __call__(self, line: str) -> int:
-        """Run ``line`` to its end; the storage calls it made."""
-        return int(self.send(line).split()[1])
-
-    def close(self) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.close()
-        self.p.wait(60)
 
 
 class _Seam:

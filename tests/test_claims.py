@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.claim_child import hold_claim
+from tests.claim_child import wait_file as _wait_file
 from dcp_datastates import ClaimLostError, DataStatesReader, DataStatesWriter
 from dcp_datastates.errors import CheckpointBusyError
 from dcp_datastates.format.names import CLAIM_NAME
@@ -49,27 +51,8 @@ def _loads(path, seed: int) -> None:
     assert out["seed"] == seed and torch.equal(out["w"], want["w"]) and torch.equal(out["v"], want["v"])
 
 
-def _wait_file(path: str, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            raise AssertionError(f"the child exited ({proc.returncode}) before {path}: {out[-3000:]}")
-        assert time.monotonic() < deadline, f"no {path} within {timeout} s"
-        time.sleep(0.05)
 
 
-def hold_claim(path: str, save_id: str, ready: str) -> subprocess.Popen:
-    """A live process holding ``path``'s claim for save ``save_id``, once it returns."""
-    p = subprocess.Popen([sys.executable, "-m", "tests.claim_child", "hold", path, save_id, ready],
-                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_file(ready, p)
-    except BaseException:
-        p.kill()
-        p.wait()
-        raise
-    return p
 
 
 def _dead_pid() -> int:
@@ -425,7 +408,7 @@ def test_a_reference_copied_to_a_slow_tier_is_live_before_its_manifest_commits(t
     from dcp_datastates import Checkpointer
     from dcp_datastates.tiers import persist
     from dcp_datastates.tiers.retention import purge_steps
-    from tests.test_base_lock import _Interferer
+    from tests.interferer import Interferer as _Interferer
     t1, t2 = str(tmp_path / "t1"), str(tmp_path / "t2")
     other = _Interferer() if where == "another process" else None
 

@@ -342,7 +342,7 @@ def test_compression_needs_zstandard_and_says_so_in_one_line(monkeypatch):
 
 
 def test_inspect_shows_logical_and_stored_bytes(tmp_path):
-    from tests.test_cli import cli
+    from tests.clirun import cli
     sd = {"bf16": torch.randn(1000, 1000).bfloat16(), "small": torch.randn(10)}
     path = str(tmp_path / "i")
     dcp.save(sd, storage_writer=DataStatesWriter(path, compression="zstd"), no_dist=True)

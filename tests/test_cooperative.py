@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from tests.dist import run_ranks
-from tests.test_corruption import _flip
+from tests.disk import flip_byte as _flip
 
 # ---------------------------------------------------------------- counting storage reads
 

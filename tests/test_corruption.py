@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.disk import flip_byte as _flip
 from dcp_datastates import DataStatesReader
 from dcp_datastates.cli import verify_checkpoint
 from dcp_datastates.format.manifest import MAGIC
@@ -55,12 +56,6 @@ def _extents(d):
     return out
 
 
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 _rewrite_manifest = rewrite_manifest

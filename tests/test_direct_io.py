@@ -9,6 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.disk import drop_cache as _drop_cache
+from tests.disk import o_direct_works as _o_direct_works
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.tiers.manifests import load_manifest
 from dcp_datastates.tiers import StorageTier
@@ -17,18 +19,6 @@ from dcp_datastates.tiers.direct_io import StagingBuffer, cached_bytes, dio_alig
 MiB = 1 << 20
 
 
-def _o_direct_works(d) -> bool:
-    p = os.path.join(d, "probe")
-    with open(p, "wb") as f:
-        f.write(b"\0" * 8192)
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
-    except (OSError, AttributeError):
-        return False
-    finally:
-        os.unlink(p)
-    os.close(fd)
-    return True
 
 
 @pytest.fixture
@@ -38,15 +28,6 @@ def direct_dir(tmp_path):
     return tmp_path
 
 
-def _drop_cache(ckpt: str) -> None:
-    """Evict a checkpoint's files from the page cache (no root needed)."""
-    for n in os.listdir(ckpt):
-        fd = os.open(os.path.join(ckpt, n), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _at_phase(t: torch.Tensor, phase: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from tests.dist import run_ranks
-from tests.test_claims import hold_claim
+from tests.claim_child import hold_claim
 
 
 def _model():
@@ -81,7 +81,9 @@ def _checkpointer_fails_once(rank, world, base, amode):
 
     from dcp_datastates import Checkpointer
     from tests import crashsim
-    from tests.test_save_crash_points import _same, _state, _template
+    from tests.workers import crash_same as _same
+    from tests.workers import crash_state as _state
+    from tests.workers import crash_template as _template
     run, plan = os.path.join(base, "run"), os.path.join(base, "plan.json")
     if rank == 1:
         if amode == "process":  # DCP starts its checkpoint process at the first save
@@ -139,7 +141,9 @@ def _plain_process_save_fails_once(rank, world, base):
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from tests import crashsim
-    from tests.test_save_crash_points import _same, _state, _template
+    from tests.workers import crash_same as _same
+    from tests.workers import crash_state as _state
+    from tests.workers import crash_template as _template
     plan = os.path.join(base, "plan.json")
     if rank == 1:
         crashsim.wrap_spawned(plan)

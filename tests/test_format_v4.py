@@ -52,7 +52,7 @@ from dcp_datastates.format.assemble import index_of as _index_for
 from tests import workers
 from tests.dist import run_ranks
 from tests.manifest_tools import rewrite_manifest
-from tests.test_cli import cli
+from tests.clirun import cli
 
 
 def test_rules_give_dtensors_boxes():

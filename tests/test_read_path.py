@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.tiers import direct_io, read_path
-from tests.test_direct_io import _drop_cache, _o_direct_works
+from tests.disk import drop_cache as _drop_cache
+from tests.disk import o_direct_works as _o_direct_works
 
 MiB = 1 << 20
 

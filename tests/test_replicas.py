@@ -7,6 +7,7 @@ newest step, not the older one on the persistent tier (or from nothing else at a
 
 from __future__ import annotations
 
+
 import errno
 import json
 import os
@@ -43,162 +44,24 @@ from dcp_datastates.replicas.helper import SENDER_ENV
 from dcp_datastates.replicas.records import read_record
 from dcp_datastates.replicas.replicator import TIMEOUT_ENV
 from tests.dist import run_ranks
-
-PER_NODE = 2
-
-
-def _model(world: int):
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.Adam(model.parameters(), lr=0.01)
-
-
-def _train(model, opt, step: int) -> None:
-    torch.manual_seed(100 + step)
-    model(torch.randn(8, 64)).sum().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _state(model, opt) -> dict:
-    msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd, "extra": {"step": 0}}
-
-
-def _flat(obj, out=None, prefix=""):
-    out = {} if out is None else out
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _flat(v, out, f"{prefix}{k}.")
-    elif isinstance(obj, DTensor):
-        out[prefix] = obj.full_tensor().clone()
-    elif isinstance(obj, torch.Tensor):
-        out[prefix] = obj.clone()
-    else:
-        out[prefix] = obj
-    return out
-
-
-def _tiers(base: str, node: int, pfs: bool) -> list[str]:
-    here = os.path.join(base, f"node{node}")
-    return [here, os.path.join(base, "pfs")] if pfs else [here]
-
-
-def _train_and_save(rank, world, base, pfs, replicas=1):
-    """Train 5 steps with an async save after each; once step 5 is replicated, SIGKILL."""
-    node, n_nodes = rank // PER_NODE, world // PER_NODE
-    model, opt = _model(world)
-    pg = dist.new_group(backend="gloo")  # async saves: a group of their own, apart from training's
-    ckpt = Checkpointer(_tiers(base, node, pfs), node_local=True, persist_every=3, replicas=replicas,
-                        node=f"n{node}", process_group=pg)
-    ckpt.register_step_pre_hook(opt)
-    for step in range(1, 6):
-        _train(model, opt, step)
-        sd = _state(model, opt)
-        sd["extra"]["step"] = step
-        fut = ckpt.save(step, sd)
-    fut.result()  # the last step commits: its replication starts then, not at the next save
-    mine = os.path.join(_tiers(base, node, pfs)[0], "step-5")
-    deadline = time.monotonic() + 60
-    while not any((got := replica_record_of(n)) and got[0] == rank for n in os.listdir(mine)):
-        assert time.monotonic() < deadline, os.listdir(mine)
-        time.sleep(0.05)
-    assert ckpt.wait_replicated(120)
-    ckpt.wait_persisted(120)
-    want = _flat(_state(model, opt))
-    if rank == 0:
-        torch.save(want, os.path.join(base, "want.pt"))
-    dist.barrier()
-    # every rank's files of step 5 are on its own node and on the next one
-    here = os.listdir(mine)
-    records = {replica_record_of(n)[0] for n in here if replica_record_of(n)}
-    assert records == {node * PER_NODE + i for i in range(PER_NODE)}, here
-    writers = {int(n[6:11]) for n in here if n.startswith("data-r")}
-    assert writers == {r for r in range(world)
-                       if r // PER_NODE in {(node - k) % n_nodes for k in range(replicas + 1)}}, here
-    if rank == 0 and n_nodes == 2:  # inspect says where the copies are (with more nodes, a node's
-        # directory lacks other ranks' parts, which inspect of a format 4 step reads)
-        from tests.test_cli import cli
-        last = (n_nodes - 1) * PER_NODE
-        info = json.loads(cli("inspect", mine, "--json").stdout)
-        assert {r["rank"]: (r["confirmed_by"], r["complete"], r["holds_files_of"]) for r in info["replicas"]} \
-            == {0: ([2], True, [last]), 1: ([3], True, [last + 1])}, info["replicas"]
-        assert "replicas: rank 0's files on rank(s) [2] (complete" in cli("inspect", mine).stdout
-    dist.barrier()
-    os.kill(os.getpid(), signal.SIGKILL)  # the job dies: no close, no teardown
-
-
-def _killed(world: int, base: str, pfs: bool, replicas: int = 1, fn=None) -> None:
-    with pytest.raises(AssertionError, match=r"exited with codes \[" + ", ".join(["-9"] * world) + r"\]"):
-        if fn is None:
-            run_ranks(world, _train_and_save, base, pfs, replicas)
-        else:
-            run_ranks(world, fn, base)
-
-
-def _restore(rank, world, base, pfs, expect, nodes=None, replicas=1, setup=None):
-    """Restart on ``world`` ranks, rank ``r`` on node ``nodes[r // 2]`` (default: ``r // 2``);
-    ``setup(node, base)`` first, in the rank's process."""
-    node = (nodes or list(range(world // PER_NODE)))[rank // PER_NODE]
-    if setup is not None:
-        setup(node, base)
-    model, opt = _model(world)
-    ckpt = Checkpointer(_tiers(base, node, pfs), node_local=True, persist_every=3, replicas=replicas,
-                        node=f"n{node}", process_group=dist.new_group(backend="gloo"))
-    sd = _state(model, opt)
-    got = ckpt.load(sd)
-    assert got == expect, got
-    _assert_restored(model, opt, sd, base)
-    assert sd["extra"]["step"] == expect
-    ckpt.close()
-
-
-def _count_traffic_and_gathers(node: int, base: str) -> None:
-    _count_repair_traffic(node, base)
-    _count_gathers(node, base, repair=False)  # the traffic's own count wraps the repair's gathers
-
-
-def _assert_restored(model, opt, sd: dict, base: str) -> None:
-    """The loaded ``sd`` put into the model and optimizer equals the state saved in base/want.pt."""
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    want = torch.load(os.path.join(base, "want.pt"), weights_only=True)
-    have = _flat(_state(model, opt))
-    for k, v in want.items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(have[k], v), k
-
-
-def _count_repair_traffic(node: int, base: str) -> None:
-    """Tally the bytes this rank receives through the repair's object collectives (an
-    all-gather brings every rank's object, each padded to the largest), into base/traffic-PID."""
-    real_gather, real_bcast = ReplicaGroup.all_gather_object, ReplicaGroup.broadcast_object
-    total = [0]
-    path = os.path.join(base, f"traffic-{os.getpid()}")
-
-    def from_repair() -> bool:
-        return sys._getframe(2).f_globals.get("__name__", "").endswith(".replicas.repair")
-
-    def note(n: int) -> None:
-        total[0] += n
-        with open(path, "w") as f:
-            f.write(str(total[0]))
-
-    def gather(self, obj):
-        out = real_gather(self, obj)
-        if from_repair():
-            note(len(out) * max(len(pickle.dumps(x)) for x in out))
-        return out
-
-    def bcast(self, obj, src):
-        out = real_bcast(self, obj, src)
-        if from_repair():
-            note(len(pickle.dumps(out)))
-        return out
-    ReplicaGroup.all_gather_object, ReplicaGroup.broadcast_object = gather, bcast
+from tests.replica_jobs import (
+    PER_NODE,
+    _assert_restored,
+    _count_reads_and_gathers,
+    _count_traffic_and_gathers,
+    _first,
+    _flat,
+    _flip_middle,
+    _frozen_state,
+    _gathers,
+    _killed,
+    _model,
+    _on_reads,
+    _restore,
+    _state,
+    _tiers,
+    _train,
+)
 
 
 @pytest.mark.parametrize("nodes,pfs", [pytest.param(2, True, id="2-nodes-with-pfs"),
@@ -227,7 +90,7 @@ def test_a_lost_node_is_restored_from_its_replicas_at_the_newest_step(tmp_path, 
     got = {n for n in os.listdir(os.path.join(base, "node1", "step-5")) if data_file_save_id(n)}
     assert {int(n[6:11]) for n in got} == {0, 1, 2, 3}, got
     if nodes > 2:  # every node's copy still checks out: a node holds all the files of a rank or none
-        from tests.test_cli import cli
+        from tests.clirun import cli
         for n in range(nodes):
             cli("verify", "--node-local", os.path.join(base, f"node{n}", "step-5"))
     if nodes > 2:  # its ranks' records again: a second node lost before the next save is restored too
@@ -289,81 +152,6 @@ def test_a_node_that_cannot_store_the_manifest_sent_to_it_leaves_no_rank_waiting
     assert not os.path.exists(os.path.join(base, "node1", "step-5", MANIFEST_NAME))
 
 
-def _on_reads(seen) -> None:
-    """Call ``seen(path, nbytes)`` before every read this process makes from a stored file:
-    through the storage seam (``StorageTier.read_into``: the repair's hashing and sending, the
-    reader's batched small reads) and through the reader's open descriptors (``read_range``)."""
-    from dcp_datastates.load import files as loading_files
-    real_into, real_range = StorageTier.read_into, loading_files.read_range
-
-    def read_into(self, name, offset, buf, **kw):
-        seen(os.path.join(self.url, name), memoryview(buf).nbytes)
-        return real_into(self, name, offset, buf, **kw)
-
-    def read_range(fd, offset, mv, *args, **kw):
-        seen(os.readlink(f"/proc/self/fd/{fd}"), mv.nbytes)
-        return real_range(fd, offset, mv, *args, **kw)
-
-    StorageTier.read_into, loading_files.read_range = read_into, read_range
-
-
-def _count_reads(node: int, base: str) -> None:
-    """Tally the bytes this rank asks of its node's copy of step 5's data files, per file, into
-    base/reads-n<node>-<pid> (JSON)."""
-    tally: dict[str, int] = {}
-    out, step = os.path.join(base, f"reads-n{node}-{os.getpid()}"), os.path.join(base, f"node{node}", "step-5")
-
-    def seen(path: str, nbytes: int) -> None:
-        if os.path.dirname(path) == step and os.path.basename(path).startswith("data-"):
-            tally[os.path.basename(path)] = tally.get(os.path.basename(path), 0) + nbytes
-            with open(out, "w") as f:
-                json.dump(tally, f)
-    _on_reads(seen)
-
-
-def _count_gathers(node: int, base: str, repair: bool = True) -> None:
-    """Note each all-gather of objects a restore makes to find its step, its save and its
-    replica votes over the load's group (``run.steps``, ``replicas.replicator``: "steps") and for
-    its repair over the replica group (``replicas.repair``: "repair"), a line per call, into
-    base/gathers-PID."""
-    real, real_group = dist.all_gather_object, ReplicaGroup.all_gather_object
-    path = os.path.join(base, f"gathers-{os.getpid()}")
-
-    def note(what: str) -> None:
-        with open(path, "a") as f:
-            f.write(what + "\n")
-
-    def called_from(*modules: str) -> bool:  # the caller, or the caller of process_state's helper
-        caller = sys._getframe(2)  # 0: here, 1: the wrapper below, 2: its caller
-        if caller.f_globals.get("__name__", "").endswith(".process_state") and caller.f_back is not None:
-            caller = caller.f_back
-        first = caller.f_globals.get("__name__", "")
-        return first.endswith(modules)
-
-    def gather(*args, **kwargs):
-        if called_from(".run.steps", ".replicas.replicator"):
-            note("steps")
-        return real(*args, **kwargs)
-
-    def group_gather(self, obj):
-        if called_from(".replicas.repair"):
-            note("repair")
-        return real_group(self, obj)
-    dist.all_gather_object = gather
-    if repair:
-        ReplicaGroup.all_gather_object = group_gather
-
-
-def _gathers(base: str, what: str = "steps") -> list[int]:
-    return sorted(open(os.path.join(base, n)).read().split().count(what)
-                  for n in os.listdir(base) if n.startswith("gathers-"))
-
-
-def _count_reads_and_gathers(node: int, base: str) -> None:
-    _count_reads(node, base)
-    _count_gathers(node, base)
-
-
 def test_a_restore_with_nothing_lost_reads_each_file_once(tmp_path):
     """Every node holds its files intact: the repair checks them by size and reads none, the
     load reads each byte once and checks it against its block digests (a copy found damaged
@@ -387,14 +175,6 @@ def test_a_restore_with_nothing_lost_reads_each_file_once(tmp_path):
         assert read, node
         for name, got in read.items():
             assert got <= os.path.getsize(os.path.join(step, name)), (node, name, got, read)
-
-
-def _flip_middle(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_a_corrupt_copy_is_replaced_by_a_good_replica(tmp_path):
@@ -483,14 +263,6 @@ def _reads_damaged(node: int, base: str) -> None:
     StorageTier.read_into = read_into
 
 
-def _first(path: str) -> bool:
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
-
-
 def test_a_replica_that_arrives_damaged_is_fetched_again_from_another_node(tmp_path):
     """3 nodes, 2 replicas: node 1 is lost, and the first node asked for rank 2's data file
     (which it keeps for others, so checks by size alone) sends it damaged; the replacement
@@ -515,16 +287,6 @@ def test_one_node_fewer_restores_from_the_survivors_replicas(tmp_path, nodes):
     shutil.rmtree(os.path.join(base, "node1"))
     survivors = [n for n in range(nodes) if n != 1]
     run_ranks(len(survivors) * PER_NODE, _restore, base, False, 5, survivors)
-
-
-def _frozen_state(model, opt, world: int, step: int) -> dict:
-    """The state with a tensor that never changes (a frozen embedding, sharded over the ranks):
-    every incremental step after the first references step 1's copy of it."""
-    sd = _state(model, opt)
-    torch.manual_seed(7)
-    sd["extra"] = {"step": step, "frozen": distribute_tensor(torch.randn(24576, 8),
-                                                             init_device_mesh("cpu", (world,)), [Shard(0)])}
-    return sd
 
 
 def _incremental_then_die(rank, world, base):
@@ -583,442 +345,6 @@ def test_a_lost_node_restores_an_incremental_step_with_the_files_it_references(t
         run_ranks(len(survivors) * PER_NODE, _restore_incremental, base, survivors)
 
 
-def _faulty_sender(rank, world, base):
-    """Rank 2's disk fails under its first replication (a wrapped storage read): its peer must
-    drop the partial copy, rank 2's step is degraded and said so, nobody waits for a timeout,
-    training goes on, and the next step replicates in full."""
-    os.environ[SENDER_ENV] = "thread"  # the default; the wrapped storage below lives in this process
-    import errno
-    import threading
-    import time
-
-    from dcp_datastates.tiers import StorageTier
-    if rank == 2:
-        real, left = StorageTier.read_into, [1]
-
-        def read_into(self, name, offset, buf, *, fd=None):
-            if threading.current_thread().name == "dcpds-replicas" and left[0] and name.startswith("data-"):
-                left[0] -= 1
-                raise OSError(errno.EIO, "injected: the disk under the replica sender failed")
-            return real(self, name, offset, buf, fd=fd)
-        StorageTier.read_into = read_into
-    model, opt = _model(world)
-    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1,
-                        node=f"n{rank // PER_NODE}",
-                        process_group=dist.new_group(backend="gloo"))
-    ckpt.register_step_pre_hook(opt)
-    for step in (1, 2):
-        _train(model, opt, step)
-        ckpt.save(step, _state(model, opt))
-    t = time.monotonic()
-    ok = ckpt.wait_replicated(120)
-    assert time.monotonic() - t < 60
-    first, second = ckpt.node_copies.record(1), ckpt.node_copies.record(2)
-    assert ok == (rank != 2) and first.complete == (rank != 2) and second.complete, (rank, first, second)
-    _train(model, opt, 3)  # training was never held up
-    ckpt.close()
-    dist.barrier()
-    if rank == 0:  # rank 2's peer kept nothing of the broken copy
-        here = os.listdir(os.path.join(base, "node0", "step-1"))
-        assert not [n for n in here if n.startswith("data-r00002-") or ".tmp-" in n], here
-        assert [n for n in os.listdir(os.path.join(base, "node0", "step-2")) if n.startswith("data-r00002-")]
-
-
-def test_a_sender_that_fails_mid_replication_degrades_only_its_step(tmp_path):
-    run_ranks(4, _faulty_sender, str(tmp_path))
-
-
-def _stop_rank2_helper(rank, world, base, sender, sd):
-    """A synchronous ``Checkpointer`` with one replica per node-local step, sending from
-    ``sender``; with the helper process, a first step replicates (every helper is up and in its
-    group) and rank 2's helper is then stopped (SIGSTOP).  The checkpointer and the next step."""
-    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1,
-                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
-                        async_mode=None)
-    rep = ckpt.node_copies.replicator
-    assert rep.in_helper == (sender == "process")
-    if sender == "thread":
-        return ckpt, 1
-    ckpt.save(1, sd)
-    assert ckpt.wait_replicated(120)
-    dist.barrier()
-    if rank == 2:
-        os.kill(rep._work._proc.pid, signal.SIGSTOP)
-    return ckpt, 2
-
-
-def _peer_dies(rank, world, base, sender):
-    """Rank 2's sender dies in the middle of replication.  With the thread sender, rank 2 is
-    SIGKILLed while sending its replica (a wrapped storage read kills the process); with the
-    helper process, rank 2's helper is stopped, then SIGKILLed while rank 0's waits for it in
-    the exchange, and rank 2 trains on.  Rank 0 learns it from the broken connection, not from
-    a timeout; rank 0's step is then not fully replicated, and no training thread waited."""
-    import threading
-
-    from dcp_datastates.tiers import StorageTier
-    os.environ[SENDER_ENV] = sender
-    if rank == 2 and sender == "thread":
-        real = StorageTier.read_into
-
-        def read_into(self, name, offset, buf, *, fd=None):
-            if threading.current_thread().name == "dcpds-replicas" and name.startswith("data-") and offset > 0:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(self, name, offset, buf, fd=fd)
-        StorageTier.read_into = read_into
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
-    # 24 MiB a rank: a data file of two messages, killed after the first
-    big = {"w": distribute_tensor(torch.randn(world << 21, 3), mesh, [Shard(0)])}
-    ckpt, step = _stop_rank2_helper(rank, world, base, sender, big)
-    if rank == 2 and sender == "process":
-        helper = ckpt.node_copies.replicator._work._proc.pid
-    ckpt.save(step, big)
-    ckpt.wait()  # committed here; replication runs in the background
-    t = time.monotonic()
-    x = torch.randn(256, 256)
-    for _ in range(20):  # training goes on meanwhile
-        x = torch.tanh(x @ x.T / 256)
-    if rank == 2 and sender == "process":
-        time.sleep(1)  # the others' helpers are in the exchange, waiting for this one
-        os.kill(helper, signal.SIGKILL)
-    ok = ckpt.wait_replicated(120)
-    if rank in (0, 2):
-        assert not ok and time.monotonic() - t < 60, (ok, time.monotonic() - t)
-    if rank == 0:
-        rec = ckpt.node_copies.record(step)
-        assert not rec.complete and rec.confirmed == [], rec
-        here = os.listdir(os.path.join(base, "node0", f"step-{step}"))
-        assert not [n for n in here if n.startswith(f"data-r00002-{rec.save_id}")], here  # nor a temporary file
-    elif rank in (1, 3):
-        assert ok
-    if sender == "process":  # training goes on, and so do its saves: never wedged
-        x = torch.tanh(x @ x.T / 256)
-        ckpt.save(step + 1, big)
-        ckpt.wait()
-        assert ckpt.committed_steps(0)[-1] == step + 1
-    os._exit(0)  # the group lost rank 2: skip the teardown collectives
-
-
-@pytest.mark.parametrize("sender", ["thread", "process"])
-def test_a_peer_killed_mid_replication_degrades_the_step_without_waiting(tmp_path, sender):
-    if sender == "thread":
-        with pytest.raises(AssertionError, match=r"exited with codes \[-9\]"):
-            run_ranks(4, _peer_dies, str(tmp_path), sender)
-    else:
-        run_ranks(4, _peer_dies, str(tmp_path), sender)
-
-
-HUNG_S, GROUP_TIMEOUT_S = 8, 4  # a peer hangs twice as long as the replica group waits
-
-
-def _hang_replication_once(sender: str, rank: int, seconds: float = HUNG_S) -> None:
-    """Rank 2's replication thread stops for ``seconds`` at its first read of a data file to
-    send (a stuck disk), then goes on."""
-    import threading
-
-    if rank != 2 or sender != "thread":
-        return
-    real, hung = StorageTier.read_into, []
-
-    def read_into(self, name, offset, buf, *, fd=None):
-        if threading.current_thread().name == "dcpds-replicas" and name.startswith("data-") and not hung:
-            hung.append(name)
-            time.sleep(seconds)
-        return real(self, name, offset, buf, fd=fd)
-    StorageTier.read_into = read_into
-
-
-def _peer_hangs(rank, world, base, sender):
-    """Rank 2's replication hangs past the replica group's timeout in a step's exchange, alive
-    (the thread sender: a storage read stalls; the helper process: stopped, then continued):
-    rank 0 gives up on it, gloo closes their connections, and rank 2 finds them closed when
-    it goes on.  That step is degraded on both; the next save, planned once every rank's
-    replication is idle, is given a new epoch, every rank makes the group again, and that step
-    is fully replicated on every rank.  Training never waited."""
-    os.environ[SENDER_ENV] = sender
-    os.environ[TIMEOUT_ENV] = str(GROUP_TIMEOUT_S)
-    _hang_replication_once(sender, rank)
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
-    sd = {"w": distribute_tensor(torch.randn(world << 16, 8), mesh, [Shard(0)])}  # 2 MiB a rank
-    ckpt, step = _stop_rank2_helper(rank, world, base, sender, sd)
-    rep = ckpt.node_copies.replicator
-    t = time.monotonic()
-    ckpt.save(step, sd)
-    ckpt.wait()
-    assert time.monotonic() - t < GROUP_TIMEOUT_S, "the save waited for replication"
-    if rank == 2 and sender == "process":
-        time.sleep(HUNG_S)
-        os.kill(rep._work._proc.pid, signal.SIGCONT)
-    ok = ckpt.wait_replicated(120)
-    rec = ckpt.node_copies.record(step)
-    assert ok == (rank in (1, 3)) and rec.complete == ok, (rank, rec)
-    assert rep.vote().broken == (rank in (0, 2)) and rep.vote().idle
-    dist.barrier()  # every rank's replication is idle: the next save makes the group again
-    ckpt.save(step + 1, sd)
-    rec = ckpt.node_copies.record(step + 1, 120)
-    assert rec.complete and rec.confirmed == [(rank + PER_NODE) % world], (rank, rec)
-    assert rep.vote() == ReplicaVote(1, False, True)
-    ckpt.save(step + 2, sd)  # and so are the steps after it, over the same group
-    assert ckpt.node_copies.record(step + 2, 120).complete and rep.vote().epoch == 1
-    ckpt.close()
-
-
-@pytest.mark.parametrize("sender", ["thread", pytest.param("process", marks=pytest.mark.slow)])
-def test_a_peer_that_hung_is_replicated_to_again_from_the_next_save(tmp_path, sender):
-    run_ranks(4, _peer_hangs, str(tmp_path), sender)
-
-
-def _lose_own_files(base: str, rank: int, step: int) -> None:
-    """Remove ``rank``'s own files of ``step`` from its node's directory."""
-    d = os.path.join(_tiers(base, rank // PER_NODE, False)[0], f"step-{step}")
-    for n in os.listdir(d):
-        if (got := rank_file_of(n)) is not None and got[0] == rank:
-            os.remove(os.path.join(d, n))
-
-
-def _step_1_replicated(rank, world, base):
-    """A synchronous ``Checkpointer`` with one replica, sending from its thread, and a 2 MiB
-    shard a rank saved as step 1 and replicated in full: the checkpointer, the state and this
-    rank's shard as saved."""
-    os.environ[SENDER_ENV] = "thread"
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
-    sd = {"w": distribute_tensor(torch.randn(world << 16, 8), mesh, [Shard(0)])}  # 2 MiB a rank
-    node = rank // PER_NODE
-    ckpt = Checkpointer(_tiers(base, node, False), node_local=True, replicas=1, node=f"n{node}",
-                        process_group=dist.new_group(backend="gloo"), async_mode=None)
-    ckpt.save(1, sd)
-    assert ckpt.wait_replicated(120)
-    dist.barrier()
-    return ckpt, sd, sd["w"].to_local().clone()
-
-
-def _load_while_replicating(rank, world, base):
-    """A load of step 1 right after step 2 was saved, while rank 2's replication of step 2 is
-    stalled (3 s at its first read of a file to send) and node 1 has lost its own files of
-    step 1: the load's repair gives node 1 those files from node 0, over the replica group the
-    replication uses, between the same ranks.  Step 1 loads bit-exactly and step 2 is fully
-    replicated all the same."""
-    ckpt, sd, want = _step_1_replicated(rank, world, base)
-    node = rank // PER_NODE
-    if node == 1:  # its ranks' own files of step 1 are lost; its replicas of node 0's stay
-        _lose_own_files(base, rank, 1)
-    dist.barrier()
-    _hang_replication_once("thread", rank, 3)
-    sd["w"].to_local().add_(1)
-    ckpt.save(2, sd)
-    sd["w"].to_local().zero_()
-    assert ckpt.load(sd, step=1) == 1
-    assert torch.equal(sd["w"].to_local(), want)
-    rec = ckpt.node_copies.record(2, 120)
-    assert rec.complete and rec.confirmed == [(rank + PER_NODE) % world], (rank, rec)
-    assert not ckpt.node_copies.replicator.vote().broken
-    ckpt.close()
-
-
-def test_a_load_while_a_replication_is_under_way_repairs_and_replicates_both(tmp_path):
-    run_ranks(4, _load_while_replicating, str(tmp_path))
-
-
-def _load_after_a_peer_hung(rank, world, base):
-    """A load of step 1 in the same job, after rank 2's replication of step 2 hung past the
-    group's timeout (ranks 0 and 2 hold a broken group) and before a save made the group again;
-    node 1 has lost its own files of step 1, so the repair sends them from node 0 over the
-    pair that broke.  The load makes the group again first: step 1 loads bit-exactly, and the
-    next step replicates in full."""
-    os.environ[TIMEOUT_ENV] = str(GROUP_TIMEOUT_S)
-    ckpt, sd, want = _step_1_replicated(rank, world, base)
-    rep, node = ckpt.node_copies.replicator, rank // PER_NODE
-    _hang_replication_once("thread", rank)
-    sd["w"].to_local().add_(1)
-    ckpt.save(2, sd)
-    assert ckpt.wait_replicated(120) == (rank in (1, 3))
-    assert rep.vote().broken == (rank in (0, 2))
-    if node == 1:  # its ranks' own files of step 1 are lost; its replicas of node 0's stay
-        _lose_own_files(base, rank, 1)
-    dist.barrier()
-    sd["w"].to_local().zero_()
-    assert ckpt.load(sd, step=1) == 1
-    assert torch.equal(sd["w"].to_local(), want)
-    assert not rep.vote().broken
-    ckpt.save(3, sd)
-    rec = ckpt.node_copies.record(3, 120)
-    assert rec.complete and rec.confirmed == [(rank + PER_NODE) % world], (rank, rec)
-    ckpt.close()
-
-
-def test_a_load_after_a_peer_hung_makes_the_replica_group_again(tmp_path):
-    run_ranks(4, _load_after_a_peer_hung, str(tmp_path))
-
-
-def _one_node(rank, world, base):
-    """Two ranks on one node asked for a replica: there is no other node, so the step is
-    saved and committed but never counted as fully replicated."""
-    mesh = init_device_mesh("cpu", (world,))
-    sd = {"w": distribute_tensor(torch.randn(64, 8), mesh, [Shard(0)])}
-    ckpt = Checkpointer(_tiers(base, 0, False), node_local=True, replicas=1, node="n0",
-                        process_group=dist.new_group(backend="gloo"), async_mode=None)
-    ckpt.save(1, sd)
-    assert ckpt.wait_replicated(60) is False
-    rec = ckpt.node_copies.record(1)
-    assert not rec.complete and rec.replicas == 1 and rec.confirmed == []
-    ckpt.close()
-
-
-def test_without_another_node_a_step_is_never_called_fully_replicated(tmp_path):
-    run_ranks(2, _one_node, str(tmp_path))
-
-
-def _kept(rank, world, base):
-    """Retention on a node-local tier with replicas: steps beyond ``keep`` go with their replica
-    files and records; the steps kept still hold every rank's files and restore after a loss.
-    Replicas sent from helper processes, which end with the checkpointer."""
-    os.environ[SENDER_ENV] = "process"
-    mesh = init_device_mesh("cpu", (world,))
-    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1, keep=2,
-                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
-                        async_mode=None)
-    for step in range(1, 5):
-        ckpt.save(step, {"w": distribute_tensor(torch.full((64, 8), float(step)), mesh, [Shard(0)])})
-        # replicated before the next save's purge: else that purge keeps one more step, the
-        # newest the node fully replicated (test_retention_keeps_the_newest_fully_replicated_step)
-        assert ckpt.wait_replicated(60)
-    rep = ckpt.node_copies.replicator
-    assert rep.in_helper
-    ckpt.close()
-    assert rep._work._proc.exitcode == 0  # the helper process ended with the checkpointer
-    dist.barrier()
-    here = os.path.join(base, f"node{rank // PER_NODE}")
-    assert sorted(n for n in os.listdir(here) if n.startswith("step-")) == ["step-3", "step-4"], os.listdir(here)
-    files = os.listdir(os.path.join(here, "step-4"))
-    assert {int(n[6:11]) for n in files if n.startswith("data-r")} == set(range(world)), files
-    assert len([n for n in files if replica_record_of(n)]) == PER_NODE, files
-
-
-def test_retention_removes_old_steps_with_their_replicas(tmp_path):
-    run_ranks(4, _kept, str(tmp_path))
-
-
-def _neighbour_purges(rank, world, base):
-    """Rank 1's replication of step 1 is slow (its storage holds the reads of its data file
-    until rank 0 says go); meanwhile rank 0, on the same node, saves step 2 and its retention
-    (``keep=1``) passes over step 1.  Step 1 stays until rank 1 is done with it, its replicas
-    are complete, and a later pass removes it."""
-    os.environ[SENDER_ENV] = "thread"  # the wrapped storage below lives in this process
-    go = os.path.join(base, "go")
-    if rank == 1:
-        real = StorageTier.read_into
-
-        def read_into(self, name, offset, buf, **kw):
-            if name.startswith("data-r00001-") and self.url.endswith("node0/step-1"):
-                deadline = time.monotonic() + 30
-                while not os.path.exists(go) and time.monotonic() < deadline:
-                    time.sleep(0.02)
-            return real(self, name, offset, buf, **kw)
-        StorageTier.read_into = read_into
-    mesh = init_device_mesh("cpu", (world,))
-    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1, keep=1,
-                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
-                        async_mode=None)
-    for step in (1, 2):
-        ckpt.save(step, {"w": distribute_tensor(torch.full((64, 8), float(step)), mesh, [Shard(0)])})
-    if rank == 0:
-        ckpt.retention.join()  # its pass after step 2 is over
-        open(go, "w").close()
-    assert ckpt.wait_replicated(60)  # step 1 too: nothing removed it under rank 1's sends
-    dist.barrier()
-    ckpt.save(3, {"w": distribute_tensor(torch.full((64, 8), 3.0), mesh, [Shard(0)])})
-    ckpt.wait_replicated(60)
-    ckpt.close()
-    dist.barrier()
-    here = os.path.join(base, f"node{rank // PER_NODE}")
-    assert "step-1" not in os.listdir(here), os.listdir(here)  # a later pass removed it
-
-
-def test_a_step_a_neighbour_rank_still_replicates_is_not_purged_under_it(tmp_path):
-    run_ranks(4, _neighbour_purges, str(tmp_path))
-
-
-def _faulty_receiver(rank, world, base):
-    """Rank 2 cannot store what it receives (a wrapped sink that fails, as a full disk would):
-    it drops rank 0's copy and keeps receiving, so rank 0's step is degraded at once, not after
-    a timeout, and rank 2's own files still reach rank 0."""
-    os.environ[SENDER_ENV] = "thread"  # the default; the wrapped storage below lives in this process
-    import errno
-    import time as _time
-
-    from dcp_datastates.tiers import StorageTier
-    if rank == 2:
-        real = StorageTier.open_sink
-
-        def open_sink(self, name, o_direct=False, drop_cache=True):
-            if ".tmp-replica" in name:
-                raise OSError(errno.ENOSPC, "injected: no space left for the replica")
-            return real(self, name, o_direct, drop_cache)
-        StorageTier.open_sink = open_sink
-    mesh = init_device_mesh("cpu", (world,))
-    sd = {"w": distribute_tensor(torch.randn(world << 20, 2), mesh, [Shard(0)])}  # 8 MiB a rank
-    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1,
-                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
-                        async_mode=None)
-    ckpt.save(1, sd)
-    t = _time.monotonic()
-    ok = ckpt.wait_replicated(120)
-    assert _time.monotonic() - t < 60
-    rec = ckpt.node_copies.record(1)
-    assert ok == (rank != 0) and rec.complete == (rank != 0), (rank, rec)
-    ckpt.close()
-
-
-def test_a_receiver_that_cannot_store_a_replica_degrades_only_that_copy(tmp_path):
-    run_ranks(4, _faulty_receiver, str(tmp_path))
-
-
-def _newest_replicated_kept(rank, world, base):
-    """``keep=1`` on the node-local tier while step 2 is still replicating (its reads slowed):
-    step 1, the newest step every rank of the node has fully replicated, stays on the node
-    until step 2 is replicated too; a node lost meanwhile still has a step its peers hold."""
-    os.environ[SENDER_ENV] = "thread"  # the default; the wrapped storage below lives in this process
-    import threading
-    import time as _time
-
-    from dcp_datastates.tiers import StorageTier
-    slow = threading.Event()
-    real = StorageTier.read_into
-
-    def read_into(self, name, offset, buf, *, fd=None):
-        if slow.is_set() and threading.current_thread().name == "dcpds-replicas":
-            _time.sleep(0.5)
-        return real(self, name, offset, buf, fd=fd)
-    StorageTier.read_into = read_into
-    mesh = init_device_mesh("cpu", (world,))
-    ckpt = Checkpointer(_tiers(base, rank // PER_NODE, False), node_local=True, replicas=1, keep=1,
-                        node=f"n{rank // PER_NODE}", process_group=dist.new_group(backend="gloo"),
-                        async_mode=None)
-    ckpt.save(1, {"w": distribute_tensor(torch.full((64, 8), 1.0), mesh, [Shard(0)])})
-    assert ckpt.wait_replicated(60)
-    dist.barrier()
-    slow.set()
-    ckpt.save(2, {"w": distribute_tensor(torch.full((64, 8), 2.0), mesh, [Shard(0)])})
-    ckpt.wait_persisted(60)  # step 2 committed here, and a retention pass run
-    here = os.path.join(base, f"node{rank // PER_NODE}")
-    assert 2 in ckpt.node_copies.busy()
-    assert os.path.isdir(os.path.join(here, "step-1")), os.listdir(here)
-    dist.barrier()
-    slow.clear()
-    assert ckpt.wait_replicated(60)
-    dist.barrier()
-    ckpt.wait_persisted(60)  # now step 2 is the newest replicated: step 1 goes
-    dist.barrier()
-    assert not os.path.exists(os.path.join(here, "step-1")), os.listdir(here)
-    ckpt.close()
-
-
-def test_retention_keeps_the_newest_fully_replicated_step(tmp_path):
-    run_ranks(4, _newest_replicated_kept, str(tmp_path))
-
-
 def _one_rank_nodes(rank, world, base):
     """Four nodes of one rank each, one replica: node ``i`` holds rank ``i``'s files and rank
     ``i - 1``'s replica, and neither of the other two ranks' files."""
@@ -1036,7 +362,7 @@ def test_verify_and_inspect_a_nodes_copy_of_a_step(tmp_path):
     keeps) and names the ranks whose files are on other nodes; plain ``verify`` calls those
     missing and points to the flag.  Damage to a file the node holds, or a replica its record
     says it keeps gone, is still damage."""
-    from tests.test_cli import cli
+    from tests.clirun import cli
     run_ranks(4, _one_rank_nodes, str(tmp_path))
     step = str(tmp_path / "node0" / "step-1")
     plain = cli("verify", step, check=False)
@@ -1062,104 +388,6 @@ def test_verify_and_inspect_a_nodes_copy_of_a_step(tmp_path):
     os.remove(os.path.join(step, kept))  # the replica of rank 3 this node's record says it holds
     gone = cli("verify", "--node-local", step, check=False)
     assert gone.returncode == 1 and f"file {kept}: missing (rank 3 is on this node)" in gone.stdout, gone.stdout
-
-
-def _step_then_die(rank, world, base):
-    """Step 1 commits and replicates; step 2's coordinator is killed in DCP's ``finish``, after
-    every rank wrote its files, and the other ranks die with it."""
-    node = rank // PER_NODE
-    model, opt = _model(world)
-    ckpt = Checkpointer([os.path.join(base, f"node{node}")], node_local=True, replicas=1, node=f"n{node}",
-                        async_mode=None)
-    _train(model, opt, 1)
-    ckpt.save(1, _state(model, opt))
-    assert ckpt.wait_replicated(60)
-    _train(model, opt, 2)
-    if rank == 0:
-        DataStatesWriter.finish = lambda *_a, **_k: os.kill(os.getpid(), signal.SIGKILL)  # dies before the commit
-    try:
-        ckpt.save(2, _state(model, opt))
-    except Exception:  # noqa: BLE001 - the coordinator is gone; this rank dies too
-        pass
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _step_again(rank, world, base):
-    node = rank // PER_NODE
-    model, opt = _model(world)
-    ckpt = Checkpointer([os.path.join(base, f"node{node}")], node_local=True, replicas=1, node=f"n{node}",
-                        async_mode=None)
-    assert ckpt.load(_state(model, opt)) == 1
-    _train(model, opt, 2)
-    ckpt.save(2, _state(model, opt))  # the step the dead job did not commit, saved again
-    assert ckpt.wait_replicated(60)
-    dist.barrier()
-
-
-def test_a_step_whose_job_died_is_saved_again_and_its_dead_files_go_on_every_node(tmp_path):
-    """The restarted job saves the step the dead one did not commit into the same directories:
-    on every node, not only the coordinator's, what the dead attempt wrote there is removed."""
-    base = str(tmp_path)
-    with pytest.raises(AssertionError, match=r"exited with codes"):
-        run_ranks(2 * PER_NODE, _step_then_die, base)
-    dead = {n: {data_file_save_id(f) for f in os.listdir(os.path.join(base, f"node{n}", "step-2"))} - {None}
-            for n in range(2)}
-    assert all(len(ids) == 1 for ids in dead.values()) and len(set().union(*dead.values())) == 1, dead
-    dead_id = dead[0].pop()
-    run_ranks(2 * PER_NODE, _step_again, base)
-    for n in range(2):
-        names = os.listdir(os.path.join(base, f"node{n}", "step-2"))
-        assert not [f for f in names if dead_id in f], (n, names)
-
-
-def _same_step_twice(rank, world, base):
-    node = rank // PER_NODE
-    model, opt = _model(world)
-    ckpt = Checkpointer([os.path.join(base, f"node{node}")], node_local=True, replicas=1, node=f"n{node}",
-                        async_mode=None)
-    for step in (1, 2):
-        _train(model, opt, step)
-        ckpt.save(1, _state(model, opt))  # a job that rolled back saves step 1 again
-        assert ckpt.wait_replicated(60)
-    dist.barrier()
-    heads = {n: manifest_head(StorageTier(os.path.join(base, f"node{n}", "step-1"))).save_id for n in range(2)}
-    assert len(set(heads.values())) == 1, heads  # every node holds the newer save, not a mix
-    names = os.listdir(os.path.join(base, f"node{node}", "step-1"))
-    assert {data_file_save_id(f) for f in names} - {None} == {heads[0]}, names
-
-
-def test_a_step_saved_again_replaces_the_older_save_on_every_node(tmp_path):
-    run_ranks(2 * PER_NODE, _same_step_twice, str(tmp_path))
-
-
-def test_a_save_is_given_a_new_epoch_only_when_a_group_broke_and_every_rank_is_idle():
-    from dcp_datastates.replicas.group import decide_epoch
-    idle, busy = ReplicaVote(2, False, True), ReplicaVote(2, False, False)
-    assert decide_epoch([idle, idle]) == 2
-    assert decide_epoch([ReplicaVote(2, True, True), idle]) == 3
-    assert decide_epoch([ReplicaVote(2, True, True), busy]) == 2  # a rank catching up: not yet
-    assert decide_epoch([ReplicaVote(3, False, True), idle]) == 3  # the newest epoch given
-    assert decide_epoch([idle, None]) is None and decide_epoch([]) is None  # a rank did not vote
-
-
-def test_what_a_member_sends_is_unpickled_into_plain_types_and_records_only():
-    """The replica group's object collectives take objects from the job's own ranks; even so,
-    what arrives never names a function or class outside the library to run."""
-    from dcp_datastates.replicas import group as replica_group
-    from dcp_datastates.format.records import CommittedSave
-    sent = (CommittedSave("s", b"m", ("t",), 1), {1}, frozenset({2}), None, 1.5, b"x", [("a", True)])
-    assert replica_group._objects(pickle.dumps(sent)) == sent
-    with pytest.raises(pickle.UnpicklingError, match="posix.system"):
-        replica_group._objects(pickle.dumps(os.system))
-    # nor a function of the library's, or anything reached through one of its modules' names
-    for module, name in (("dcp_datastates.tiers.borrowed", "clear_borrowed"),
-                         ("dcp_datastates.replicas.group", "os.getpid"),
-                         ("dcp_datastates.replicas.group", "ReplicaGroup")):
-        calls = (pickle.PROTO + bytes([4]) + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module.encode()
-                 + pickle.SHORT_BINUNICODE + bytes([len(name)]) + name.encode() + pickle.STACK_GLOBAL
-                 + pickle.EMPTY_TUPLE + pickle.REDUCE + pickle.STOP)
-        with pytest.raises(pickle.UnpicklingError, match=name):
-            replica_group._objects(calls)
 
 
 def _small_items_save(rank, world, base, plain):
@@ -1225,33 +453,6 @@ def test_a_node_is_never_given_whole_files_for_the_small_tensors_its_ranks_read(
     node2 = StorageTier(os.path.join(base, "node2", "step-1"))
     rec = read_record(node2, 2, manifest_head(node2).save_id)  # written again, and true again
     assert rec is not None and rec.complete and rec.confirmed == [3] and set(rec.held) == {1}, rec
-
-
-def _borrowed_then_purged(rank, world, base):
-    model, opt = _model(world)
-    ck = Checkpointer([os.path.join(base, f"node{rank}")], node_local=True, replicas=1, node=f"n{rank}", keep=1,
-                      async_mode=None, process_group=dist.new_group(backend="gloo"))
-    _train(model, opt, 1)
-    ck.save(1, _state(model, opt))
-    assert ck.wait_replicated(60)
-    assert ck.load(_state(model, opt)) == 1
-    dist.barrier()
-    borrowed = [n for r in range(world) for n in os.listdir(os.path.join(base, f"node{r}", "step-1"))
-                if n.startswith(".borrowed")]
-    assert borrowed  # some rank read another node's small tensors as ranges
-    for step in (2, 3):
-        _train(model, opt, step)
-        ck.save(step, _state(model, opt))
-        assert ck.wait_replicated(60)
-    ck.close()
-    dist.barrier()
-    # step 1 went whole (step 2 may stay: the newest fully replicated when step 3's save purged)
-    assert "step-1" not in os.listdir(os.path.join(base, f"node{rank}")), os.listdir(os.path.join(base, f"node{rank}"))
-    os._exit(0)
-
-
-def test_retention_removes_the_ranges_a_load_borrowed_with_their_step(tmp_path):
-    run_ranks(4, _borrowed_then_purged, str(tmp_path))
 
 
 def _count_messages(base: str) -> None:
@@ -1355,32 +556,3 @@ def test_small_tensor_bytes_lent_from_a_damaged_copy_are_refused_and_read_again_
         assert f.read(1) == byte  # node 0's copy was replaced by a good one
     # the nodes that read ranges of it took it whole in the checked fetch, from node 1
     assert {n: _data_writers(base, n) for n in range(4)} == {0: {0, 3}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 2, 3}}
-
-
-def _record_of(step_dir: str, rank: int) -> str:
-    return os.path.join(step_dir, next(n for n in os.listdir(step_dir)
-                                       if (got := replica_record_of(n)) and got[0] == rank))
-
-
-def _short_timeout(node: int, base: str) -> None:
-    os.environ[TIMEOUT_ENV] = "20"  # a rank left waiting fails the test in seconds, not minutes
-
-
-@pytest.mark.parametrize("field,bad", [("sent", "entries-are-integers"), ("held", "not-a-map"),
-                                       ("confirmed", "not-a-list"), ("replicas", "not-a-number")])
-def test_a_malformed_replica_record_is_skipped_and_the_restore_goes_on(tmp_path, caplog, field, bad):
-    """A record that is valid msgpack but not a record (issue 69, case 6): skipped with one line
-    naming it, on every rank alike, never raised on one rank while the others wait."""
-    import msgpack
-    base = str(tmp_path)
-    _killed(4, base, False)
-    path = _record_of(os.path.join(base, "node1", "step-5"), 2)
-    rec = msgpack.unpackb(open(path, "rb").read(), raw=False, strict_map_key=False)
-    rec[field] = {"sent": {k: 7 for k in rec["sent"]}, "held": [1, 2], "confirmed": {"x": 1},
-                  "replicas": "two"}[field]
-    with open(path, "wb") as f:
-        f.write(msgpack.packb(rec))
-    started = time.monotonic()
-    run_ranks(4, _restore, base, False, 5, None, 1, _short_timeout)
-    assert time.monotonic() - started < 120
-    assert read_record(StorageTier(os.path.dirname(path)), 2, rec["save_id"]) is None

@@ -51,6 +51,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.workers import crash_same as _same
+from tests.workers import crash_state as _state
+from tests.workers import crash_template as _template
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.errors import first_line
 from tests import crashsim
@@ -66,21 +69,10 @@ log = logging.getLogger(__name__)
 AFTER_DEATH_S = 60.0
 
 
-def _state(rank: int, seed: int) -> dict:
-    """Rank ``rank``'s state of save ``seed``: its own tensor (two write buffers' worth), a
-    tensor every rank holds alike (DCP's planner has one rank write it) and a value."""
-    g = torch.Generator().manual_seed(100 * seed + rank)
-    return {f"w{rank}": torch.randn(3 << 18, generator=g), "shared": torch.arange(4096.0) * seed,
-            "seed": seed}
 
 
-def _template(rank: int) -> dict:
-    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in _state(rank, 0).items()}
 
 
-def _same(rank: int, got: dict, seed: int) -> bool:
-    want = _state(rank, seed)
-    return got["seed"] == seed and all(torch.equal(got[k], v) for k, v in want.items() if k != "seed")
 
 
 class _Job:

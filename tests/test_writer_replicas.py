@@ -36,7 +36,7 @@ from dcp_datastates.replicas.work import commit_on_node
 from dcp_datastates.replicas.replicator import TIMEOUT_ENV
 from tests import crashsim
 from tests.dist import run_ranks
-from tests.test_replicas import (
+from tests.replica_jobs import (
     GROUP_TIMEOUT_S,
     HUNG_S,
     PER_NODE,
@@ -386,7 +386,7 @@ def test_a_nodes_commit_never_removes_another_ranks_manifest_in_progress(tmp_pat
 
 
 def _incremental_plain(rank, world, base):
-    from tests.test_replicas import _frozen_state
+    from tests.replica_jobs import _frozen_state
     node = rank // PER_NODE
     model, opt = _model(world)
     run = os.path.join(base, f"node{node}")

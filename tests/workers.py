@@ -581,3 +581,21 @@ def saves_through_one_writer(rank, world, base):
             out = {"w": torch.zeros(4096), "n": {"i": -1}}
             dcp.load(out, storage_reader=DataStatesReader(os.path.join(base, f"{kind}-{i}")), process_group=pg)
             assert out["n"] == {"i": i} and bool(torch.all(out["w"] == 10 * i)), (rank, kind, i)
+
+
+# ------------------------------------------------------------ the crash-point tests' state
+def crash_state(rank: int, seed: int) -> dict:
+    """Rank ``rank``'s state of save ``seed``: its own tensor (two write buffers' worth), a
+    tensor every rank holds alike (DCP's planner has one rank write it) and a value."""
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    return {f"w{rank}": torch.randn(3 << 18, generator=g), "shared": torch.arange(4096.0) * seed,
+            "seed": seed}
+
+
+def crash_template(rank: int) -> dict:
+    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in crash_state(rank, 0).items()}
+
+
+def crash_same(rank: int, got: dict, seed: int) -> bool:
+    want = crash_state(rank, seed)
+    return got["seed"] == seed and all(torch.equal(got[k], v) for k, v in want.items() if k != "seed")
