@@ -192,3 +192,14 @@ def test_a_checkpointer_given_one_path_as_a_string_saves_there(tmp_path, monkeyp
     out = {"w": torch.zeros(4)}
     assert ck.load(out) == 1 and torch.equal(out["w"], torch.ones(4))
     ck.close()
+
+
+@pytest.mark.parametrize("kw,said", [({"compresion": "zstd"}, "did you mean 'compression'"),
+                                     ({"kep": 2}, "did you mean 'keep'"),
+                                     ({"repicas": 1}, "did you mean 'replicas'"),
+                                     ({"compression": "zstdd"}, "compression")])
+def test_a_misspelled_or_bad_checkpointer_option_fails_at_construction(tmp_path, kw, said):
+    """Before: accepted, and training died at the first save with DataStatesWriter's TypeError."""
+    with pytest.raises(ValueError, match="Checkpointer") as ei:
+        Checkpointer([str(tmp_path / "run")], async_mode=None, **kw)
+    assert said in str(ei.value) and "\n" not in str(ei.value), str(ei.value)
