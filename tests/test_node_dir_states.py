@@ -110,18 +110,20 @@ def _lay_out(lib: str, base: str, states: tuple[str, ...]) -> None:
                         out.write(msgpack.packb(rec))
 
 
-def _expected(states: tuple[str, ...]) -> str:
+def _expected(states: tuple[str, ...], alive: int | None = None) -> str:
     """The newest save of step 2 whose files the nodes holding it cover: with one replica,
-    node ``n`` holds the files of ranks ``n`` and ``n - 1`` of each save it committed."""
+    node ``n`` holds the files of ranks ``n`` and ``n - 1`` of each save it committed.  With
+    ``alive``, only the first ``alive`` nodes are left (the others are lost)."""
     nodes = len(states)
     for save in NEWEST:
-        held = [n for n, s in enumerate(states) if {"B+C": "B", "B-bad-records": "B"}.get(s, s) == save]
+        held = [n for n, s in enumerate(states[:alive]) if {"B+C": "B", "B-bad-records": "B"}.get(s, s) == save]
         if {r for n in held for r in (n, (n - 1) % nodes)} == set(range(nodes)):
             return save
     return "S1"
 
 
 def _restore_then_save(rank, world, base, lib, want):
+    """Restore on ``world`` ranks, one a node (nodes beyond ``world`` are lost), check, save again."""
     saves = json.load(open(os.path.join(lib, "saves.json")))
     s1 = manifest_head(StorageTier(os.path.join(base, f"node{rank}", "step-1")))
     ck = _ck(base, rank)
@@ -163,3 +165,29 @@ def test_three_nodes_restore_the_newest_save_fully_present(tmp_path, library, st
     lib = library(3)
     _lay_out(lib, str(tmp_path), states)
     run_ranks(3, _restore_then_save, str(tmp_path), lib, _expected(states))
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_one_node_fewer_restores_the_newest_save_its_survivor_holds(tmp_path, library, state):
+    """Two nodes saved; node 1 is lost and the job restarts on node 0 alone (one replica: node
+    0 holds both ranks' files of every save it committed, and reads them resharded)."""
+    lib = library(2)
+    _lay_out(lib, str(tmp_path), (state, "none"))
+    shutil.rmtree(os.path.join(str(tmp_path), "node1"))
+    run_ranks(1, _restore_one_node_fewer, str(tmp_path), lib, _expected((state, "none"), alive=1))
+
+
+def _restore_one_node_fewer(rank, world, base, lib, want):
+    saves = json.load(open(os.path.join(lib, "saves.json")))
+    ck = _ck(base, rank)
+    out = {"w0": torch.zeros(128, 128), "w1": torch.zeros(128, 128), "label": ""}
+    got = ck.load(out)
+    assert got == (1 if want == "S1" else 2), (got, want)
+    for r in (0, 1):  # both ranks' tensors of the save, from the survivor's copy
+        assert torch.equal(out[f"w{r}"], _state(want, 2, r)[f"w{r}"]), (r, out["label"], want)
+    assert out["label"] == want
+    if want != "S1":
+        assert manifest_head(StorageTier(os.path.join(base, "node0", "step-2"))).save_id == saves[want]
+    ck.save(3, {"w0": out["w0"], "w1": out["w1"], "label": "S3"})
+    assert os.path.exists(os.path.join(base, "node0", "step-3", MANIFEST_NAME))
+    ck.close()
