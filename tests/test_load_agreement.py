@@ -56,3 +56,22 @@ def _names_differ(rank, world, base, node_local):
 @pytest.mark.parametrize("node_local", [False, True], ids=["shared-directory", "node-local-replicas"])
 def test_ranks_that_name_different_checkpoints_fail_naming_both(tmp_path, node_local):
     run_ranks(2, _names_differ, str(tmp_path), node_local)
+
+
+def _node_not_given(rank, world, base):
+    path = _node_dir(base, rank, 1)
+    w = DataStatesWriter(path, replicas=1, node=f"n{rank}")
+    dcp.save(_state(1), storage_writer=w)
+    assert w.wait_replicated(120)
+    dist.barrier()
+    out = {"w": torch.zeros(256, 256), "step": 0}
+    with pytest.raises(BaseException) as ei:  # the host name: both ranks seem to share one node
+        dcp.load(out, storage_reader=DataStatesReader(path, node_local=True))
+    text = str(ei.value) + " ".join(str(getattr(f, "exc", f)) for f in (getattr(ei.value, "failures", None) or {}).values())
+    assert "pass DataStatesReader(node=...)" in text and "KeyError" not in text, text
+
+
+def test_a_node_local_reader_whose_node_differs_from_the_writers_says_so(tmp_path):
+    """Saved with ``node="n0"``/``"n1"``, loaded without ``node=``: both ranks take the host name,
+    so two directories seem to be one node's.  Before: a raw ``KeyError: '.metadata'``."""
+    run_ranks(2, _node_not_given, str(tmp_path))

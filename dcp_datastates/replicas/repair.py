@@ -219,6 +219,18 @@ class DecidedSave:
         self.ranks, self.node, self._wire = repair.ranks, repair.node, repair._wire
         self.save_id = repair.save_id
 
+    def one_directory_a_node(self, dirs: list[tuple[str, str]]) -> None:
+        """Raise, on every rank alike, where ranks that take themselves for one node's read
+        different directories (a reader not given the ``node=`` the writer was)."""
+        seen: dict[str, set[str]] = defaultdict(set)
+        for node, url in dirs:
+            seen[node].add(url)
+        for node, urls in sorted(seen.items()):
+            if len(urls) > 1:
+                raise CheckpointError(
+                    f"ranks of node {node!r} read different directories ({', '.join(sorted(urls)[:2])}); "
+                    "pass DataStatesReader(node=...) (or Checkpointer(node=...)) as the save did", checkpoint=self.label)
+
     def agree(self, named: list) -> None:
         """Raise, on every rank alike, unless every rank names one checkpoint (and save)."""
         one_checkpoint([(r, name, save) for r, (name, save) in enumerate(named)], self.label)
@@ -367,11 +379,12 @@ class NodeRepair:
         mates = self.ranks[self.node]
         mine = _listing(self.tier, str(self.save_id), mates.index(self.rep.peers.me), len(mates))
         shares: dict[str, list[Listing]] = defaultdict(list)
-        listed = self._gather((self.node, mine, named))
+        listed = self._gather((self.node, mine, named, self.tier.url))
         decided = DecidedSave(self)
         if named is not None:
-            decided.agree([n for _, _, n in listed])
-        for node, part, _ in listed:
+            decided.agree([n for _, _, n, _ in listed])
+        decided.one_directory_a_node([(node, url) for node, _, _, url in listed])
+        for node, part, _, _ in listed:
             shares[node].append(part)
         listings = {n: _merged(parts) for n, parts in shares.items()}
         files = self.given if self.given is not None else decided.file_list(listings)
