@@ -37,3 +37,17 @@ def flip_byte(path, offset):
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def full_at_the_commit(monkeypatch) -> None:
+    """Wrap the storage seam (``LocalBackend.commit``) so that committing a ``.metadata`` fails
+    with ENOSPC, as on a disk that filled while the save wrote its data (until ``monkeypatch``
+    undoes it)."""
+    from dcp_datastates.tiers.local import LocalBackend
+    orig = LocalBackend.commit
+
+    def full(self, root, p, tmp_name, data, *, sync):
+        if p.endswith("/.metadata"):
+            raise OSError(28, "No space left on device")
+        return orig(self, root, p, tmp_name, data, sync=sync)
+    monkeypatch.setattr(LocalBackend, "commit", full)

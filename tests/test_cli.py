@@ -149,19 +149,13 @@ def test_demo_runs_kills_and_resumes(tmp_path):
 
 def _interrupted_run(tmp_path, monkeypatch) -> str:
     """step-1 committed; step-2's save died before its commit (its data files are left)."""
-    from dcp_datastates.tiers.local import LocalBackend
+    from tests.disk import full_at_the_commit
     run = str(tmp_path / "run")
     dcp.save(_state(), storage_writer=DataStatesWriter(os.path.join(run, "step-1")), no_dist=True)
-    orig = LocalBackend.commit
-
-    def no_commit(self, root, p, tmp_name, data, *, sync):
-        if p.endswith("/.metadata"):
-            raise OSError(28, "No space left on device")
-        return orig(self, root, p, tmp_name, data, sync=sync)
-    monkeypatch.setattr(LocalBackend, "commit", no_commit)
-    with pytest.raises(BaseException):
-        dcp.save(_state(), storage_writer=DataStatesWriter(os.path.join(run, "step-2")), no_dist=True)
-    monkeypatch.setattr(LocalBackend, "commit", orig)
+    with monkeypatch.context() as m:
+        full_at_the_commit(m)
+        with pytest.raises(BaseException):
+            dcp.save(_state(), storage_writer=DataStatesWriter(os.path.join(run, "step-2")), no_dist=True)
     assert any(n.startswith("data-") for n in os.listdir(os.path.join(run, "step-2")))
     return run
 

@@ -82,14 +82,8 @@ def test_a_full_disk_at_the_commit_names_the_tier_and_the_file(tmp_path, monkeyp
     """The manifest's commit meets ENOSPC: the error names the checkpoint and ``.metadata`` (a
     bare ``OSError: [Errno 28]`` named neither), and stays an OSError with its errno."""
     from dcp_datastates import StorageFailedError
-    from dcp_datastates.tiers.local import LocalBackend
-    orig = LocalBackend.commit
-
-    def full(self, root, p, tmp_name, data, *, sync):
-        if p.endswith("/.metadata"):
-            raise OSError(28, "No space left on device")
-        return orig(self, root, p, tmp_name, data, sync=sync)
-    monkeypatch.setattr(LocalBackend, "commit", full)
+    from tests.disk import full_at_the_commit
+    full_at_the_commit(monkeypatch)
     path = str(tmp_path / "step-1")
     with pytest.raises(BaseException) as ei:
         if mode == "sync":

@@ -22,22 +22,28 @@ from ..errors import CheckpointError
 from .snapshot import CopyItem, Watch, tensor_version
 
 
-def iter_tensors(obj):
-    """Every tensor of a state dict (a DTensor's local shard, a ShardedTensor's local shards),
-    depth first."""
-    if isinstance(obj, DTensor):
-        yield obj.to_local()
-    elif isinstance(obj, ShardedTensor):
-        for shard in obj.local_shards():
-            yield shard.tensor
-    elif isinstance(obj, torch.Tensor):
+def _leaves(obj):
+    """Every tensor of a state dict (a DTensor or ShardedTensor as it is), depth first."""
+    if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from iter_tensors(v)
+            yield from _leaves(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from iter_tensors(v)
+            yield from _leaves(v)
+
+
+def iter_tensors(obj):
+    """Every tensor of a state dict (a DTensor's local shard, a ShardedTensor's local shards),
+    depth first."""
+    for t in _leaves(obj):
+        if isinstance(t, DTensor):
+            yield t.to_local()
+        elif isinstance(t, ShardedTensor):
+            yield from (shard.tensor for shard in t.local_shards())
+        else:
+            yield t
 
 
 def storage_key(t: torch.Tensor):
@@ -50,14 +56,7 @@ def storage_key(t: torch.Tensor):
 
 def iter_dtensors(obj):
     """Every DTensor of a state dict, depth first."""
-    if isinstance(obj, DTensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_dtensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from iter_dtensors(v)
+    return (t for t in _leaves(obj) if isinstance(t, DTensor))
 
 
 def versions(tensors: list[torch.Tensor], through: Sequence[torch.Tensor] = ()) -> dict:
