@@ -70,6 +70,7 @@ def _no_saves_in_child() -> None:
     """A forked child runs none of its parent's saves."""
     _SAVE_IN_THREAD.clear()
 
+
 PLANNED_GRACE_S = 120.0  # a claim whose save planned but has not written for this long is stale
 
 
