@@ -203,3 +203,14 @@ def test_a_misspelled_or_bad_checkpointer_option_fails_at_construction(tmp_path,
     with pytest.raises(ValueError, match="Checkpointer") as ei:
         Checkpointer([str(tmp_path / "run")], async_mode=None, **kw)
     assert said in str(ei.value) and "\n" not in str(ei.value), str(ei.value)
+
+
+def test_loading_a_run_that_is_not_there_says_so(tmp_path, caplog):
+    """A mistyped run directory: ``load`` returns None (a fresh start) with one line saying there
+    is no such directory, instead of starting from step 0 without a word."""
+    ck = Checkpointer([str(tmp_path / "rnu")], async_mode=None)  # the run is at tmp_path/run
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates"):
+        assert ck.load({"w": torch.zeros(4)}) is None
+    said = [r.getMessage() for r in caplog.records if "starts afresh" in r.getMessage()]
+    assert len(said) == 1 and "no directory at" in said[0] and "rnu" in said[0], said
+    ck.close()

@@ -48,6 +48,7 @@ class Restore:
                 self.last = {"step": s, "manifest_tier": got.manifest_tier, "served": dict(got.served)}
                 return s
         if not failed:
+            self._say_fresh(step)
             return None
         if step is not None:
             raise failed[0][1]
@@ -83,3 +84,18 @@ class Restore:
         log.info("restored step %d (manifest from %s; %s)", s, reader.manifest_tier,
                  ", ".join(f"{n / 2**20:.1f} MiB from {u}" for u, n in reader.served.items()))
         return reader
+
+    def _say_fresh(self, step: int | None) -> None:
+        """Say, in one line, why there is nothing to load: a trainer then starts from step 0."""
+        missing = [u for i, u in enumerate(self.steps.tiers) if not _is_dir(self.steps.tier(i))]
+        where = f" (no directory at {', '.join(missing)}: a mistyped path?)" if missing else ""
+        log.log(logging.WARNING if missing else logging.INFO,
+                "no committed step%s in %s%s; nothing loaded, the run starts afresh",
+                "" if step is None else f" {step}", ", ".join(self.steps.tiers), where)
+
+
+def _is_dir(tier) -> bool:
+    try:
+        return tier.is_real_dir()
+    except OSError:
+        return False
