@@ -239,9 +239,11 @@ class DecidedSave:
         """The file list of the save decided on, the same on every rank (a collective): each rank
         reads its own node's manifest where it is that save's, the others are sent it once
         (None: no node holds a manifest of that save)."""
-        if self._wanted(listings) is None:
+        want = self._wanted(listings)
+        if want is None:
             return None
-        return self._agree(self._file_list())
+        here = listings.get(self.node, _NOTHING)
+        return self._agree(self._file_list() if here.manifest == want else None)
 
     def _wanted(self, listings: dict[str, Listing]) -> str | None:
         """The digest of the decided save's manifest (the same bytes on every node that
