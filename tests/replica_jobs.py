@@ -4,12 +4,9 @@ restore that checks what it loaded, and counters of what a restore reads and gat
 
 from __future__ import annotations
 
-
-import errno
 import json
 import os
 import pickle
-import shutil
 import signal
 import sys
 import time
@@ -23,25 +20,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
-from dcp_datastates.format.manifest import decode_manifest, encode_manifest
-from dcp_datastates.format.model import Chunk, Extent, Manifest, Span, TensorEntry, small_ranges
+from dcp_datastates import Checkpointer
 from dcp_datastates.format.names import (
-    MANIFEST_NAME,
-    TEMP_INFIX,
-    data_file_name,
-    data_file_save_id,
     rank_file_of,
     replica_record_of,
 )
-from dcp_datastates.tiers import StorageTier
-from dcp_datastates.tiers.manifests import load_manifest, manifest_head
-from dcp_datastates.replicas.group import ReplicaGroup, ReplicaVote
-from dcp_datastates.replicas.helper import SENDER_ENV
-from dcp_datastates.replicas.records import read_record
+from dcp_datastates.replicas.group import ReplicaGroup
 from dcp_datastates.replicas.replicator import TIMEOUT_ENV
+from dcp_datastates.tiers import StorageTier
 from tests.dist import run_ranks
-
 
 PER_NODE = 2
 

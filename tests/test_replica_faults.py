@@ -4,42 +4,23 @@ records; each degrades only what it must and no rank waits out more than the gro
 
 from __future__ import annotations
 
-
-import errno
-import json
 import os
 import pickle
-import shutil
 import signal
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
-from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
-from dcp_datastates.format.manifest import decode_manifest, encode_manifest
-from dcp_datastates.format.model import Chunk, Extent, Manifest, Span, TensorEntry, small_ranges
-from dcp_datastates.format.names import (
-    MANIFEST_NAME,
-    TEMP_INFIX,
-    data_file_name,
-    data_file_save_id,
-    rank_file_of,
-    replica_record_of,
-)
-from dcp_datastates.tiers import StorageTier
-from dcp_datastates.tiers.manifests import load_manifest, manifest_head
-from dcp_datastates.replicas.group import ReplicaGroup, ReplicaVote
+from dcp_datastates import Checkpointer
+from dcp_datastates.replicas.group import ReplicaVote
 from dcp_datastates.replicas.helper import SENDER_ENV
 from dcp_datastates.replicas.records import read_record
 from dcp_datastates.replicas.replicator import TIMEOUT_ENV
+from dcp_datastates.tiers import StorageTier
 from tests.dist import run_ranks
 from tests.replica_jobs import (
     GROUP_TIMEOUT_S,
@@ -365,8 +346,8 @@ def test_a_save_is_given_a_new_epoch_only_when_a_group_broke_and_every_rank_is_i
 def test_what_a_member_sends_is_unpickled_into_plain_types_and_records_only():
     """The replica group's object collectives take objects from the job's own ranks; even so,
     what arrives never names a function or class outside the library to run."""
-    from dcp_datastates.replicas import group as replica_group
     from dcp_datastates.format.records import CommittedSave
+    from dcp_datastates.replicas import group as replica_group
     sent = (CommittedSave("s", b"m", ("t",), 1), {1}, frozenset({2}), None, 1.5, b"x", [("a", True)])
     assert replica_group._objects(pickle.dumps(sent)) == sent
     with pytest.raises(pickle.UnpicklingError, match="posix.system"):

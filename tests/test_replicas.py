@@ -7,24 +7,19 @@ newest step, not the older one on the persistent tier (or from nothing else at a
 
 from __future__ import annotations
 
-
 import errno
 import json
 import os
 import pickle
 import shutil
 import signal
-import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
 from dcp_datastates.format.manifest import decode_manifest, encode_manifest
@@ -34,15 +29,12 @@ from dcp_datastates.format.names import (
     TEMP_INFIX,
     data_file_name,
     data_file_save_id,
-    rank_file_of,
     replica_record_of,
 )
+from dcp_datastates.replicas.group import ReplicaGroup
+from dcp_datastates.replicas.records import read_record
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import load_manifest, manifest_head
-from dcp_datastates.replicas.group import ReplicaGroup, ReplicaVote
-from dcp_datastates.replicas.helper import SENDER_ENV
-from dcp_datastates.replicas.records import read_record
-from dcp_datastates.replicas.replicator import TIMEOUT_ENV
 from tests.dist import run_ranks
 from tests.replica_jobs import (
     PER_NODE,

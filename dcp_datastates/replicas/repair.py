@@ -216,7 +216,7 @@ class DecidedSave:
 
     def __init__(self, repair: "NodeRepair") -> None:
         self.rep, self.tier, self.label = repair.rep, repair.tier, repair.label
-        self.ranks, self.node, self._wire = repair.ranks, repair.node, repair._wire
+        self.ranks, self.node, self.wire = repair.ranks, repair.node, repair.wire
         self.save_id = repair.save_id
 
     def one_directory_a_node(self, dirs: list[tuple[str, str]]) -> None:
@@ -271,7 +271,7 @@ class DecidedSave:
             if replaced:
                 log.warning("%s: node(s) %s hold a manifest of another attempt of this step; the load "
                             "reads save %s, whose manifest replaces it there", self.label, replaced, self.save_id)
-            self._wire.files(moves, {MANIFEST_NAME: want})
+            self.wire.files(moves, {MANIFEST_NAME: want})
             self.rep.group.barrier()  # every manifest received is committed before it is read
 
     def _file_list(self) -> FileList | None:
@@ -335,7 +335,7 @@ class NodeRepair:
         self._survey: Survey | None = None
         self._complete: bool | None = None
         self.borrowed: set[str] = set()  # the files this rank was sent ranges of (``fetch``)
-        self._wire = Wire(rep.group, rep.peers.me, rep.peers.ranks, tier, label)
+        self.wire = Wire(rep.group, rep.peers.me, rep.peers.ranks, tier, label)  # the transfers (also DecidedSave's)
 
     @property
     def borrowed_tier(self) -> StorageTier:
@@ -476,7 +476,7 @@ class NodeRepair:
                                       self.ranks[node][i % len(self.ranks[node])], s.files[name]))
             if not moves:
                 break
-            kept = self._wire.files(moves, s.recorded)
+            kept = self.wire.files(moves, s.recorded)
             received += sum(s.files[n] for n in kept)
             for node, names in self._gather((self.node, sorted(kept))):
                 want[node].difference_update(names)
@@ -545,7 +545,7 @@ class NodeRepair:
             src = source[span.file]
             if src is not None:  # on no node: the load reads it from a slower tier or fails naming it
                 pieces.append(Lent(span, src))
-        kept, got = self._wire.lend(pieces, wanted, self.borrowed_tier)
+        kept, got = self.wire.lend(pieces, wanted, self.borrowed_tier)
         self.borrowed |= kept
         return got
 
