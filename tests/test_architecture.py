@@ -169,6 +169,28 @@ def test_a_save_is_changed_only_by_itself():
     assert not bad, bad
 
 
+# Every place that commits a manifest, the one commit point's callers (docs/reliability.md):
+# a save's first tier, a slower tier (per-rank manifests, and the coordinator's), a node's copy
+# committed by replication, and the manifest a restore's repair places on a node.
+MANIFEST_COMMITS = {"dcp_datastates/save/rank_save.py": 1, "dcp_datastates/tiers/persist.py": 2,
+                    "dcp_datastates/replicas/work.py": 1, "dcp_datastates/replicas/moves.py": 1}
+
+
+def test_manifests_are_committed_at_one_point():
+    """Only ``tiers/commit.py`` writes a manifest (``StorageTier`` refuses one by any other way;
+    only it and ``storage.py`` reach the seam's commit and rename), and these are its callers."""
+    seam = {}
+    for p in LIB:
+        rel = str(p.relative_to(ROOT))
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("commit", "rename") \
+                    and ast.unparse(n.func.value).endswith("backend"):
+                seam.setdefault(rel, []).append(n.lineno)
+    assert sorted(seam) == ["dcp_datastates/tiers/commit.py", "dcp_datastates/tiers/storage.py"], seam
+    callers = {str(p.relative_to(ROOT)): len(_calls(p, "commit_manifest")) for p in LIB}
+    assert {k: v for k, v in callers.items() if v} == MANIFEST_COMMITS
+
+
 TESTS = sorted((ROOT / "tests").glob("test_*.py"))
 
 

@@ -26,7 +26,6 @@ from dcp_datastates.format.manifest import decode_manifest, encode_manifest
 from dcp_datastates.format.model import Chunk, Extent, Manifest, Span, TensorEntry, small_ranges
 from dcp_datastates.format.names import (
     MANIFEST_NAME,
-    TEMP_INFIX,
     data_file_name,
     data_file_save_id,
     replica_record_of,
@@ -34,6 +33,7 @@ from dcp_datastates.format.names import (
 from dcp_datastates.replicas.group import ReplicaGroup
 from dcp_datastates.replicas.records import read_record
 from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers.local import LocalBackend
 from dcp_datastates.tiers.manifests import load_manifest, manifest_head
 from tests.dist import run_ranks
 from tests.replica_jobs import (
@@ -118,16 +118,16 @@ def _restore_persisted(rank, world, base, setup=None):
 
 
 def _cannot_store_the_manifest(node: int, base: str) -> None:
-    """Node 1's disk fails every write of a manifest sent to it (an I/O error)."""
+    """Node 1's disk fails every commit of a manifest (an I/O error at the storage seam)."""
     if node != 1:
         return
-    real = StorageTier.open_sink
+    real = LocalBackend.commit
 
-    def open_sink(self, name, *args, **kw):
-        if name.startswith(MANIFEST_NAME + TEMP_INFIX):
-            raise OSError(errno.EIO, "Input/output error", name)
-        return real(self, name, *args, **kw)
-    StorageTier.open_sink = open_sink
+    def commit(self, root, path, tmp_name, data, *, sync):
+        if os.path.basename(path) == MANIFEST_NAME:
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(self, root, path, tmp_name, data, sync=sync)
+    LocalBackend.commit = commit
 
 
 def test_a_node_that_cannot_store_the_manifest_sent_to_it_leaves_no_rank_waiting(tmp_path):

@@ -1,9 +1,10 @@
-"""The bytes of a node-local restore's repair (``replica_repair.py``) on the wire: the moves it
+"""The bytes of a node-local restore's repair (``repair.py``) on the wire: the moves it
 plans, each between two members of the replica group, and what each side does with them.
 
 Every rank walks the same list of moves in the same order and takes part in those it is a side
-of, so each pair's sends and receives match.  A whole file lands in the node's directory under
-a temporary name, kept only when its bytes match the digest recorded when it was replicated.
+of, so each pair's sends and receives match.  A whole file goes as ``transfer.py`` sends every
+file, kept only when its bytes match the digest recorded when it was replicated; the decided
+save's manifest is received into memory and committed through ``tiers.commit``.
 The small records ranks read of files their nodes lack travel otherwise: every rank takes part
 in the same max-reductions of their bytes (each byte not zero only on its source), so what a
 rank receives follows the bytes some rank lacks, not the ranks times the files they come from;
@@ -18,14 +19,16 @@ import os
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from ..errors import CheckpointError
+from ..format.limits import MAX_MANIFEST_BYTES
 from ..format.model import Span
+from ..format.names import MANIFEST_NAME
 from ..tiers.backend import Sink
+from ..tiers.commit import ByDecision, commit_manifest
 from ..tiers.storage import StorageTier
 from .group import ReplicaGroup
-from .work import PIECE, Landing, piece_buffer
+from .transfer import PIECE, Held, Incoming, Landing, recv_files, send_files
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +64,39 @@ class Wire:
         this rank received and kept: each only with the digest ``digests`` records for it, or,
         where none is recorded (a file no replication vouched for), with the digest its sender
         took of what it sent (the load then checks each block it reads, as always)."""
-        kept = set()
+        return set(self._moved(moves, digests, Landing))
+
+    def manifest(self, moves: list[Move], digest: str, save_id: str) -> bool:
+        """Send the manifest of save ``save_id`` as ``moves`` say (the same list on every rank);
+        where this rank receives it and its bytes match ``digest``, commit it in this node's
+        directory on the load's decision (``tiers.commit``): whether it did.  A node whose
+        storage fails the commit keeps what it had (its ranks are sent the file list)."""
+        for name, held in self._moved(moves, {MANIFEST_NAME: digest}, Held).items():
+            assert isinstance(held, Held) and name == MANIFEST_NAME
+            try:
+                return commit_manifest(self.tier, bytes(held.data), save_id, ByDecision("the save this load reads"))
+            except (OSError, CheckpointError) as e:
+                log.warning("%s: the manifest of save %s could not be committed here: %s", self.label, save_id, e)
+        return False
+
+    def _moved(self, moves: list[Move], digests: dict[str, str], land: type) -> dict[str, Landing | Held]:
+        kept: dict[str, Landing | Held] = {}
         for mv in moves:
             if self.me not in (mv.src, mv.dst):
                 continue
-            peer = mv.dst if self.me == mv.src else mv.src
             if self.me == mv.src:
-                _send_file(self.group, self.tier, mv.name, mv.size, peer)
+                out = send_files(self.group, self.tier, [(mv.name, mv.size)], mv.dst)
+                for p in out.problems:
+                    log.warning("%s: %s (sent to rank %d as zeros)", self.label, p, self.ranks[mv.dst])
                 continue
-            ok = _recv_file(self.group, self.tier, mv.name, mv.size, peer, digests.get(mv.name))
-            if ok:
-                kept.add(mv.name)
+            big = land is Held and mv.size > MAX_MANIFEST_BYTES  # received and dropped
+            into = Incoming(self.tier, [(mv.name, mv.size)], expect=digests, land=land, make_dir=True,
+                            refuse=lambda name, big=big: f"{name} is over the manifest size limit" if big else None)
+            got = recv_files(self.group, into, mv.src)
+            kept.update(got.kept)
+            for p in got.problems:
+                log.warning("%s: %s", self.label, p)
+            ok = mv.name in got.kept
             log.log(logging.INFO if ok else logging.WARNING, "%s: %s %s from rank %d", self.label,
                     "restored" if ok else "could not restore", mv.name, self.ranks[mv.src])
         return kept
@@ -206,65 +231,3 @@ class _Sinks:
                 log.warning("%s/%s cannot be stored here (%s): dropped", self.tier.url, name, e)
         self._open.clear()
         return kept
-
-
-def _send_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, peer: int) -> None:
-    """Send ``size`` bytes of ``name`` and their digest; a file that cannot be read goes as
-    zeros with a digest of zeros, which its receiver drops (and neither side waits)."""
-    buf = torch.empty(PIECE, dtype=torch.uint8)
-    h = xxhash.xxh3_128()
-    ok = True
-    for a in range(0, size, PIECE):
-        n = min(PIECE, size - a)
-        if ok:
-            try:
-                tier.read_into(name, a, buf[:n].numpy())
-            except (OSError, CheckpointError) as e:
-                log.warning("%s/%s cannot be read to send to group member %d: %s", tier.url, name, peer, e)
-                ok = False
-        if not ok:
-            buf[:n].zero_()
-        h.update(buf[:n].numpy().data)
-        group.send(buf[:n], peer)
-    tail = h.digest() if ok else bytes(16)
-    group.send(torch.frombuffer(bytearray(tail), dtype=torch.uint8), peer)
-
-
-def _recv_file(group: ReplicaGroup, tier: StorageTier, name: str, size: int, peer: int,
-               digest: str | None) -> bool:
-    """Receive ``name`` into ``tier``; keep it only when its bytes match ``digest`` (None: the
-    digest its sender sends after the bytes, which one that could not read them zeroes).  Where this
-    node's storage cannot take it, the bytes are still received (the sender, and every rank
-    after it in the moves, stays in step) and dropped: False."""
-    buf = piece_buffer()
-    landing: Landing | None = None
-    try:
-        tier.makedirs()
-        landing = Landing(tier, name)
-    except OSError as e:
-        log.warning("%s/%s cannot be stored here (%s): received and dropped", tier.url, name, e)
-    try:
-        for a in range(0, size, PIECE):
-            n = min(PIECE, size - a)
-            group.recv(buf[:n], peer)
-            if landing is not None:
-                try:
-                    landing.write(buf, n, a)
-                except OSError as e:
-                    log.warning("%s/%s cannot be stored here (%s): received and dropped", tier.url, name, e)
-                    landing.abort()
-                    landing = None
-        tail = torch.empty(16, dtype=torch.uint8)
-        group.recv(tail, peer)
-    except BaseException:
-        if landing is not None:
-            landing.abort()
-        raise
-    if landing is None:
-        return False
-    try:
-        sent = tail.numpy().tobytes()
-        return landing.keep(sent if digest is None or landing.hash.hexdigest() == digest else b"")
-    except OSError as e:
-        log.warning("%s/%s cannot be stored here (%s): dropped", tier.url, name, e)
-        return False

@@ -43,7 +43,7 @@ from ..tiers.storage import StorageTier
 from .moves import Lent, Move, Wire
 from .records import ReplicaRecord, read_record
 from .replicator import Replicator
-from .work import PIECE
+from .transfer import PIECE
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,8 @@ class DecidedSave:
             if replaced:
                 log.warning("%s: node(s) %s hold a manifest of another attempt of this step; the load "
                             "reads save %s, whose manifest replaces it there", self.label, replaced, self.save_id)
-            self.wire.files(moves, {MANIFEST_NAME: want})
+            assert self.save_id is not None  # want is a manifest of it
+            self.wire.manifest(moves, want, self.save_id)
             self.rep.group.barrier()  # every manifest received is committed before it is read
 
     def _file_list(self) -> FileList | None:

@@ -33,15 +33,11 @@ from dataclasses import dataclass
 
 import msgpack
 import torch
-import xxhash
 
 from .. import process_state
 from ..errors import CheckpointError
 from ..format import decode_manifest
-from ..format.layout import ALIGNMENT, align_up
 from ..format.names import (
-    MANIFEST_NAME,
-    TEMP_INFIX,
     data_file_save_id,
     rank_file_of,
     replica_record_name,
@@ -49,16 +45,17 @@ from ..format.names import (
 )
 from ..format.records import CommittedSave
 from ..format.values import pack_plain
+from ..tiers.commit import ByDecision, commit_manifest
 from ..tiers.manifests import load_manifest, manifest_head
 from ..tiers.storage import StorageTier
 from ..tiers.tidy import Tidy
 from .group import ReplicaGroup
 from .records import ReplicaRecord
+from .transfer import Incoming, Outgoing, exchange_files
 
 log = logging.getLogger(__name__)
 
 NODE_ENV = "DCP_DATASTATES_NODE"  # overrides the node a rank is on (tests, odd launchers)
-PIECE = 4 << 20  # bytes per message: two buffers of it per exchange
 
 
 def node_name() -> str:
@@ -130,58 +127,10 @@ class NodeMap:
         return ranks[names[(i + k) % len(names)]][j]
 
 
-def piece_buffer() -> torch.Tensor:
-    """``PIECE`` bytes at an ``ALIGNMENT`` boundary, so that a piece can be written O_DIRECT."""
-    raw = torch.empty(PIECE + ALIGNMENT, dtype=torch.uint8)
-    shift = (-raw.data_ptr()) % ALIGNMENT
-    return raw[shift:shift + PIECE]
-
-
-class Landing:
-    """A replica arriving: written under a temporary name and hashed as its pieces come, kept
-    under its own name only when the whole file matches the digest its sender gives.  Written
-    O_DIRECT where the filesystem allows: a replica is not read again soon, and on a busy node
-    the page cache's writeback of another node's bytes costs training more than direct writes
-    from the receive buffer."""
-
-    def __init__(self, tier: StorageTier, name: str) -> None:
-        self.tier, self.name = tier, name
-        self.tmp = name + TEMP_INFIX + "replica"
-        self.hash = xxhash.xxh3_128()
-        self.sink = tier.open_sink(self.tmp, o_direct=True, drop_cache=True)
-
-    def write(self, buf: torch.Tensor, n: int, offset: int) -> None:
-        """The ``n`` bytes at the start of ``buf`` (a ``piece_buffer``) go at ``offset`` (a
-        multiple of ``PIECE``)."""
-        chunk = buf[:n].numpy()
-        self.hash.update(chunk.data)
-        if not n:
-            return
-        if getattr(self.sink, "o_direct", False):  # whole blocks; the file is cut to its size at close
-            self.sink.pwrite(buf[:align_up(n)].numpy().data, offset, logical=n)
-        else:
-            self.sink.pwrite(chunk, offset)
-
-    def keep(self, digest: bytes) -> bool:
-        """Make it durable; rename it into place when its bytes match ``digest``, else drop it."""
-        try:
-            self.sink.close(sync=True)
-        except BaseException:
-            self.sink.abort()
-            raise
-        if digest != self.hash.digest():
-            self.tier.remove(self.tmp)
-            return False
-        self.tier.publish(self.tmp, self.name)
-        return True
-
-    def abort(self) -> None:
-        self.sink.abort()
-
-
 class _Exchange:
     """One round: this rank's files to member ``dst`` and member ``src``'s files from it, at
-    once, over ``group``; ``src_rank`` is the rank that names the files ``src`` sends."""
+    once, over ``group`` (``transfer.py``); ``src_rank`` is the rank that names the files
+    ``src`` sends."""
 
     def __init__(self, group: ReplicaGroup, tier: StorageTier, dst: int, src: int, src_rank: int) -> None:
         self.group, self.tier, self.dst, self.src, self.src_rank = group, tier, dst, src, src_rank
@@ -193,124 +142,32 @@ class _Exchange:
             ) -> tuple[dict[str, list], bool, list[str]]:
         """Send ``files`` (name, size) and receive the peer's.  Returns what was received and
         checked (name -> [size, digest hex]), whether the peer received and checked every file
-        sent, and what went wrong here.  Both sides exchange exactly the messages their headers
-        announce whatever fails on the way (a file that cannot be read is sent as zeros with a
-        digest that cannot match), so neither side waits for a message the other will not send;
-        only a peer that died leaves the other to the group's timeout.  ``digests`` gets each
-        sent file's digest; with ``keep`` False every incoming file is received and dropped."""
+        sent, and what went wrong here.  ``digests`` gets each sent file's digest; with
+        ``keep`` False every incoming file is received and dropped."""
         head = pack_plain([[n, s] for n, s in files])
         n_in = torch.zeros(1, dtype=torch.int64)
         self._both(torch.tensor([len(head)], dtype=torch.int64), n_in)
         theirs = torch.empty(int(n_in.item()), dtype=torch.uint8)
         self._both(torch.frombuffer(bytearray(head), dtype=torch.uint8), theirs)
         incoming = [(str(n), int(s)) for n, s in msgpack.unpackb(theirs.numpy().tobytes(), raw=False)]
-        problems: list[str] = []
-        refused = set()
-        for i, (name, _) in enumerate(incoming):
-            got = rank_file_of(name)
-            if not keep:
-                refused.add(i)
-            elif got is None or got[0] != self.src_rank:  # received and dropped: never written here
-                problems.append(f"rank {self.src_rank} offered {name!r}, not one of its own files")
-                refused.add(i)
-        out_seq = _with_digests(_pieces(files))
-        in_seq = _with_digests(_pieces(incoming))
-        hashers = [xxhash.xxh3_128() for _ in files]
-        unreadable: set[int] = set()
-        sinks: dict[int, Landing] = {}
-        received: dict[str, list] = {}
-        sendbuf = torch.empty(PIECE, dtype=torch.uint8)
-        recvbuf = piece_buffer()
-        try:
-            for k in range(max(len(out_seq), len(in_seq))):
-                out = into = None
-                if k < len(out_seq):
-                    out = self._outgoing(files, out_seq[k], hashers, unreadable, sendbuf, digests, problems)
-                if k < len(in_seq):
-                    i, a, n = in_seq[k]
-                    into = recvbuf[:16] if a < 0 else recvbuf[:n]
-                self._both(out, into)
-                if k < len(in_seq):
-                    self._incoming(incoming, in_seq[k], refused, sinks, recvbuf, received, problems)
-        finally:
-            for landing in sinks.values():
-                landing.abort()
+        out = Outgoing(self.tier, files)
+        into = Incoming(self.tier, incoming, refuse=self._refuse if keep else lambda name: "")
+        exchange_files(self.group, out, self.dst, into, self.src)
+        if digests is not None:
+            digests.update(out.digests)
+        problems = out.problems + [p for p in into.problems if p]
+        received = {name: [size, into.kept[name].hash.hexdigest()] for name, size in incoming if name in into.kept}
         ok_here = torch.tensor([int(len(received) == len(incoming))], dtype=torch.int64)
         ok_there = torch.zeros(1, dtype=torch.int64)
         self._both(ok_here, ok_there)  # each side says whether it received every file intact
-        return received, bool(ok_there.item()) and not unreadable, problems
+        return received, bool(ok_there.item()) and not out.unreadable, problems
 
-    def _outgoing(self, files, piece, hashers, unreadable: set, buf: torch.Tensor, digests, problems) -> torch.Tensor:
-        i, a, n = piece
-        name = files[i][0]
-        if a < 0:  # the digest of file i; zeros where the file could not be read
-            if i in unreadable:
-                return torch.zeros(16, dtype=torch.uint8)
-            if digests is not None:
-                digests[name] = hashers[i].hexdigest()
-            return torch.frombuffer(bytearray(hashers[i].digest()), dtype=torch.uint8)
-        if i not in unreadable:
-            try:
-                got = self.tier.read_into(name, a, buf[:n].numpy())
-                if got != n:
-                    raise OSError(f"{name} is shorter than its {files[i][1]} bytes")
-                hashers[i].update(buf[:n].numpy().data)
-                return buf[:n]
-            except (OSError, CheckpointError) as e:
-                problems.append(f"{name} could not be read: {e}")
-                unreadable.add(i)
-        buf[:n].zero_()
-        return buf[:n]
-
-    def _incoming(self, incoming, piece, refused: set, sinks: dict[int, Landing], buf: torch.Tensor,
-                  received: dict, problems: list) -> None:
-        """Piece ``piece`` of an incoming file, just received into ``buf``.  A local failure to
-        store it (the step's directory purged meanwhile, a full disk) drops the file and keeps
-        receiving, so the peer is never left waiting."""
-        try:
-            self._store(incoming, piece, refused, sinks, buf, received, problems)
-        except (OSError, CheckpointError) as e:
-            i = piece[0]
-            problems.append(f"the replica of {incoming[i][0]} could not be stored here: {e}")
-            refused.add(i)
-            landing = sinks.pop(i, None)
-            if landing is not None:
-                landing.abort()
-
-    def _store(self, incoming, piece, refused: set, sinks: dict[int, Landing], buf: torch.Tensor,
-               received: dict, problems: list) -> None:
-        i, a, n = piece
-        name, size = incoming[i]
-        if i in refused:
-            return
-        if a < 0:  # the file's digest: keep it only when it matches
-            landing = sinks.pop(i, None)
-            if landing is None:
-                return
-            if not landing.keep(buf[:16].numpy().tobytes()):
-                problems.append(f"the replica of {name} from rank {self.src_rank} does not match its digest")
-                return
-            received[name] = [size, landing.hash.hexdigest()]
-            return
-        if i not in sinks:
-            sinks[i] = Landing(self.tier, name)
-        sinks[i].write(buf, n, a)
-
-
-def _pieces(files: list[tuple[str, int]]) -> list[tuple[int, int, int]]:
-    """``(file, offset, nbytes)`` of each file in messages of at most ``PIECE`` bytes (one empty
-    message for an empty file)."""
-    return [(i, a, min(PIECE, s - a)) for i, (_, s) in enumerate(files) for a in range(0, max(s, 1), PIECE)]
-
-
-def _with_digests(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """``pieces`` in order, with ``(file, -1, 16)`` after the last piece of each file."""
-    out = []
-    for x, nxt in zip(pieces, pieces[1:] + [(-1, 0, 0)]):
-        out.append(x)
-        if nxt[0] != x[0]:
-            out.append((x[0], -1, 16))
-    return out
+    def _refuse(self, name: str) -> str | None:
+        """Why file ``name`` offered by ``src`` is received and dropped, never written here."""
+        got = rank_file_of(name)
+        if got is None or got[0] != self.src_rank:
+            return f"rank {self.src_rank} offered {name!r}, not one of its own files"
+        return None
 
 
 def commit_on_node(tier: StorageTier, committed: CommittedSave) -> None:
@@ -332,7 +189,7 @@ def commit_on_node(tier: StorageTier, committed: CommittedSave) -> None:
             old = load_manifest(tier)
         except (CheckpointError, OSError) as e:  # leaking its files is recoverable
             log.warning("%s: the manifest this save replaces cannot be read (%s); its files stay", tier.url, e)
-    tier.commit_bytes(MANIFEST_NAME, committed.manifest)
+    commit_manifest(tier, committed.manifest, committed.save_id, ByDecision("committed by its coordinator"))
     superseded = [old] if old is not None and old.save_id != committed.save_id else []
     if superseded or committed.took_over:
         Tidy(tier, committed.save_id, superseded=superseded, dead_ids=list(committed.took_over), temps=False).run(

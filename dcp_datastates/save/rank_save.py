@@ -38,7 +38,7 @@ from ..engine.device_cache import device_cache_for
 from ..engine.host_cache import shared_host_cache
 from ..engine.live import any_gpu, ready_point, want_pinned
 from ..engine.snapshot import CopyItem, SaveJob
-from ..errors import CheckpointError, CheckpointExistsError, StorageFailedError
+from ..errors import CheckpointError, CheckpointExistsError
 from ..format import MANIFEST_NAME, encode_manifest
 from ..format.assemble import PART_INDEX, PartItem, index_of, manifest_of, part_of
 from ..format.model import Manifest
@@ -49,6 +49,7 @@ from ..gcpause import paused_gc
 from ..planner import RULES_KEY
 from ..tiers import StorageTier
 from ..tiers.base_lock import BaseHold
+from ..tiers.commit import ByClaim, commit_manifest
 from ..tiers.incremental import Base, load_base, still_committed
 from ..tiers.manifests import committed_here
 from ..tiers.ownership import SaveClaims
@@ -349,11 +350,8 @@ class RankSave:
         rename: the rename is the commit), then tidy what it superseded and let the claim go."""
         manifest, body = self._manifest(metadata, results)
         name = MANIFEST_NAME if self.use_collectives else rank_manifest_name(self.rank, self.save_id)
-        self.fence(self.tier.url)
-        try:
-            self.tier.commit_bytes(name, body, sync=self.opts.sync_files)
-        except OSError as e:  # a full disk, say: the error names the tier and the file
-            raise StorageFailedError.of(e, "committing the manifest", checkpoint=self.tier.url, file=name) from e
+        commit_manifest(self.tier, body, self.save_id, ByClaim(lambda: self.fence(self.tier.url)), name=name,
+                        sync=self.opts.sync_files)
         if self.use_collectives:
             # DCP broadcasts this Metadata to every rank as the save's result: a run-level
             # checkpointer on another node commits the manifest on its own disk from it.

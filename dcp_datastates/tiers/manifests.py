@@ -69,7 +69,14 @@ def manifest_head(tier: StorageTier) -> ManifestHead | None:
         head = _head(tier, HEAD_BYTES)
     except (OSError, CheckpointError):
         return None
-    if head is None or not head.startswith(MAGIC):
+    return None if head is None else head_of(head)
+
+
+def head_of(data: bytes) -> ManifestHead | None:
+    """The save id and creation time at the start of manifest bytes ``data`` (its first
+    ``HEAD_BYTES`` are read); None where they are not a dcp-datastates manifest's."""
+    head = bytes(data[:HEAD_BYTES])
+    if not head.startswith(MAGIC):
         return None
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=HEAD_BYTES, max_str_len=256, max_bin_len=0,
                                 max_array_len=0, max_map_len=64)

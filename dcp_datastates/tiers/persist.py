@@ -29,13 +29,14 @@ from functools import partial
 import msgpack
 
 from .. import process_state
-from ..errors import CheckpointError, ManifestError
+from ..errors import CheckpointError, ClaimLostError, ManifestError
 from ..format.manifest import decode_manifest
 from ..format.model import Manifest
-from ..format.names import MANIFEST_NAME, PERSISTED_RECORD, failed_marker, uploaded_marker
+from ..format.names import PERSISTED_RECORD, failed_marker, uploaded_marker
 from ..format.values import pack_plain
 from .activity import wait_for_quiet
 from .base_lock import BaseHold
+from .commit import ByClaim, commit_manifest
 from .storage import StorageTier
 from .tidy import flushing, pin
 
@@ -55,6 +56,8 @@ def with_retries(fn, what: str, *, attempts: int = 4, base_delay: float = 0.2):
     for i in range(attempts):
         try:
             return fn()
+        except ClaimLostError:  # the save no longer owns the directory: no retry brings it back
+            raise
         except Exception as e:  # storage errors come in many types
             if i == attempts - 1:
                 raise
@@ -199,7 +202,7 @@ def _hold(hold: BaseHold, there: StorageTier) -> None:
 
 def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], save_id: str,
                          *, timeout: float = 3600.0, on_commit=None,
-                         give_up: threading.Event | None = None, fence=None) -> Future:
+                         give_up: threading.Event | None = None, fence) -> Future:
     """Phase 2 on the coordinator: wait for every rank's marker, then write the manifest.
 
     Stops waiting, and never commits, as soon as a rank reports that its upload failed (its
@@ -240,9 +243,7 @@ def commit_when_complete(dst: StorageTier, manifest: bytes, ranks: list[int], sa
                                    f"within {timeout:.0f}s (missing {missing})")
             stop.wait(delay)
             delay = min(delay * 2, 2.0)
-        if fence is not None:
-            fence()
-        with_retries(lambda: dst.commit_bytes(MANIFEST_NAME, manifest), f"manifest commit on {dst.url}")
+        with_retries(lambda: commit_manifest(dst, manifest, save_id, ByClaim(fence)), f"manifest commit on {dst.url}")
         log.info("persisted %s", dst.url)
         if on_commit is not None:
             on_commit(dst.url)
@@ -361,8 +362,7 @@ class Persistence:
         # with no slower tier, the first tier's commit, just made, was all: over at once
         if not collective:  # every rank commits its own rank manifest after its own upload
             def commit(tier: StorageTier) -> None:
-                self.fence(tier.url)
-                tier.commit_bytes(name, body)
+                commit_manifest(tier, body, self.save_id, ByClaim(lambda: self.fence(tier.url)), name=name)
                 self.after_commit(tier, manifest)
             self.futures = [then(f, lambda t=t: commit(t)) for f, t in zip(self.uploads, self.tiers)]
             when_all(self.futures, self._over)

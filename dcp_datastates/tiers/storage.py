@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import fsspec
 
 from ..errors import DataFileError
-from ..format.names import TEMP_INFIX
+from ..format.names import TEMP_INFIX, is_manifest_name
 from .backend import Backend, Sink
 from .local import LocalBackend, temp_name
 from .remote import FsspecBackend
@@ -23,6 +23,13 @@ from .remote import FsspecBackend
 def _is_local(fs) -> bool:
     protos = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "file" in protos or "local" in protos
+
+
+def _not_a_manifest(name: str) -> str:
+    """``name``, which must not be a manifest's: those are committed by ``commit.py`` alone."""
+    if is_manifest_name(name):
+        raise ValueError(f"{name!r} is a manifest; it is committed through tiers.commit.commit_manifest only")
+    return name
 
 
 def url_tuple(x: Sequence[str] | str | None) -> tuple[str, ...]:
@@ -104,7 +111,8 @@ class StorageTier:
 
     def open_sink(self, name: str, o_direct: bool = False, drop_cache: bool = True) -> Sink:
         """``drop_cache=False`` keeps the written pages cached: a later tier re-reads them."""
-        return self.backend.open_sink(self.path(name), name, o_direct=o_direct, drop_cache=drop_cache)
+        return self.backend.open_sink(self.path(_not_a_manifest(name)), name, o_direct=o_direct,
+                                      drop_cache=drop_cache)
 
     def read_bytes(self, name: str, max_bytes: int | None = None) -> bytes:
         """The whole file ``name``.  Its size is checked against ``max_bytes`` before anything
@@ -120,13 +128,14 @@ class StorageTier:
 
     def commit_bytes(self, name: str, data: bytes, *, sync: bool = True) -> None:
         """Publish ``name`` atomically: temp file, fsync, rename, fsync dir (local);
-        a single PUT of the final object (object stores, where that PUT is the commit)."""
-        self.backend.commit(self.root, self.path(name), temp_name(name, TEMP_INFIX), data, sync=sync)
+        a single PUT of the final object (object stores, where that PUT is the commit).
+        Never a manifest (``commit.py`` commits those)."""
+        self.backend.commit(self.root, self.path(_not_a_manifest(name)), temp_name(name, TEMP_INFIX), data, sync=sync)
 
     def publish(self, tmp: str, name: str) -> None:
         """Put the whole, durable file ``tmp`` of this directory in place as ``name``,
-        replacing what is there (a rename, made durable)."""
-        self.backend.rename(self.root, self.path(tmp), self.path(name))
+        replacing what is there (a rename, made durable).  Never a manifest."""
+        self.backend.rename(self.root, self.path(tmp), self.path(_not_a_manifest(name)))
 
     def sync_dir(self) -> None:
         self.backend.sync_dir(self.root)
