@@ -377,6 +377,38 @@ def test_a_killed_peer_fails_the_load_within_the_timeout(tmp_path):
         run_ranks(2, _peer_killed, base, timeout=120)
 
 
+def _checkpointer_peer_killed(rank, world, base):
+    """``Checkpointer.load`` whose peer dies in the exchange raises the library's one-line
+    ``PeerLoadError`` (not the process group's error from DCP's collective after the reads),
+    without trying an older step over a group that lost a rank."""
+    import datetime
+
+    from dcp_datastates import Checkpointer
+    from dcp_datastates.errors import PeerLoadError
+    from dcp_datastates.load import cooperative
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
+    mesh = init_device_mesh("cpu", (world,))
+    _full, sd = _state(mesh)
+    ckpt = Checkpointer([base], process_group=group, async_mode=None)
+    ckpt.save(1, {"s": sd, "epoch": 1})
+    ckpt.save(2, {"s": sd, "epoch": 2})
+    if rank == 1:
+        def die(self, *a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        cooperative.Cooperation.ready = die
+    t = time.monotonic()
+    with pytest.raises(PeerLoadError) as e:
+        ckpt.load({"s": _state(mesh, seed=1)[1], "epoch": 0})
+    assert time.monotonic() - t < 60
+    assert "\n" not in str(e.value) and "cooperative load" in str(e.value), str(e.value)
+    os._exit(0)  # the group lost rank 1: skip the teardown collectives
+
+
+def test_a_checkpointer_load_whose_peer_dies_raises_the_librarys_error(tmp_path):
+    with pytest.raises(AssertionError, match=r"exited with codes \[-9\]"):
+        run_ranks(2, _checkpointer_peer_killed, str(tmp_path), timeout=120)
+
+
 def _checkpointer(rank, world, base):
     """``Checkpointer.load`` loads cooperatively over its process group: every stored block
     read once by the job."""

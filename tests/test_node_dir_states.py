@@ -10,9 +10,11 @@ same world size, then saved again.  Checked for every combination:
 
 A node's directory of step 2 holds one of: nothing; attempt A (committed, older); attempt B
 (committed, the newest of this run); B with the files of a newer attempt C that never
-committed; B with malformed replica records; a step of another run (D, committed after B).
+committed; B with malformed replica records; B with a byte of its own rank's data file flipped
+(the other node's copy of that file is whole); a step of another run (D, committed after B).
 With one replica each node holds every file of the saves it committed, so a save is fully
-present wherever its manifest is.  Nodes are simulated: one rank a node, a directory each."""
+present wherever its manifest is.  Restarts on one node fewer (2 of 2, 2 of 3) read what the
+survivors hold.  Nodes are simulated: one rank a node, a directory each."""
 
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ import torch
 import torch.distributed as dist
 
 from dcp_datastates import Checkpointer
-from dcp_datastates.format.names import MANIFEST_NAME, replica_record_of
+from dcp_datastates.format.names import MANIFEST_NAME, rank_file_of, replica_record_of
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_head
+from tests.disk import flip_byte
 from tests.dist import run_ranks
 
-STATES = ["none", "A", "B", "B+C", "B-bad-records", "D"]
+STATES = ["none", "A", "B", "B+C", "B-bad-records", "B-bad-data", "D"]
+AS_B = {"B+C": "B", "B-bad-records": "B", "B-bad-data": "B"}
 NEWEST = ["D", "B", "A"]  # the saves of step 2, newest first (by commit time)
 
 
@@ -108,16 +112,22 @@ def _lay_out(lib: str, base: str, states: tuple[str, ...]) -> None:
                     rec["sent"] = {k: 7 for k in rec["sent"]}
                     with open(os.path.join(step2, f), "wb") as out:
                         out.write(msgpack.packb(rec))
+        elif st == "B-bad-data":  # the node's own rank's file: its one replica is on the next node
+            for f in os.listdir(step2):
+                if (rank_file_of(f) or (None,))[0] == n:
+                    flip_byte(os.path.join(step2, f), os.path.getsize(os.path.join(step2, f)) // 2)
 
 
 def _expected(states: tuple[str, ...], alive: int | None = None) -> str:
-    """The newest save of step 2 whose files the nodes holding it cover: with one replica,
-    node ``n`` holds the files of ranks ``n`` and ``n - 1`` of each save it committed.  With
-    ``alive``, only the first ``alive`` nodes are left (the others are lost)."""
+    """The newest save of step 2 of which some node holds a good copy of every file: with one
+    replica, node ``n`` holds the files of ranks ``n`` and ``n - 1`` of each save it committed
+    (in "B-bad-data", its copy of rank ``n``'s is damaged).  With ``alive``, only the first
+    ``alive`` nodes are left (the others are lost)."""
     nodes = len(states)
     for save in NEWEST:
-        held = [n for n, s in enumerate(states[:alive]) if {"B+C": "B", "B-bad-records": "B"}.get(s, s) == save]
-        if {r for n in held for r in (n, (n - 1) % nodes)} == set(range(nodes)):
+        good = {r for n, s in enumerate(states[:alive]) if AS_B.get(s, s) == save
+                for r in (n, (n - 1) % nodes) if not (s == "B-bad-data" and r == n)}
+        if good == set(range(nodes)):
             return save
     return "S1"
 
@@ -167,6 +177,51 @@ def test_three_nodes_restore_the_newest_save_fully_present(tmp_path, library, st
     run_ranks(3, _restore_then_save, str(tmp_path), lib, _expected(states))
 
 
+COMBOS_3_ON_2 = list(itertools.product(STATES, repeat=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("states", COMBOS_3_ON_2, ids=["-".join(c) for c in COMBOS_3_ON_2])
+def test_three_nodes_restarted_on_two_restore_the_newest_save_the_two_hold(tmp_path, library, states):
+    """Three nodes saved; node 2 is lost and the job restarts on nodes 0 and 1, which hold
+    between them every file of each save both committed (node 0 its rank's and rank 2's)."""
+    run_three_on_two(tmp_path, library, states)
+
+
+@pytest.mark.parametrize("states", [("B", "B"), ("B-bad-data", "B-bad-records"), ("A", "B+C")],
+                         ids=["B-B", "bad-data-bad-records", "A-B+C"])
+def test_three_nodes_restarted_on_two_in_ci(tmp_path, library, states):
+    run_three_on_two(tmp_path, library, states)
+
+
+def run_three_on_two(tmp_path, library, states) -> None:
+    lib = library(3)
+    _lay_out(lib, str(tmp_path), (*states, "none"))
+    shutil.rmtree(os.path.join(str(tmp_path), "node2"))
+    run_ranks(2, _restore_on_fewer, str(tmp_path), lib, _expected((*states, "none"), alive=2), 3)
+
+
+def _restore_on_fewer(rank, world, base, lib, want, saved_world):
+    """Restore ``saved_world`` ranks' tensors on ``world`` ranks (every rank reads them all)."""
+    saves = json.load(open(os.path.join(lib, "saves.json")))
+    ck = _ck(base, rank)
+    out = {**{f"w{r}": torch.zeros(128, 128) for r in range(saved_world)}, "label": ""}
+    got = ck.load(out)
+    assert got == (1 if want == "S1" else 2), (got, want)
+    for r in range(saved_world):
+        assert torch.equal(out[f"w{r}"], _state(want, saved_world, r)[f"w{r}"]), (r, out["label"], want)
+    assert out["label"] == want
+    dist.barrier()
+    for n in range(world):
+        head = manifest_head(StorageTier(os.path.join(base, f"node{n}", "step-2")))
+        if want != "S1":
+            assert head is not None and head.save_id == saves[want], (n, head, want)
+    ck.save(3, {**{k: v for k, v in out.items() if k != "label"}, "label": "S3"})
+    assert world == 1 or ck.wait_replicated(60)  # one node: nowhere to replicate to
+    assert os.path.exists(os.path.join(base, f"node{rank}", "step-3", MANIFEST_NAME))
+    ck.close()
+
+
 @pytest.mark.parametrize("state", STATES)
 def test_one_node_fewer_restores_the_newest_save_its_survivor_holds(tmp_path, library, state):
     """Two nodes saved; node 1 is lost and the job restarts on node 0 alone (one replica: node
@@ -174,20 +229,4 @@ def test_one_node_fewer_restores_the_newest_save_its_survivor_holds(tmp_path, li
     lib = library(2)
     _lay_out(lib, str(tmp_path), (state, "none"))
     shutil.rmtree(os.path.join(str(tmp_path), "node1"))
-    run_ranks(1, _restore_one_node_fewer, str(tmp_path), lib, _expected((state, "none"), alive=1))
-
-
-def _restore_one_node_fewer(rank, world, base, lib, want):
-    saves = json.load(open(os.path.join(lib, "saves.json")))
-    ck = _ck(base, rank)
-    out = {"w0": torch.zeros(128, 128), "w1": torch.zeros(128, 128), "label": ""}
-    got = ck.load(out)
-    assert got == (1 if want == "S1" else 2), (got, want)
-    for r in (0, 1):  # both ranks' tensors of the save, from the survivor's copy
-        assert torch.equal(out[f"w{r}"], _state(want, 2, r)[f"w{r}"]), (r, out["label"], want)
-    assert out["label"] == want
-    if want != "S1":
-        assert manifest_head(StorageTier(os.path.join(base, "node0", "step-2"))).save_id == saves[want]
-    ck.save(3, {"w0": out["w0"], "w1": out["w1"], "label": "S3"})
-    assert os.path.exists(os.path.join(base, "node0", "step-3", MANIFEST_NAME))
-    ck.close()
+    run_ranks(1, _restore_on_fewer, str(tmp_path), lib, _expected((state, "none"), alive=1), 2)

@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_datastates import Checkpointer
+from dcp_datastates.replicas import moves
 from dcp_datastates.replicas.group import ReplicaVote
 from dcp_datastates.replicas.helper import SENDER_ENV
 from dcp_datastates.replicas.records import read_record
@@ -381,3 +382,58 @@ def test_a_malformed_replica_record_is_skipped_and_the_restore_goes_on(tmp_path,
     run_ranks(4, _restore, base, False, 5, None, 1, _short_timeout)
     assert time.monotonic() - started < 120
     assert read_record(StorageTier(os.path.dirname(path)), 2, rec["save_id"]) is None
+
+
+def _local(obj, prefix="") -> dict:
+    """Each tensor's local part by its dotted key (no collective: ranks may fail apart)."""
+    if isinstance(obj, dict):
+        return {k2: v2 for k, v in obj.items() for k2, v2 in _local(v, f"{prefix}{k}.").items()}
+    if isinstance(obj, DTensor):
+        return {prefix: obj.to_local().clone()}
+    return {prefix: obj.clone() if isinstance(obj, torch.Tensor) else obj}
+
+
+def _borrowed_range_damaged(rank, world, base):
+    """Rank 0 borrows ranges of files its node lacks; every range it is lent arrives with one
+    byte flipped (a wrapped reduction of the replica group).  Its load must refuse them: either
+    the step comes back bit-exact from elsewhere, or the load fails with the library's error
+    naming the file, the same on every rank; never silently wrong."""
+    from dcp_datastates.errors import CheckpointError
+
+    model, opt = _model(world)
+    ck = Checkpointer([os.path.join(base, f"node{rank}")], node_local=True, replicas=1, node=f"n{rank}",
+                      async_mode=None, process_group=dist.new_group(backend="gloo"))
+    _train(model, opt, 1)
+    want = _local(_state(model, opt))
+    ck.save(1, _state(model, opt))
+    assert ck.wait_replicated(60)
+    _train(model, opt, 2)  # the live state moves on: a load must bring step 1 back
+    real = moves._Sinks.write
+
+    def damaged(self, name, data, offset):  # what a rank borrows is stored with a byte flipped
+        data = data.clone()
+        data[data.numel() // 2] ^= 0x5A
+        lent.append(name)
+        return real(self, name, data, offset)
+    lent: list[str] = []
+    moves._Sinks.write = damaged
+    sd = _state(model, opt)
+    try:
+        assert ck.load(sd) == 1
+        got = _local(sd)
+        bad = [k for k, v in want.items() if not (torch.equal(v, got[k]) if isinstance(v, torch.Tensor) else v == got[k])]
+        assert not bad, f"silently wrong: {bad}"
+        outcome = "loaded"
+    except CheckpointError as e:
+        assert "data-" in str(e) and "\n" not in str(e), e
+        outcome = "refused"
+    with open(os.path.join(base, f"outcome-{rank}"), "w") as f:
+        f.write(f"{outcome} {len(lent)}")
+    ck.close()
+    os._exit(0)
+
+
+def test_a_borrowed_range_damaged_on_the_way_is_never_loaded(tmp_path):
+    run_ranks(4, _borrowed_range_damaged, str(tmp_path))
+    outcomes = [(tmp_path / f"outcome-{r}").read_text().split() for r in range(4)]
+    assert sum(int(n) for _o, n in outcomes) > 0, outcomes  # some rank borrowed ranges

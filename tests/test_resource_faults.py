@@ -126,7 +126,7 @@ def test_a_failed_rank_stops_the_coordinators_commit(tmp_path):
     with pytest.raises(FileNotFoundError):
         bad.result(timeout=60)
     t = time.monotonic()
-    fut = commit_when_complete(dst, b"manifest", [0, 1], "abc")
+    fut = commit_when_complete(dst, b"manifest", [0, 1], "abc", fence=lambda: None)
     with pytest.raises(OSError, match=r"rank\(s\) \[1\] failed"):
         fut.result(timeout=60)
     assert time.monotonic() - t < 10 and not dst.exists(".metadata")

@@ -139,7 +139,7 @@ def _late(rank, world, base, sender):
     w1 = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}")
     assert w1.replication.replicator.in_helper == (sender == "process")
     held = threading.Event()
-    w1.replication.replicator._queue(held.wait)  # the replicator is busy until both saves committed
+    w1.replication.replicator.order.queue(held.wait)  # the replicator is busy until both saves committed
     _train(model, opt, 1)
     dcp.save(_state(model, opt), storage_writer=w1)
     w2 = DataStatesWriter(_dir(base, node), replicas=1, node=f"n{node}", overwrite=True)

@@ -32,6 +32,7 @@ from ..errors import (
     CoverageError,
     ManifestError,
     NotACheckpointError,
+    PeerLoadError,
     PickleNotAllowedError,
 )
 from ..format import MANIFEST_NAME, Manifest, dtype_from_name
@@ -128,6 +129,9 @@ class DataStatesReader(StorageReader):
         self._given_repair = _node_repair  # ``Checkpointer``'s, surveyed before the load
         self._local: NodeLocalLoad | None = None
         self._metadata_failure: Exception | None = None  # why this load's ``read_metadata`` failed
+        # a peer that died in this load's exchange: DCP's own collective after ``read_data`` then
+        # fails with the process group's error, and ``Checkpointer`` raises this one instead
+        self.peer_error: PeerLoadError | None = None
         self.manifest: Manifest | None = None
         self.manifest_tier: str | None = None  # the tier the manifest came from
         self.stats = ReadStats()  # the last load's
@@ -158,6 +162,7 @@ class DataStatesReader(StorageReader):
             self.path = str(checkpoint_id)
             self._given_repair = None  # it was of another directory
         self.manifest = None
+        self.peer_error = None
         self._local = None
         self._metadata_failure = None
 
@@ -213,11 +218,15 @@ class DataStatesReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP: read every item of ``plan`` (coverage checked first, every block verified,
         slower tiers used for what the first cannot serve) and hand it to ``planner``."""
-        with paused_gc():  # a few records and buffers per item, none cyclic
-            if self._local is None:
-                self._read_plan(plan, planner)
-            else:  # read again where some rank met a damaged copy, once the copies are checked
-                self._local.read(lambda check: self._read_plan(plan, planner, check), self.verify)
+        try:
+            with paused_gc():  # a few records and buffers per item, none cyclic
+                if self._local is None:
+                    self._read_plan(plan, planner)
+                else:  # read again where some rank met a damaged copy, once the copies are checked
+                    self._local.read(lambda check: self._read_plan(plan, planner, check), self.verify)
+        except PeerLoadError as e:
+            self.peer_error = e
+            raise
         fut: Future = Future()
         fut.set_result(None)
         return fut

@@ -252,15 +252,17 @@ class DecidedSave:
                          if x.manifest is not None and x.manifest_save == self.save_id})
         return ofsave[0] if ofsave else None
 
-    def place(self, listings: dict[str, Listing]) -> None:
+    def place(self, listings: dict[str, Listing], files: dict[str, int]) -> bool:
         """The decided save's manifest sent to every node that lacks it or holds one of another
         attempt of the step (a collective; called once every file of the save is on some node).
-        A node's manifest of another save is replaced only so, by the load's decision: the save
+        A node's manifest of another save is replaced only so, by the load's decision, and only
+        once every file of the decided save is known good on some node (``_verified``): the save
         every rank reads is then the one every node holds, and the other attempt's files stay for
-        the next save there, or retention, to remove."""
+        the next save there, or retention, to remove.  False where the decided save is not good
+        (nothing replaced: the restore tries an older save, which may be the one kept)."""
         want = self._wanted(listings)
         if want is None:
-            return
+            return True
         holders = sorted(n for n, x in listings.items() if x.manifest == want)
         moves = [Move(MANIFEST_NAME, self.ranks[holders[i % len(holders)]][0], self.ranks[n][0],
                       listings[holders[0]].sizes[MANIFEST_NAME])
@@ -268,12 +270,32 @@ class DecidedSave:
         if moves:  # the same list on every rank (from the gathered listings): all skip, or none
             replaced = sorted(n for n in self.ranks if listings.get(n, _NOTHING).manifest is not None
                               and listings[n].manifest != want)
+            if replaced and not self._verified(listings, files):
+                log.warning("%s: a file of save %s matches its recorded digest on no node; node(s) %s keep "
+                            "their manifest of another attempt, and the restore tries an older save",
+                            self.label, self.save_id, replaced)
+                return False
             if replaced:
                 log.warning("%s: node(s) %s hold a manifest of another attempt of this step; the load "
                             "reads save %s, whose manifest replaces it there", self.label, replaced, self.save_id)
             assert self.save_id is not None  # want is a manifest of it
             self.wire.manifest(moves, want, self.save_id)
             self.rep.group.barrier()  # every manifest received is committed before it is read
+        return True
+
+    def _verified(self, listings: dict[str, Listing], files: dict[str, int]) -> bool:
+        """Whether every file of the save that a replica record vouches for has a copy on some
+        node whose bytes match that digest (one no record vouches for counts as good: the load
+        checks each block it reads).  Each node hashes the copies it holds, its ranks sharing
+        them (a collective).  Asked only before a committed manifest of another save is
+        replaced: that save may be the one the restore falls back to."""
+        recorded = {f: d for x in listings.values() for f, d in x.recorded.items()}
+        mates = self.ranks[self.node]
+        here = listings.get(self.node, _NOTHING)
+        mine = [f for f in sorted(files) if f in recorded and here.sizes.get(f) == files[f]]
+        good = [f for f in mine[mates.index(self.rep.peers.me)::len(mates)] if _digest(self.tier, f) == recorded[f]]
+        known_good = {f for got in self.rep.group.all_gather_object(good) for f in got}
+        return all(f in known_good for f in files if f in recorded)
 
     def _file_list(self) -> FileList | None:
         """What this node's copy of the manifest lists; None where it cannot be read."""
@@ -356,7 +378,7 @@ class NodeRepair:
         """Step 1 (once; a collective): the manifest where a node lacks it; whether every file
         it lists is held at its size on some node (False: the caller reads a slower tier or an
         older step).  On the replicator's thread, after its replications under way
-        (``Replicator.in_turn``), like ``fetch``; over a group made again first where one
+        (``GroupOrder.in_turn``), like ``fetch``; over a group made again first where one
         broke (``Replicator.agree_epoch``, a collective over the load's group, or ``settle`` of
         the votes given)."""
         if self._complete is not None:
@@ -364,7 +386,7 @@ class NodeRepair:
         votes, self._votes = self._votes, None  # a second survey votes again
         epoch = None if self.given is not None else (
             self.rep.settle(votes) if votes is not None else self.rep.agree_epoch(self.pg, self.label))
-        return self.rep.in_turn(self._surveyed, self.label, epoch)
+        return self.rep.order.in_turn(self._surveyed, self.label, epoch)
 
     def _surveyed(self) -> bool:
         self._complete = False
@@ -399,8 +421,8 @@ class NodeRepair:
         if lost:
             log.warning("%s: %d file(s) on no node (first: %s); reading them from a slower tier if one "
                         "holds the step", self.label, len(lost), lost[0])
-        elif self.given is None:  # whole on the nodes: every node is given its manifest (the same on every rank)
-            decided.place(listings)
+        elif self.given is None and not decided.place(listings, files.files):  # whole: each node given its manifest
+            return False  # the same on every rank: the restore tries an older save
         # the files it reads from earlier checkpoints, each directory surveyed in turn: every
         # rank walks the same ones in the same order (the file list is the same on all)
         self._earlier = [] if self.given is not None else [
@@ -424,7 +446,7 @@ class NodeRepair:
         number).  Returns whether every node holds every file it was to hold; False at once
         where the survey found no manifest on any node (every rank knows it alike: the load
         then reads a slower tier)."""
-        return self.rep.in_turn(lambda: self._fetched(needs, verify), self.label)
+        return self.rep.order.in_turn(lambda: self._fetched(needs, verify), self.label)
 
     def _fetched(self, needs: Reads | None, verify: bool) -> bool:
         s = self._survey

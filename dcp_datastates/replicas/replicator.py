@@ -13,10 +13,8 @@ import concurrent.futures
 import datetime
 import logging
 import os
-import queue
 import threading
 import uuid
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -30,6 +28,7 @@ from ..tiers.base_lock import BaseHold
 from ..tiers.storage import StorageTier
 from .group import ReplicaGroup, ReplicaVote, decide_epoch, job_store
 from .helper import HelperProcess, helper_possible
+from .order import GroupOrder
 from .records import ReplicaRecord
 from .work import NodeMap, ReplicaPeers, ReplicaWork, node_name
 
@@ -81,12 +80,7 @@ class Replicator:
         self.group.store = dist.PrefixStore(prefix + "here/", job_store())
         if self.peers.replicas and all(v[0] for v in views):  # a helper on every rank, or on none
             self._work = HelperProcess(self.peers, prefix)
-        self._lock = threading.Lock()
-        self._epoch = 0  # the newest epoch a save was given
-        self._pending = 0  # saves queued or replicating
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="dcpds-replicas", daemon=True)
-        self._thread.start()
+        self.order = GroupOrder(self.group, self._work.use_epoch)  # the repair's too
 
     @property
     def in_helper(self) -> bool:
@@ -98,7 +92,7 @@ class Replicator:
         seconds of one core after the replicator is made, overlapping whatever the job does
         meanwhile); False when it did not within ``timeout``."""
         try:
-            return self._queue(self._ready).exception(timeout) is None
+            return self.order.queue(self._ready).exception(timeout) is None
         except concurrent.futures.TimeoutError:
             return False
 
@@ -112,8 +106,8 @@ class Replicator:
 
     def vote(self) -> ReplicaVote:
         """This rank's vote, when a save is planned (``replica_group.decide_epoch``)."""
-        with self._lock:
-            return ReplicaVote(self._epoch, self._work.broken, self._pending == 0)
+        epoch, idle = self.order.state()
+        return ReplicaVote(epoch, self._work.broken, idle)
 
     def submit(self, tier: StorageTier, step: int, save_id: str, epoch: int | None = None) -> Future:
         """Replicate this rank's files of ``save_id`` in ``tier`` (the step's node-local
@@ -130,7 +124,7 @@ class Replicator:
                 return self._work.replicate(tier, f"step {step}", save_id)
             finally:
                 hold.release()
-        return self._queue(work, epoch)
+        return self.order.queue(work, epoch)
 
     def submit_save(self, save: SaveToReplicate) -> Future:
         """A plain writer's save (``SaveToReplicate``), queued when DCP asks this rank for its
@@ -138,27 +132,7 @@ class Replicator:
         durable and the coordinator committed the manifest, the manifest is committed on this
         node too and this rank's files are replicated; the future resolves to its
         ``ReplicaRecord``, or None when the save did not commit (nothing is replicated)."""
-        return self._queue(lambda: self._replicate_save(save), save.epoch)
-
-    def in_turn(self, work: Callable[[], _T], label: str, epoch: int | None = None) -> _T:
-        """Run ``work``, which uses this process's replica group (a restore's repair), on the
-        replicator's thread after everything queued before it, over the group of ``epoch``
-        (``agree_epoch``: made again first where newer), and return what it returns.  The
-        group's operations are then issued from one thread in each rank's program order, the
-        same on every rank; from two threads at once they could pair one rank's repair with
-        another's replication (gloo then ends the process on a size mismatch).  Run at once
-        where called from that thread (nested work) or after ``close`` (nothing else uses the
-        group)."""
-        def run() -> _T:
-            if epoch is not None and epoch > self.group.epoch:
-                self.group.remake(epoch)
-            return work()
-        if threading.current_thread() is self._thread or not self._thread.is_alive():
-            return run()
-        with self._lock:
-            if self._pending:
-                log.info("%s: waiting for %d replication(s) of this rank under way", label, self._pending)
-        return self._queue(run).result()
+        return self.order.queue(lambda: self._replicate_save(save), save.epoch)
 
     def agree_epoch(self, pg, label: str) -> int | None:
         """Before a restore's repair, on every rank of ``pg`` (the load's group: a collective
@@ -172,9 +146,9 @@ class Replicator:
         """Before a restore's repair: this rank's replications ended, then what it says of the
         group repairs use.  Every rank's votes, gathered over the load's group (``agree_epoch``,
         or with what a restore gathers first: ``RunSteps.start_restore``), go to ``settle``."""
-        self.in_turn(lambda: None, label)
-        with self._lock:
-            return ReplicaVote(self._epoch, self.group.broken, self._pending == 0)
+        self.order.in_turn(lambda: None, label)
+        epoch, idle = self.order.state()
+        return ReplicaVote(epoch, self.group.broken, idle)
 
     def settle(self, votes: list) -> int | None:
         """The epoch a restore's repair runs under, from every rank's ``restore_vote`` (the same
@@ -182,40 +156,12 @@ class Replicator:
         rank's group broke (a peer hung), so that the repair makes the group again first rather
         than fail on it.  The next save is given no older one."""
         epoch = decide_epoch(votes)
-        with self._lock:
-            self._epoch = max(self._epoch, epoch or 0)
+        self.order.note_epoch(epoch)
         return epoch
 
-    def _queue(self, work: Callable[[], _T], epoch: int | None = None) -> Future:
-        """Run ``work`` after the work queued before it, over the group of ``epoch`` (made
-        again first where it is newer than the group's: every rank at the same save)."""
-        fut: Future = Future()
-        with self._lock:
-            self._pending += 1
-            self._epoch = max(self._epoch, epoch or 0)
-        self._q.put((work, fut, epoch))
-        return fut
-
     def close(self) -> None:
-        """End after the work queued so far: the thread, and the helper with it."""
-        self._q.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (item := self._q.get()) is not None:
-            work, fut, epoch = item
-            error = result = None
-            try:
-                self._work.use_epoch(epoch)
-                result = work()
-            except BaseException as e:  # noqa: BLE001 - delivered through the future, and logged there
-                error = e
-            with self._lock:  # idle before the future says so: a save planned next sees it
-                self._pending -= 1
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
+        """End after the work queued so far: the order's thread, and the helper with it."""
+        self.order.close()
         if isinstance(self._work, HelperProcess):
             self._work.close()
 

@@ -78,6 +78,8 @@ class Restore:
         except BaseException as e:  # CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
+            if reader.peer_error is not None:  # the group lost a rank: no older step can be tried
+                raise reader.peer_error from e
             log.warning("step %d could not be restored from any tier (%s); trying an older save or step",
                         s, first_line(e, 300))
             return e
