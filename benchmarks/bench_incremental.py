@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_core import drop_caches  # noqa: E402
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter  # noqa: E402
-from dcp_datastates.load.reader import load_manifest  # noqa: E402
+from dcp_datastates.tiers.manifests import load_manifest  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
 
 MiB = 1 << 20

@@ -38,7 +38,7 @@ from bench_core import drop_caches  # noqa: E402
 from state import transformer_state  # noqa: E402
 
 from dcp_datastates import DataStatesWriter  # noqa: E402
-from dcp_datastates.load.reader import load_manifest  # noqa: E402
+from dcp_datastates.tiers.manifests import load_manifest  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
 from dcp_datastates.tiers.direct_io import STAGE_BYTES, StagingBuffer, dio_alignment, read_range  # noqa: E402
 

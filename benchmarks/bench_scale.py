@@ -281,7 +281,7 @@ def _plan_one_rank(md: Metadata, ts, layout: str, n: int, rank: int, narrow: boo
 def _resolve(reader, meta: Metadata, items: list) -> None:
     """Find where each read item's bytes are, as ``read_data`` does first (ours: the chunk's
     record, from a part; DCP: its storage data)."""
-    if isinstance(reader, DataStatesReader):  # as DataStatesReader._make_task finds them
+    if isinstance(reader, DataStatesReader):  # as LoadPipeline.make_task finds them
         m = reader.manifest
         for it in items:
             si = it.storage_index

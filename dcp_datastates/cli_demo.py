@@ -33,11 +33,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from .bench import write_charts
-from .load.reader import DataStatesReader, load_manifest
+from .load.reader import DataStatesReader
 from .run.checkpointer import Checkpointer
 from .save.writer import DataStatesWriter
 from .tiers import StorageTier
 from .tiers.direct_io import evict_from_page_cache
+from .tiers.manifests import load_manifest
 from .verify import verify_checkpoint
 
 
