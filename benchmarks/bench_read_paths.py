@@ -17,11 +17,25 @@ Saves a transformer-shaped state with DataStatesWriter, then reads every tensor'
 Destinations are allocated twice: right after start, and again after churning the allocator
 (many allocations and frees), as a long-lived process would have them.  Reports median seconds
 and the average request size the block device saw (from ``/sys/block/<dev>/stat``).
+
+    python benchmarks/bench_read_paths.py --upload-proxy [--gb 1] [--reps 3] [--threads 8]
+
+The CPU proxy of the GPU's streamed load (issue 71): ``dcp.load`` through DataStatesReader into
+host tensors, cold, four ways in rotating order: read straight into the destinations (no
+consumer); streamed through the staging slabs to ``engine.upload.HostUpload``, a stand-in for
+the copy engine, landing each piece at once (a consumer that is never slow); the same stand-in
+landing each piece a fixed latency after it is submitted (the GPU path as it is: a reader reads
+on while its last piece uploads); and that stand-in made to wait for each piece before its
+reader reads again (the path as it was).  The latency is the time one reader takes to read one
+16 MiB piece in the first, unconsumed load: the consumer is as slow as the reads.  Reports each
+load's read throughput and its ratio to the streamed load without latency (the stand-in's own
+copy, which a GPU's copy engine does not take from the CPU, costs the same in both).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -37,7 +51,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_core import drop_caches  # noqa: E402
 from state import transformer_state  # noqa: E402
 
-from dcp_datastates import DataStatesWriter  # noqa: E402
+from dcp_datastates import DataStatesReader, DataStatesWriter  # noqa: E402
+from dcp_datastates.engine.upload import SLAB_BYTES, HostUpload  # noqa: E402
 from dcp_datastates.tiers.manifests import load_manifest  # noqa: E402
 from dcp_datastates.tiers import StorageTier  # noqa: E402
 from dcp_datastates.tiers.direct_io import STAGE_BYTES, StagingBuffer, dio_alignment, read_range  # noqa: E402
@@ -67,13 +82,72 @@ def _page_aligned(n: int) -> torch.Tensor:
     return raw[s:s + n]
 
 
+class _Waiting(HostUpload):
+    """The stand-in, made to wait for each piece's upload before its reader reads again."""
+
+    def piece(self, dest_bytes, slab):
+        ev = super().piece(dest_bytes, slab)
+        ev.synchronize()
+        return ev
+
+
+def upload_proxy(args) -> int:
+    shutil.rmtree(args.dir, ignore_errors=True)
+    sd = transformer_state(args.gb)
+    ckpt = os.path.join(args.dir, "ckpt")
+    dcp.save(sd, storage_writer=DataStatesWriter(ckpt), no_dist=True)
+    total = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
+    cold = drop_caches()
+    dests = {k: torch.zeros_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+    def load(uploads) -> float:
+        if cold:
+            drop_caches()
+        t0 = time.perf_counter()
+        dcp.load(dests, storage_reader=DataStatesReader(ckpt, thread_count=args.threads, _host_uploads=uploads),
+                 no_dist=True)
+        return time.perf_counter() - t0
+
+    first = load(None)
+    latency = args.threads * SLAB_BYTES / (total / first)  # one reader's time for one piece
+    ways = {"straight into the destinations": None,
+            "streamed, stand-in without latency": lambda: HostUpload(0.0),
+            "streamed, stand-in with the latency": lambda: HostUpload(latency),
+            "streamed, each reader waits for its upload (as before)": lambda: _Waiting(latency)}
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    for rep in range(args.reps):
+        names = list(ways)
+        for w in names[rep % len(names):] + names[:rep % len(names)]:
+            times[w].append(load(ways[w]))
+    assert all(torch.equal(dests[k], sd[k]) for k in dests)
+    base = statistics.median(times["streamed, stand-in without latency"])
+    print(f"{'cold' if cold else 'warm (not root)'} loads of {total / 1e9:.2f} GB, {args.threads} threads, "
+          f"upload stand-in latency {latency * 1e3:.1f} ms a 16 MiB piece, {args.reps} rounds")
+    rows = {}
+    for w, v in times.items():
+        t = statistics.median(v)
+        rows[w] = {"median_s": t, "runs_s": v, "gbps": total / t / 1e9, "vs_no_latency": base / t}
+        print(f"{w:<56} {t:>7.3f} s  {total / t / 1e9:>5.2f} GB/s  {base / t:>6.1%} of streamed without latency  "
+              f"runs {[round(x, 3) for x in v]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bytes": total, "threads": args.threads, "latency_s": latency, "cold": cold, "rows": rows}, f,
+                      indent=1)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=1.5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--dir", default="/tmp/dcpds-paths")
+    ap.add_argument("--upload-proxy", action="store_true", help="the CPU proxy of the GPU's streamed load")
+    ap.add_argument("--json")
     args = ap.parse_args()
+    if args.upload_proxy:
+        return upload_proxy(args)
     shutil.rmtree(args.dir, ignore_errors=True)
     sd = transformer_state(args.gb)
     ckpt = os.path.join(args.dir, "ckpt")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from ..engine.upload import pinned_slab
+from ..engine.upload import StagedPieces
 from ..errors import CheckpointError, ChecksumMismatch, DataFileError
 from ..format.checksum import verify_blocks
 from ..format.codec import CodecMissing, decode_block
@@ -163,17 +163,20 @@ class Fetcher:
     """Reads a load's ranges into their tasks' buffers, each from the fastest tier whose copy
     verifies; ``verify=False`` skips the digests (never the sizes)."""
 
-    def __init__(self, files: FileSet, stats: ReadStats, *, verify: bool, o_direct: bool | str) -> None:
+    def __init__(self, files: FileSet, stats: ReadStats, *, verify: bool, o_direct: bool | str,
+                 staging: StagedPieces | None = None) -> None:
         self.files, self.stats, self.verify, self.o_direct = files, stats, verify, o_direct
+        self.staging = staging  # the slabs of streamed tasks
 
     def piece(self, task: Ranged, i: int) -> None:
         """Range ``i`` of ``task``, alone."""
         r = task.ranges[i]
-        if task.streamed:  # to the GPU: read into a pinned slab, upload it into place
-            assert isinstance(task, ReadTask) and task.up is not None, "only a GPU task streams"
-            with pinned_slab() as slab:
-                self._any_tier(task, r, slab[:r.nbytes].numpy().data, slab.data_ptr())
-                task.up.piece(task.dest_bytes()[r.buf_offset:r.buf_offset + r.nbytes], slab)
+        if task.streamed:  # read into a slab, upload it into place, and read on meanwhile
+            assert isinstance(task, ReadTask) and task.up is not None and self.staging is not None, \
+                "a streamed task has uploads and slabs"
+            with self.staging.slot() as slot:
+                self._any_tier(task, r, slot.slab[:r.nbytes].numpy().data, slot.slab.data_ptr())
+                slot.uploading(task.up.piece(task.dest_bytes()[r.buf_offset:r.buf_offset + r.nbytes], slot.slab))
             return
         buf, addr = task.buffer()
         self._any_tier(task, r, buf.data[r.buf_offset:r.buf_offset + r.nbytes], addr + r.buf_offset)

@@ -10,12 +10,14 @@ unpickled unless the reader was built with ``allow_pickle=True``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..engine.upload import HostUpload
 from ..errors import NotACheckpointError, PeerLoadError
 from ..format import Manifest
 from ..gcpause import paused_gc
@@ -82,7 +84,8 @@ class DataStatesReader(StorageReader):
                  o_direct: bool | str = "auto", save_id: str | None = None,
                  cooperative: bool | str = "auto", process_group=None, node_local: bool = False,
                  node: str | None = None, _extension_registry: object = None,
-                 _node_repair: NodeRepair | None = None) -> None:
+                 _node_repair: NodeRepair | None = None,
+                 _host_uploads: Callable[[], HostUpload] | None = None) -> None:
         super().__init__()
         del _extension_registry  # FileSystemReader's: our manifest names how each block is stored
         if o_direct not in (True, False, "auto"):
@@ -96,8 +99,10 @@ class DataStatesReader(StorageReader):
         self.fallback = list(url_tuple(fallback))
         self.save_id, self.cooperative, self.process_group = save_id, cooperative, process_group
         self.node_local, self.node = node_local, node
-        self.settings = LoadSettings(ReadOptions(self.thread_count, verify, o_direct), allow_pickle, save_id,
-                                     process_group, node_local, node)
+        # ``_host_uploads``: a stand-in for the GPU's uploads into host destinations (tests and
+        # the CPU proxy of ``bench_read_paths.py`` run the GPU's streamed path with it)
+        self.settings = LoadSettings(ReadOptions(self.thread_count, verify, o_direct, _host_uploads), allow_pickle,
+                                     save_id, process_group, node_local, node)
         self._given_repair = _node_repair  # ``Checkpointer``'s, surveyed before the load
         self._pipeline: LoadPipeline | None = None
         self._metadata_failure: Exception | None = None  # why this load's ``read_metadata`` failed

@@ -1,7 +1,8 @@
 """One pass of a rank's reads (``DataStatesReader.read_data``): the read tasks of its plan made
 into bytes in their destinations.
 
-GPU destinations are given pinned-slab uploads (``engine/upload.py``); where the coordinator
+GPU destinations are given pinned-slab uploads (``engine/upload.py``: a reader never waits for
+its own upload); where the coordinator
 agreed a cooperative load, the blocks this rank reads for others are sent as each range holding
 them is read and those others read for it are received (``cooperative.py``); the ranges are
 read on a thread pool (runs of small pieces of one file coalesced, ``ranges.py``), each from the
@@ -10,18 +11,23 @@ narrowed box) and every upload has landed.  Delivering to DCP's planner is the c
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
+from .. import process_state
 from ..engine import upload
-from ..engine.upload import DeviceUpload
+from ..engine.upload import DeviceUpload, HostUpload
 from ..tiers import StorageTier, read_path
 from .cooperative import Cooperation, SharePlan
 from .files import Fetcher, FileSet, ReadStats
 from .ranges import COALESCE_GAP, batches, coalesce
 from .tasks import ReadTask, SmallTask
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,9 @@ class ReadOptions:
     thread_count: int = 8
     verify: bool = True  # every block checked against its digest
     o_direct: bool | str = "auto"  # True, False, or "auto": chosen by a probe of the first reads
+    # a stand-in for the GPU's uploads, for host destinations (tests, the CPU proxy of
+    # ``bench_read_paths.py``): made per load; None: GPU destinations alone stream
+    host_uploads: Callable[[], HostUpload] | None = None
 
 
 def read_tasks(tasks: Sequence[ReadTask | SmallTask], tiers: list[StorageTier], homes: dict[str, str],
@@ -41,20 +50,18 @@ def read_tasks(tasks: Sequence[ReadTask | SmallTask], tiers: list[StorageTier], 
     serves from the ranges this rank was sent, ``FileSet``); the first error raises, once the
     cooperative exchange, if any, has ended.  Returns the cooperative share read (None: none)."""
     stats.bytes_needed = sum(t.needed for t in tasks)
-    gpu = [t for t in tasks if t.dest is not None and t.dest.device.type == "cuda"]
-    up = DeviceUpload({t.dest.device for t in gpu if t.dest is not None}) if gpu and upload.usable() else None
-    for t in gpu:
-        t.attach_upload(up)
+    up = _uploads(tasks, opts)
     share = coop.plan(tasks, block_size) if coop is not None else None
     files = FileSet(tiers, homes, borrowed)
-    fetch = Fetcher(files, stats, verify=opts.verify, o_direct=opts.o_direct)
+    total = sum(t.buf_size for t in tasks)
+    # threads pay off for large reads; for small ones they only contend for the GIL
+    threads = max(1, min(opts.thread_count, total // (4 << 20)))
+    staging = up.staging(threads) if up is not None and any(t.streamed for t in tasks) else None
+    fetch = Fetcher(files, stats, verify=opts.verify, o_direct=opts.o_direct, staging=staging)
     try:
-        total = sum(t.buf_size for t in tasks)
         if opts.o_direct == "auto" and total >= read_path.PROBE_MIN_LOAD:
             fetch.probe(tasks, opts.thread_count)
         reads = share.reads if share is not None else [(t, i) for t in tasks for i in range(len(t.ranges))]
-        # threads pay off for large reads; for small ones they only contend for the GIL
-        threads = max(1, min(opts.thread_count, total // (4 << 20)))
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads, thread_name_prefix="dcpds-read") as pool:
             if share is not None and coop is not None:
@@ -69,11 +76,29 @@ def read_tasks(tasks: Sequence[ReadTask | SmallTask], tiers: list[StorageTier], 
                 raise failed[0][1]
             for _ in pool.map(lambda b: [t.finalize() for t in b], batches(tasks, lambda t: t.buf_size)):
                 pass
-        if up is not None:
-            up.finish()  # every upload landed before the planner sees the tensors
-    finally:
-        files.close()
+    finally:  # each runs, whatever the one before raised: files closed, uploads landed, slabs back
+        with contextlib.ExitStack() as done:
+            done.callback(files.close)
+            if up is not None:
+                done.callback(up.finish)  # every upload landed before the planner sees the tensors
+            if staging is not None:
+                done.callback(staging.close)  # first: an upload that failed raises here
     return share
+
+
+def _uploads(tasks: Sequence[ReadTask | SmallTask], opts: ReadOptions) -> DeviceUpload | HostUpload | None:
+    """The load's uploads, attached to the tasks whose destinations they serve: the GPU's, or
+    the host stand-in ``opts.host_uploads`` makes."""
+    if opts.host_uploads is not None:
+        up: DeviceUpload | HostUpload | None = opts.host_uploads()
+    else:
+        gpu = {t.dest.device for t in tasks if t.dest is not None and t.dest.device.type == "cuda"}
+        up = DeviceUpload(gpu) if gpu and upload.usable() else None
+    if up is not None:
+        for t in tasks:
+            if t.dest is not None and t.dest.device.type == up.device_type:
+                t.attach_upload(up)
+    return up
 
 
 def _fetch_all(pool: ThreadPoolExecutor, fetch: Fetcher, reads: list,
@@ -92,17 +117,38 @@ def _fetch_all(pool: ThreadPoolExecutor, fetch: Fetcher, reads: list,
 
     jobs = [(fetch.run, run) for run in runs]
     jobs += [(each, b) for b in batches(pieces, lambda p: p[0].ranges[p[1]].nbytes)]
-    if done is None:
-        for _ in pool.map(lambda j: j[0](j[1]), jobs):
-            pass
-        return []
     failed = []
     futures = {pool.submit(fn, batch): batch for fn, batch in jobs}
+    progress = _Progress(sum(t.ranges[i].nbytes for t, i in reads))
     for f in as_completed(futures):
         e = f.exception()
         if e is not None:
-            if not isinstance(e, Exception):  # an interrupt: nothing to wait for
+            if done is None or not isinstance(e, Exception):  # the first error; or an interrupt
+                for other in futures:
+                    other.cancel()
                 raise e
             failed.append((futures[f], e))  # raised once the peers know what was not read
-        done(futures[f])
+        progress.add(sum(t.ranges[i].nbytes for t, i in futures[f]))
+        if done is not None:
+            done(futures[f])
     return failed
+
+
+PROGRESS_S = 10.0  # a long load says how far it is at most this often
+
+
+class _Progress:
+    """How far this rank's reads are, said at INFO every ``PROGRESS_S`` of a long load."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.t0 = time.monotonic()
+        self._next = self.t0 + PROGRESS_S
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if now >= self._next and self.done < self.total:
+            self._next = now + PROGRESS_S
+            log.info("rank %d: %.2f of %.2f GiB read (%.0f%%, %.0f MiB/s)", process_state.rank(), self.done / 2**30,
+                     self.total / 2**30, 100 * self.done / max(self.total, 1), self.done / 2**20 / (now - self.t0))

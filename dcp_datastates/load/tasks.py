@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import torch
 
-from ..engine.upload import DeviceUpload
+from ..engine.upload import DeviceUpload, HostUpload
 from ..errors import ProviderError
 from ..format.dtypes import dtype_from_name
 from ..format.model import Chunk, Extent
@@ -60,8 +60,8 @@ class SmallTask:
             self._buf = (flat.numpy(), flat.data_ptr())
         return self._buf
 
-    def attach_upload(self, up: DeviceUpload | None) -> None:
-        """Nothing: a small task's destination is on the CPU."""
+    def attach_upload(self, up: DeviceUpload | HostUpload | None) -> None:
+        """Nothing: a small task is read in place."""
 
     def finalize(self) -> None:
         """Nothing: the bytes were read in place."""
@@ -89,8 +89,8 @@ class ReadTask:
         self._tensor: torch.Tensor | None = None  # the scratch buffer, when not reading in place
         self._direct = False  # read straight into the destination
         self.streamed = False  # whole chunk into a GPU tensor: piece by piece through pinned slabs
-        self._whole_gpu = False
-        self.up: DeviceUpload | None = None  # the load's uploads, for a GPU destination
+        self._whole = False  # the whole chunk into a contiguous destination of its dtype
+        self.up: DeviceUpload | HostUpload | None = None  # the load's uploads to this destination
         self._buf_lock = threading.Lock()
         self.parts_layout: dict[str, tuple[str, tuple, int, int]] = {}
         if chunk.extent is None:  # provider chunk: read every part whole, rebuild, then narrow
@@ -113,7 +113,7 @@ class ReadTask:
         whole = n_needed == ext.nbytes and dest.dtype == self.dtype and dest.is_contiguous() \
             and dest.numel() * item == ext.nbytes
         self._direct = whole and dest.device.type == "cpu"
-        self._whole_gpu = whole and dest.device.type == "cuda"
+        self._whole = whole
         if n_needed == ext.nbytes:  # the whole chunk (a box of its size can only start at 0)
             self.buf_size = ext.nbytes
             self.ranges += block_ranges(ext, 0, ext.nbytes, 0, block_size)
@@ -141,10 +141,13 @@ class ReadTask:
         else:
             self.ranges += block_ranges(ext, r0, r1 - r0, 0, block_size)
 
-    def attach_upload(self, up: DeviceUpload | None) -> None:
-        """The load's uploads to the GPU; a whole chunk then streams through pinned slabs."""
+    def attach_upload(self, up: DeviceUpload | HostUpload | None) -> None:
+        """The load's uploads to this task's device; a whole chunk then streams through the
+        load's slabs (``engine/upload.py``), and a box is cut out by the uploads."""
         self.up = up
-        self.streamed = up is not None and self._whole_gpu
+        self.streamed = up is not None and self._whole
+        if self.streamed:
+            self._direct = False
 
     def buffer(self) -> tuple[np.ndarray, int]:
         """The bytes to read into (a numpy view) and their memory address."""
