@@ -247,6 +247,14 @@ def record_ready(device: int) -> Event:
 _streams: dict[int, Any] = {}  # a cudaStream_t per device, created once: streams are per process
 
 
+def after_fork_in_child() -> None:
+    """In a forked child: a fresh lock (a parent's thread may have held this one) and none of
+    the parent's streams (CUDA its parent initialised is not the child's to use)."""
+    global _lock
+    _lock = threading.Lock()
+    _streams.clear()
+
+
 def copy_stream(device: int) -> Any:
     """The device's non-blocking copy stream (one per device, created once)."""
     with _lock:
@@ -354,5 +362,5 @@ class H2DUploader:
         self.stream.synchronize()
 
 
-__all__ = ["CudaError", "D2HCopier", "H2DUploader", "Event", "available", "check", "copy_stream",
+__all__ = ["CudaError", "after_fork_in_child", "D2HCopier", "H2DUploader", "Event", "available", "check", "copy_stream",
            "pinned_buffer", "record_ready", "unavailable_reason"]

@@ -135,6 +135,46 @@ def test_one_check_of_the_process_group():
     assert where == ["dcp_datastates/process_state.py"]
 
 
+# Process-wide state a forked child may keep as it is: registered types are the program's own;
+# process_state's handlers and what they keep are the child's too
+PROCESS_STATE_KEPT_IN_CHILD = {"dcp_datastates/providers/registry.py", "dcp_datastates/process_state.py"}
+
+
+def _process_wide(path: pathlib.Path) -> list[str]:
+    """Module-level registries and locks: an empty dict, list or set (filled as the process
+    runs; a table written out in full is a constant), or a lock, condition or weak set
+    (``threading.local`` is per thread: not counted)."""
+    out = []
+    for n in ast.parse(path.read_text()).body:
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            name, value = n.targets[0].id, n.value
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.value is not None:
+            name, value = n.target.id, n.value
+        else:
+            continue
+        src = ast.unparse(value)
+        if name != "__all__" and (src in ("{}", "[]", "set()", "dict()") or src.startswith(
+                ("threading.Lock(", "threading.RLock(", "threading.Condition(", "weakref."))):
+            out.append(name)
+    return out
+
+
+def test_every_process_wide_registry_says_what_a_forked_child_does():
+    """A module that keeps process-wide objects (a registry, a lock a parent's thread may hold)
+    registers what a forked child does with them (``process_state.in_child``)."""
+    bad = {}
+    # cuda_ext depends on nothing of ours: its handler is registered by the engine that uses it
+    registered = {"cuda_ext/__init__.py"} if any("process_state.in_child(cuda_ext.after_fork_in_child)" in p.read_text()
+                                                 for p in LIB) else set()
+    for p in LIB:
+        rel = str(p.relative_to(ROOT))
+        held = _process_wide(p)
+        if held and rel not in PROCESS_STATE_KEPT_IN_CHILD | registered and not _calls(p, "process_state.in_child") \
+                and "@process_state.in_child" not in p.read_text():
+            bad[rel] = held
+    assert not bad, bad
+
+
 # The modules that use torch.distributed's collectives themselves (docs/design.md lists them):
 # replication, the cooperative load, the demo's launcher and the one helper of the rest.
 COLLECTIVES = {"dcp_datastates/process_state.py", "dcp_datastates/load/cooperative.py",

@@ -23,6 +23,7 @@ import threading
 
 import torch
 
+from .. import process_state
 from .host_cache import HostCache
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,15 @@ class DeviceCache(HostCache):
 # shares one cache per (size, device) rather than each taking its own.
 _shared: dict[tuple[int, str], DeviceCache] = {}
 _lock = threading.Lock()
+
+
+@process_state.in_child
+def _forget_device_caches_in_child() -> None:
+    """A forked child cannot use its parent's device memory: it makes its own cache on first use."""
+    global _lock
+    _lock = threading.Lock()
+    process_state.keep(dict(_shared))
+    _shared.clear()
 
 
 def default_device() -> torch.device:

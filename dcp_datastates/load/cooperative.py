@@ -460,3 +460,10 @@ def group_for(pg) -> object:
 
 
 _GLOO: dict[tuple[int, ...], object] = {}
+
+
+@process_state.in_child
+def _forget_groups_in_child() -> None:
+    """A forked child is no member of its parent's gloo groups."""
+    process_state.keep(dict(_GLOO))
+    _GLOO.clear()
