@@ -214,10 +214,15 @@ def cmd_verify(args) -> int:
                    verify_run(args.path, _opts(args), progress, node_copy=args.node_local).items()}
         if not results:
             raise NotACheckpointError("the run directory holds no committed step", checkpoint=args.path)
+        foreign = [v.foreign for v in results.values() if v.foreign]
+        if len(foreign) == len(results):  # a run of another format's steps: its exit code, in one line
+            raise ForeignFormatError(f"every step of this run ({len(results)}) is in DCP's own format "
+                                     "(FileSystemWriter), which verify does not check: FileSystemReader loads "
+                                     "them, `dcp-datastates convert` converts one", checkpoint=args.path)
     bad = {k: v for k, v in results.items() if v.problems}
 
     def row(path: str, v: Verified) -> dict:
-        out = {"path": path, "ok": not v.problems, "problems": v.problems}
+        out = {"path": path, "ok": not v.problems, "problems": v.problems, "foreign": bool(v.foreign)}
         if args.node_local:
             out.update(files_elsewhere=v.elsewhere, ranks_elsewhere=v.ranks_elsewhere)
         return out
@@ -231,7 +236,9 @@ def cmd_verify(args) -> int:
     for path, v in results.items():
         elsewhere = (f"; {len(v.elsewhere)} file(s) of rank(s) {_ranks(v.ranks_elsewhere)} are on other nodes"
                      if v.elsewhere else "")
-        if v.problems:
+        if v.foreign:
+            print(f"SKIPPED: {path}: DCP's own format, not checked")
+        elif v.problems:
             print(f"DAMAGED: {path}{elsewhere}")
             for p in v.problems:
                 print(f"  {p}")
@@ -263,7 +270,8 @@ def _ranks(ranks: list[int]) -> str:
 # -------------------------------------------------------------------- demo
 
 def cmd_demo(args) -> int:
-    return run_demo(args.out, width=args.width, depth=args.depth, steps=args.steps, kill_at=args.kill_at)
+    return run_demo(args.out, width=args.width, depth=args.depth, steps=args.steps, kill_at=args.kill_at,
+                    keep=args.keep)
 
 
 # ----------------------------------------------------------------- convert
@@ -384,7 +392,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"dcp-datastates {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("demo", help="the main job: 2-rank FSDP2 training; save vs DCP; kill and resume")
-    p.add_argument("--out", help="directory for the checkpoints (default: a temp dir)")
+    p.add_argument("--out", help="directory for the checkpoints, kept (default: a temp dir whose checkpoints "
+                                 "are removed at the end)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints of the default temp dir")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--steps", type=int, default=12, help="training steps of the kill/resume run")

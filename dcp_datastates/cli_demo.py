@@ -240,9 +240,29 @@ def _phase2(base: str, width: int, depth: int, steps: int, kill_at: int, every: 
             "verify": problems}
 
 
-def run_demo(base: str | None = None, *, width: int = 2048, depth: int = 6, steps: int = 12,
-             kill_at: int = 7) -> int:
+def _remove_checkpoints(base: str, keep_files: list[str]) -> None:
+    """Remove what the demo wrote under ``base`` but ``keep_files``, saying how much."""
+    freed = 0
+    for root, _dirs, files in os.walk(base):
+        freed += sum(os.path.getsize(os.path.join(root, f)) for f in files
+                     if os.path.join(root, f) not in keep_files and not os.path.islink(os.path.join(root, f)))
+    for name in os.listdir(base):
+        path = os.path.join(base, name)
+        if path in keep_files:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    print(f"removed the demo's checkpoints ({freed / 2**30:.2f} GiB) from {base}; the charts stay "
+          "(--keep, or --out DIR, keeps everything)")
 
+
+def run_demo(base: str | None = None, *, width: int = 2048, depth: int = 6, steps: int = 12,
+             kill_at: int = 7, keep: bool = False) -> int:
+    """The demo; its checkpoints go under ``base`` (a temporary directory by default, whose
+    checkpoints are removed at the end unless ``keep``: the charts stay)."""
+    made = base is None
     base = base or tempfile.mkdtemp(prefix="dcpds-demo-")
     os.makedirs(base, exist_ok=True)
     print(f"demo: 2-rank FSDP2 training on CPU/gloo (MLP {depth}x{width}, Adam); output under {base}")
@@ -270,6 +290,8 @@ def run_demo(base: str | None = None, *, width: int = 2048, depth: int = 6, step
     print(f"verify step {r2['latest']} on both tiers: {'OK' if not r2['verify'] else r2['verify']}")
     charts = write_charts(base, r1["rows"], d.get("timeline") or {})
     print("charts: " + ", ".join(charts))
+    if made and not keep:
+        _remove_checkpoints(base, keep_files=charts)
     ok = r1["equal"] and not r1["verify"] and not r2["verify"] and \
         r2["resumed_from"] == r2["latest_committed_after_kill"] and r2["latest"] == steps
     print("\ndemo " + ("passed" if ok else "FAILED"))

@@ -15,6 +15,7 @@ read, so memory holds one batch and the small non-tensor values, never the whole
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import itertools
 import json
@@ -335,13 +336,6 @@ def to_safetensors(src: str, dst: str, *, max_shard_bytes: int | None = None,
     if not single_file:
         os.makedirs(dst, exist_ok=True)
     out = SafetensorsExport([])
-    if values:
-        out.left_out = sorted(values)
-        out.values_file = f"{dst}.values.json" if single_file else os.path.join(dst, "values.json")
-        with open(out.values_file, "w") as f:
-            json.dump(values, f, indent=1, sort_keys=True, default=repr)
-        log.warning("safetensors holds tensors only: %d values written to %s instead (%s)",
-                    len(values), out.values_file, ", ".join(out.left_out[:10]))
     shards: list[list[tuple[str, str]]] = [[]]
     size = 0
     for name, k in tensors:
@@ -352,17 +346,35 @@ def to_safetensors(src: str, dst: str, *, max_shard_bytes: int | None = None,
         shards[-1].append((name, k))
         size += n
     batches = _Batches(reader, md, [k for shard in shards for _, k in shard], opts, "convert")
-    if not max_shard_bytes:
-        path = dst if single_file else os.path.join(dst, "model.safetensors")
-        _write_safetensors(path, shards[0], md, batches)
-        out.files = [path]
-        return out
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        _write_safetensors(os.path.join(dst, name), shard, md, batches)
-        weight_map.update({n: name for n, _ in shard})
-    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": batches.total}, "weight_map": weight_map}, f, indent=1)
-    out.files = [os.path.join(dst, n) for n in names]
+    written: list[str] = []  # whole or nothing: a check failing half-way leaves no file behind
+    try:
+        if not max_shard_bytes:
+            path = dst if single_file else os.path.join(dst, "model.safetensors")
+            written.append(path)
+            _write_safetensors(path, shards[0], md, batches)
+            out.files = [path]
+        else:
+            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            weight_map = {}
+            for name, shard in zip(names, shards):
+                written.append(os.path.join(dst, name))
+                _write_safetensors(written[-1], shard, md, batches)
+                weight_map.update({n: name for n, _ in shard})
+            written.append(os.path.join(dst, "model.safetensors.index.json"))
+            with open(written[-1], "w") as f:
+                json.dump({"metadata": {"total_size": batches.total}, "weight_map": weight_map}, f, indent=1)
+            out.files = [os.path.join(dst, n) for n in names]
+        if values:  # last: once every tensor was read and checked
+            out.left_out = sorted(values)
+            out.values_file = f"{dst}.values.json" if single_file else os.path.join(dst, "values.json")
+            written.append(out.values_file)
+            with open(out.values_file, "w") as f:
+                json.dump(values, f, indent=1, sort_keys=True, default=repr)
+            log.warning("safetensors holds tensors only: %d values written to %s instead (%s)",
+                        len(values), out.values_file, ", ".join(out.left_out[:10]))
+    except BaseException:
+        for path in written:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        raise
     return out

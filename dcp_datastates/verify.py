@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from .errors import CheckpointError, ManifestError
+from .errors import CheckpointError, ForeignFormatError, ManifestError
 from .format.checksum import verify_blocks
 from .format.codec import decode_block
 from .format.limits import FormatViolation
@@ -100,6 +100,7 @@ class Verified:
 
     problems: list[str]
     elsewhere: list[str] = field(default_factory=list)
+    foreign: str | None = None  # another format's checkpoint (DCP's own): why it is not checked
 
     @property
     def ranks_elsewhere(self) -> list[int]:
@@ -126,6 +127,8 @@ def verify_node_copy(path: str, storage_options=None, progress=None) -> Verified
 def _verify(tier: StorageTier, progress, *, node_copy: bool) -> Verified:
     try:
         m = load_manifest(tier)
+    except ForeignFormatError as e:  # not damaged: not ours to check
+        return Verified([], foreign=str(e))
     except CheckpointError as e:
         return Verified([str(e)])
     problems: list[str] = []

@@ -13,7 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import Checkpointer, DataStatesReader, DataStatesWriter
+from dcp_datastates.errors import CheckpointError
 from tests import clirun
+from tests.disk import flip_byte
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,3 +216,66 @@ def test_loading_a_run_that_is_not_there_says_so(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "starts afresh" in r.getMessage()]
     assert len(said) == 1 and "no directory at" in said[0] and "rnu" in said[0], said
     ck.close()
+
+
+def test_verify_of_a_run_of_dcp_steps_says_they_are_dcps_own(tmp_path):
+    """Before: each step 'DAMAGED', exit 1."""
+    for step in (1, 2):
+        dcp.save({"w": torch.ones(4) * step}, storage_writer=dcp.FileSystemWriter(str(tmp_path / f"step-{step}")),
+                 no_dist=True)
+    _one_line_error(cli("verify", str(tmp_path)), 5, "DCP's own format", "every step")
+
+
+def test_verify_of_a_directory_with_nothing_of_ours_says_so(tmp_path):
+    """Before: 'a save that never committed (it was interrupted ...)'."""
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "sub").mkdir()
+    _one_line_error(cli("verify", str(tmp_path)), 4, "none of its 2 entries", "mistyped")
+
+
+def test_a_safetensors_export_of_a_damaged_checkpoint_leaves_nothing_behind(tmp_path):
+    """Before: the export failed on the damaged tensor and left ``values.json`` behind."""
+    ck = tmp_path / "ck"
+    dcp.save({"w": torch.randn(256, 256), "step": 3}, storage_writer=DataStatesWriter(str(ck)), no_dist=True)
+    data = next(p for p in ck.iterdir() if p.name.startswith("data-"))
+    flip_byte(data, data.stat().st_size // 2)
+    out = tmp_path / "st"
+    r = cli("convert", str(ck), str(out), "--to", "safetensors")
+    assert r.returncode != 0 and "checksum" in r.stderr, r.stderr
+    assert not out.exists() or not list(out.iterdir()), list(out.iterdir())
+
+
+def test_loading_a_step_that_is_not_committed_fails(tmp_path):
+    """``load(state, step=N)`` is a resume the caller asked for: a step that is not there is an
+    error, not a silent fresh start (None)."""
+    ck = Checkpointer([str(tmp_path / "run")], async_mode=None)
+    ck.save(1, {"w": torch.ones(4)})
+    with pytest.raises(CheckpointError, match=r"step 5 is not committed .*committed: \[1\]"):
+        ck.load({"w": torch.zeros(4)}, step=5)
+    assert ck.load({"w": torch.zeros(4)}, step=1) == 1
+    ck.close()
+
+
+def test_a_save_says_what_it_cost_and_a_long_load_how_far_it_is(tmp_path, caplog, monkeypatch):
+    from dcp_datastates.load import reads
+    monkeypatch.setattr(reads, "PROGRESS_S", 0.0)
+    ck = Checkpointer([str(tmp_path / "run")])
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        ck.save(1, {f"w{i}": torch.randn(1 << 20) for i in range(8)})
+        ck.wait()
+        ck.load({f"w{i}": torch.zeros(1 << 20) for i in range(8)})
+    said = [r.getMessage() for r in caplog.records]
+    assert any("committed" in m and "s from the save call" in m and "MiB/s" in m for m in said), said
+    assert any("GiB read" in m for m in said), said
+    ck.close()
+
+
+def test_the_demo_removes_its_checkpoints_and_says_so(tmp_path, monkeypatch):
+    """Before: every ``make demo`` left about 1 GB in the temp directory without a word."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the demo's process makes its directory there
+    r = clirun.cli_process("demo", "--width", "256", "--depth", "2", "--steps", "8", "--kill-at", "5")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "removed the demo's checkpoints" in r.stdout, r.stdout
+    (base,) = [p for p in tmp_path.iterdir() if p.name.startswith("dcpds-demo-")]
+    left = [p for p in base.rglob("*") if p.is_file()]
+    assert left and all(p.suffix in (".png", ".svg") for p in left), left

@@ -47,6 +47,10 @@ class Restore:
                     continue
                 self.last = {"step": s, "manifest_tier": got.manifest_tier, "served": dict(got.served)}
                 return s
+        if not failed and step is not None:  # a resume the caller asked for: never a silent fresh start
+            raise CheckpointError(f"step {step} is not committed on any tier of this run (committed: "
+                                  f"{start.committed[-5:] or 'none'}); nothing was loaded",
+                                  checkpoint=self.steps.tiers[0])
         if not failed:
             self._say_fresh(step)
             return None

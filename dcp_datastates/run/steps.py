@@ -47,6 +47,11 @@ class RestoreStart:
     order: tuple[int, ...]
     views: tuple[RestoreView, ...]
 
+    @property
+    def committed(self) -> list[int]:
+        """The steps some rank holds committed on some tier, oldest first."""
+        return sorted(set().union(*(v.committed for v in self.views)))
+
     def votes(self) -> list[ReplicaVote] | None:
         """Every rank's replica vote; None where some rank gave none."""
         votes = [v.vote for v in self.views if v.vote is not None]
@@ -136,8 +141,8 @@ class RunSteps:
         over the whole job at scale): its committed steps on every tier except ``besides`` (a
         save in flight), the manifest heads of ``step`` (where given, else of its newest) for
         ``agreed_save``, and ``vote`` (its replica group's, for the first step's repair).  The
-        steps a restore tries, newest first, are ``step`` alone where given, else every step
-        committed on some tier of some rank.  A step in another format (DCP's own) newer than
+        steps a restore tries, newest first, are ``step`` alone where given and committed on
+        some tier of some rank (else none), else every step so committed.  A step in another format (DCP's own) newer than
         those, or the one asked for, is said in the log: it is not restored."""
         mine: set[int] = set()
         for i in range(len(self.tiers)):
@@ -151,7 +156,7 @@ class RunSteps:
             log.warning("%s holds step(s) %s in DCP's own format, which Checkpointer does not restore "
                         "(load one with dcp.load and FileSystemReader, or `dcp-datastates convert` it)",
                         self.tiers[0], foreign)
-        order = (step,) if step is not None else tuple(sorted(candidates, reverse=True))
+        order = ((step,) if step in candidates else ()) if step is not None else tuple(sorted(candidates, reverse=True))
         return RestoreStart(order, tuple(views))
 
     def _everyone(self, obj) -> list:

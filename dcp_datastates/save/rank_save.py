@@ -359,8 +359,12 @@ class RankSave:
                                      TOOK_OVER_KEY: list(self.took_over()), REPLICA_EPOCH_KEY: self.replica_epoch}
         if session is not None:
             session.mark_committed()
-        log.info("committed %s (%d tensors, %d values, %.1f MiB)", self.path, len(manifest.tensors),
-                 len(manifest.values), sum(manifest.files.values()) / 2**20)
+        mib = sum(manifest.files.values()) / 2**20
+        took = session.timings() if session is not None else {}
+        cost = (f" in {took['committed_s']:.2f} s from the save call ({mib / max(took['committed_s'], 1e-6):.0f} MiB/s"
+                f"; snapshot done at {took.get('snapshot_done_s', 0.0):.2f} s)") if "committed_s" in took else ""
+        log.info("committed %s (%d tensors, %d values, %.1f MiB)%s", self.path, len(manifest.tensors),
+                 len(manifest.values), mib, cost)
         # tidy this tier before a slower tier can commit: that commit writes this directory's
         # `.persisted` record, whose temporary file the tidy would take for a leftover of its own
         self.after_commit(self.tier, manifest)

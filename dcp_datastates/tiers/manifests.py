@@ -24,6 +24,7 @@ from ..format.names import (
     MANIFEST_NAME,
     PURGED_MARK,
     STEP_DIR,
+    is_ours,
     parse_rank_manifest,
     step_of,
 )
@@ -241,6 +242,9 @@ def _why_not_a_checkpoint(tier: StorageTier, names: list[str]) -> str:
     if PURGED_MARK in names:
         return ("this step was purged by retention; what is left are files that later steps of "
                 "the run still use (an incremental husk), not a checkpoint of its own")
+    if not any(is_ours(n) for n in names):
+        return (f"no checkpoint here: none of its {len(names)} entries was written by dcp-datastates "
+                "(a mistyped path?)")
     return ("no committed manifest: this directory holds a save that never committed (it was "
             "interrupted or is still running); load an earlier step")
 
