@@ -21,8 +21,6 @@ Rules, the ones users were burned by elsewhere:
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import functools
 import inspect
 import logging
@@ -38,15 +36,13 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from .. import process_state
 from ..engine.device_cache import prepare_device_cache
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
-from ..errors import first_line
 from ..format import decode_manifest
 from ..format.model import Manifest
 from ..format.records import committed_save
 from ..planner import DataStatesSavePlanner
 from ..replicas.for_run import KnownSave, NodeCopies
 from ..save.guard import async_save
-from ..save.options import WriterOptions
-from ..save.writer import DataStatesWriter
+from ..save.writer import DataStatesWriter, checked_writer_options
 from ..tiers import StorageTier
 from ..tiers.storage import url_tuple
 from .restore import Restore
@@ -114,7 +110,8 @@ class Checkpointer:
         self.node_local = node_local
         self.storage_options = list(storage_options or [None] * len(self.tiers))
         self.steps = RunSteps(self.tiers, self.storage_options, node_local=node_local, pg=process_group)
-        self.writer_options = _checked_writer_options(writer_options)
+        self.writer_options = checked_writer_options(
+            writer_options, "Checkpointer", set(inspect.signature(Checkpointer.__init__).parameters) - {"self", "writer_options"})
         # the staging cache is allocated (pinned on a GPU machine) now, in the background
         prepare_host_cache(writer_options.get("host_cache_bytes") or default_host_cache_bytes())
         if async_mode == "thread":  # used by async saves only; PROCESS mode's is in its daemon
@@ -379,23 +376,3 @@ class Checkpointer:
         for t in list(self._helpers):
             t.join()
         self.retention.join()
-
-
-def _checked_writer_options(options: dict) -> dict:
-    """``options`` (``Checkpointer``'s further keyword arguments, for ``DataStatesWriter``),
-    checked now: a misspelled name, or a value the writer refuses, fails at construction with
-    one line, not at the first save hundreds of steps later."""
-    known = set(inspect.signature(DataStatesWriter.__init__).parameters) - {"self", "path"}
-    ours = set(inspect.signature(Checkpointer.__init__).parameters) - {"self", "writer_options"}
-    for name in options:
-        if name not in known:
-            near = difflib.get_close_matches(name, sorted(known | ours), n=1)
-            raise ValueError(f"Checkpointer got an unknown option {name!r}"
-                             + (f" (did you mean {near[0]!r}?)" if near else "")
-                             + "; see docs/configuration.md for the options it takes")
-    fields = {f.name for f in dataclasses.fields(WriterOptions)}
-    try:
-        WriterOptions(**{k: v for k, v in options.items() if k in fields})
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"Checkpointer: {first_line(e)}") from None
-    return dict(options)

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import inspect
 import logging
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -41,7 +43,7 @@ from torch.futures import Future
 from ..engine.device_cache import prepare_device_cache
 from ..engine.host_cache import default_host_cache_bytes, prepare_host_cache
 from ..engine.snapshot import SaveJob
-from ..errors import CheckpointError
+from ..errors import CheckpointError, first_line
 from ..format.v4.rules import RuleTable
 from ..replicas.for_writer import WriterReplicas
 from ..tiers import StorageTier
@@ -52,7 +54,7 @@ from .staging import SAVE_IDS, WriterSessions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_DEDUP_UNIT", "DataStatesWriter"]
+__all__ = ["DEFAULT_DEDUP_UNIT", "DataStatesWriter", "checked_writer_options"]
 
 
 class DataStatesWriter(StorageWriter):
@@ -323,3 +325,23 @@ class DataStatesWriter(StorageWriter):
         d["_save"] = None  # a save belongs to the process that made it; the daemon makes its own
         d["process_group"] = None  # the daemon's group is its default one (and its own replicator)
         return d
+
+
+def checked_writer_options(options: dict, owner: str, also: Iterable[str] = ()) -> dict:
+    """``options`` for ``DataStatesWriter``, given to ``owner`` (a ``Checkpointer``, an
+    integration), checked now: a misspelled name (``also``: the owner's own names, offered as
+    suggestions) or a value the writer refuses fails with one line naming ``owner``, not at the
+    first save hundreds of steps later."""
+    known = set(inspect.signature(DataStatesWriter.__init__).parameters) - {"self", "path"}
+    for name in options:
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known | set(also)), n=1)
+            raise ValueError(f"{owner} got an unknown option {name!r}"
+                             + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + "; see docs/configuration.md for the options it takes")
+    fields = {f.name for f in dataclasses.fields(WriterOptions)}
+    try:
+        WriterOptions(**{k: v for k, v in options.items() if k in fields})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{owner}: {first_line(e)}") from None
+    return dict(options)

@@ -1,0 +1,132 @@
+"""Hugging Face accelerate's sharded checkpoints through dcp-datastates
+(``dcp_datastates.integrations.accelerate``), in accelerate's own environment (``.venv-hf``).
+
+accelerate turns FSDP on only with an accelerator (its CPU runs are DDP), so these tests drive
+its checkpoint functions themselves, as ``Accelerator.save_state``/``load_state`` and the
+``Trainer`` call them: two gloo ranks, a model sharded with FSDP2, Adam, a few steps; the job
+ends after the save and a new one resumes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("accelerate", reason="accelerate runs in .venv-hf (make test runs it there)")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from dcp_datastates.integrations import accelerate as ours  # noqa: E402
+from dcp_datastates.tiers import StorageTier  # noqa: E402
+from dcp_datastates.tiers.manifests import manifest_is_ours  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
+
+STEPS, SAVED_AT = 5, 3
+
+
+def _model(world: int, seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _step(model, opt, step: int) -> float:
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def _full(model, opt) -> dict:
+    out = {f"p.{k}": (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in model.state_dict().items()}
+    for k, v in get_optimizer_state_dict(model, opt)["state"].items():
+        for name, t in v.items():
+            out[f"o.{k}.{name}"] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+    return out
+
+
+def _plugin():
+    return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+
+
+def _save_then_resume(rank, world, base, switch_at_save: bool, switch_at_load: bool):
+    """Train SAVED_AT steps and save through accelerate's functions; a new model and optimizer
+    (another seed: nothing carried over) load through them and train on; an uninterrupted run
+    gives the state and losses to match."""
+    import accelerate.utils as acc_utils
+    acc = Accelerator(cpu=True)
+    plugin = _plugin()
+    (ours.use_datastates if switch_at_save else ours.stop_using_datastates)()
+    model, opt = _model(world, seed=1)
+    for s in range(SAVED_AT):
+        _step(model, opt, s)
+    acc_utils.save_fsdp_model(plugin, acc, model, base)
+    acc_utils.save_fsdp_optimizer(plugin, acc, opt, model, base)
+    dist.barrier()
+    assert manifest_is_ours(StorageTier(os.path.join(base, "pytorch_model_fsdp_0"))) is switch_at_save
+    (ours.use_datastates if switch_at_load else ours.stop_using_datastates)()
+    model2, opt2 = _model(world, seed=2)
+    _step(model2, opt2, 99)  # the optimizer has state of its own, which the load replaces
+    acc_utils.load_fsdp_model(plugin, acc, model2, base)
+    acc_utils.load_fsdp_optimizer(plugin, acc, opt2, model2, base)
+    got = [_step(model2, opt2, s) for s in range(SAVED_AT, STEPS)]
+    ref_model, ref_opt = _model(world, seed=1)
+    want = [_step(ref_model, ref_opt, s) for s in range(STEPS)][SAVED_AT:]
+    assert got == want, (got, want)
+    a, b = _full(model2, opt2), _full(ref_model, ref_opt)
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, bad
+    ours.stop_using_datastates()
+
+
+def test_a_sharded_model_and_optimizer_resume_bit_exactly_through_our_storage(tmp_path):
+    run_ranks(2, _save_then_resume, str(tmp_path), True, True)
+
+
+def test_a_checkpoint_accelerate_wrote_before_the_switch_resumes(tmp_path):
+    """Saved with accelerate's own storage (DCP's format), loaded after ``use_datastates``."""
+    run_ranks(2, _save_then_resume, str(tmp_path), False, True)
+
+
+def test_an_untested_accelerate_version_is_refused_in_one_line(monkeypatch):
+    with pytest.raises(RuntimeError, match=r"accelerate 0\.1\.0 is not a version .* tested with") as e:
+        ours.check_version("0.1.0")
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(ours.importlib.metadata, "version", lambda name: "9.0.0")
+    with pytest.raises(RuntimeError, match="accelerate 9.0.0"):
+        ours.use_datastates()
+
+
+def test_a_misspelled_option_fails_at_the_switch():
+    with pytest.raises(ValueError, match=r"use_datastates got an unknown option 'host_cache_byte'"):
+        ours.use_datastates(host_cache_byte=1 << 20)
+
+
+def test_the_trainer_calls_the_wrapped_functions_and_the_switch_back_restores_them():
+    """transformers' Trainer imports accelerate's functions by name: the switch reaches those
+    names too, whether transformers was imported before it or after."""
+    import accelerate.utils.fsdp_utils as fsdp_utils
+    import transformers.trainer as trainer
+    before = {n: getattr(trainer, n) for n in ours.FUNCTIONS}
+    ours.use_datastates()
+    try:
+        for n in ours.FUNCTIONS:
+            assert getattr(trainer, n) is getattr(fsdp_utils, n) and getattr(trainer, n).__wrapped__ is before[n]
+    finally:
+        ours.stop_using_datastates()
+    assert {n: getattr(trainer, n) for n in ours.FUNCTIONS} == before
