@@ -72,7 +72,7 @@ def install() -> None:
         return
     from dcp_datastates.engine.host_cache import HostCache
     from dcp_datastates.tiers import persist
-    from dcp_datastates.tiers.local import LocalSink
+    from dcp_datastates.tiers.local import LocalBackend, LocalSink
     from dcp_datastates.tiers.storage import StorageTier
     if phase == "plan":
         _before(StorageTier, "makedirs", "plan")
@@ -84,20 +84,19 @@ def install() -> None:
         _before(persist, "copy_file", "persist")
     elif phase == "purge":
         _after(StorageTier, "remove", "purge")
-    elif phase == "manifest":
-        orig = StorageTier.commit_bytes
+    elif phase == "manifest":  # at the seam: every manifest is committed through it (tiers/commit.py)
+        orig = LocalBackend.commit
 
         @functools.wraps(orig)
-        def commit_bytes(self, name, data, *, sync=True):
-            if name == ".metadata" and self.local:
+        def commit(self, root, path, tmp_name, data, *, sync):
+            if os.path.basename(path) == ".metadata":
                 # the state a crash between the temp file's fsync and the rename leaves
-                tmp = self.path(".metadata.tmp-fault000")
-                with open(tmp, "wb") as f:
+                with open(os.path.join(root, ".metadata.tmp-fault000"), "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
                 _hit("manifest")
-            return orig(self, name, data, sync=sync)
-        StorageTier.commit_bytes = commit_bytes
+            return orig(self, root, path, tmp_name, data, sync=sync)
+        LocalBackend.commit = commit
     else:
         raise ValueError(f"unknown fault phase {phase!r}")
