@@ -1,5 +1,5 @@
 """Hugging Face accelerate's sharded checkpoints through dcp-datastates
-(``dcp_datastates.integrations.accelerate``), in accelerate's own environment (``.venv-hf``).
+(``dcp_datastates.integrations.accelerate``), in the frameworks' own environment (``.venv-frameworks``).
 
 accelerate turns FSDP on only with an accelerator (its CPU runs are DDP), so these tests drive
 its checkpoint functions themselves, as ``Accelerator.save_state``/``load_state`` and the
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-pytest.importorskip("accelerate", reason="accelerate runs in .venv-hf (make test runs it there)")
+pytest.importorskip("accelerate", reason="accelerate runs in .venv-frameworks (make test runs it there)")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -136,8 +136,9 @@ def test_one_check_of_the_process_group():
 
 
 # Process-wide state a forked child may keep as it is: registered types are the program's own;
-# process_state's handlers and what they keep are the child's too
-PROCESS_STATE_KEPT_IN_CHILD = {"dcp_datastates/providers/registry.py", "dcp_datastates/process_state.py"}
+# process_state's handlers and what they keep are the child's too; so is a framework's wrapping
+PROCESS_STATE_KEPT_IN_CHILD = {"dcp_datastates/providers/registry.py", "dcp_datastates/process_state.py",
+                               "dcp_datastates/integrations/accelerate.py"}
 
 
 def _process_wide(path: pathlib.Path) -> list[str]:

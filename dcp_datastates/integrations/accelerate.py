@@ -26,37 +26,23 @@ back.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
 import logging
 import sys
-import threading
 
 import accelerate.accelerator  # noqa: F401  # pyright: ignore[reportMissingImports] (optional: its own venv)
 import accelerate.utils.fsdp_utils as fsdp_utils  # pyright: ignore[reportMissingImports] (optional: its own venv)
-import torch.distributed.checkpoint as dcp
 
-from .. import process_state
-from ..load.reader import DataStatesReader
-from ..save.writer import DataStatesWriter, checked_writer_options
-from ..tiers import StorageTier
-from ..tiers.manifests import manifest_is_ours
+from ..save.writer import checked_writer_options
+from .routing import bound, ours_while
 
 log = logging.getLogger(__name__)
 
 TESTED = ("1.15",)  # accelerate major.minor versions the wrapping was tested with
 FUNCTIONS = ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer")
 
-_lock = threading.RLock()  # one wrapped call swaps DCP's classes at a time
 _installed: dict[str, object] = {}  # function name -> accelerate's own
-
-
-@process_state.in_child
-def _new_lock_in_child() -> None:
-    """A forked child keeps the wrapping, with a lock no parent's thread holds."""
-    global _lock
-    _lock = threading.RLock()
 
 
 def check_version(version: str | None = None) -> str:
@@ -75,64 +61,37 @@ def use_datastates(**writer_options) -> None:
     or load (again: the options are replaced)."""
     check_version()
     options = checked_writer_options({"overwrite": True, **writer_options}, "use_datastates")
-    with _lock:
-        for name in FUNCTIONS:
-            own = _installed.get(name) or getattr(fsdp_utils, name)
-            _rebind(own, _routed(own, options))
-            _installed[name] = own
+    for name in FUNCTIONS:
+        own = _installed.get(name) or getattr(fsdp_utils, name)
+        _rebind(own, _routed(own, options))
+        _installed[name] = own
     log.info("accelerate %s: sharded checkpoints through dcp-datastates", check_version())
 
 
 def stop_using_datastates() -> None:
     """Give accelerate its own storage back."""
-    with _lock:
-        for name, own in list(_installed.items()):
-            for module in list(sys.modules.values()):
-                if getattr(_bound(module, name), "__wrapped__", None) is own:
-                    setattr(module, name, own)
-            del _installed[name]
+    for name, own in list(_installed.items()):
+        for module in list(sys.modules.values()):
+            if getattr(bound(module, name), "__wrapped__", None) is own:
+                setattr(module, name, own)
+        del _installed[name]
 
 
 def _rebind(own, wrapped) -> None:
     """``wrapped`` in every loaded module that holds ``own`` (or an earlier wrapping of it)
     under its name: accelerate's own modules and those that imported it by name."""
     for module in list(sys.modules.values()):
-        current = _bound(module, own.__name__)
+        current = bound(module, own.__name__)
         if current is own or (current is not None and getattr(current, "__wrapped__", None) is own):
             setattr(module, own.__name__, wrapped)
-
-
-def _bound(module, name: str):
-    """What ``module`` binds to ``name`` itself (never through a lazy module's ``__getattr__``,
-    which may import)."""
-    return getattr(module, "__dict__", {}).get(name)
 
 
 def _routed(own, options: dict):
     @functools.wraps(own)
     def call(*args, **kwargs):
-        with _lock, _ours(options):
+        with ours_while(options):
             return own(*args, **kwargs)
     return call
-
-
-@contextlib.contextmanager
-def _ours(options: dict):
-    """While a wrapped function runs: DCP's file system writer and reader are ours."""
-    writer, reader = dcp.FileSystemWriter, dcp.FileSystemReader
-
-    def make_writer(path, *args, **kwargs):
-        return DataStatesWriter(str(path), **options)
-
-    def make_reader(path, *args, **kwargs):
-        if manifest_is_ours(StorageTier(str(path))) is False:  # saved before the switch: DCP's own
-            return reader(path, *args, **kwargs)
-        return DataStatesReader(str(path))
-    dcp.FileSystemWriter, dcp.FileSystemReader = make_writer, make_reader  # type: ignore[assignment,misc]
-    try:
-        yield
-    finally:
-        dcp.FileSystemWriter, dcp.FileSystemReader = writer, reader  # type: ignore[misc]
 
 
 __all__ = ["TESTED", "check_version", "stop_using_datastates", "use_datastates"]
