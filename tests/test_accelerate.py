@@ -8,25 +8,26 @@ ends after the save and a new one resumes."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 import pytest
 
 pytest.importorskip("accelerate", reason="accelerate runs in .venv-frameworks (make test runs it there)")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
-from dcp_datastates.integrations import accelerate as ours  # noqa: E402
-from dcp_datastates.tiers import StorageTier  # noqa: E402
-from dcp_datastates.tiers.manifests import manifest_is_ours  # noqa: E402
-from tests.dist import run_ranks  # noqa: E402
+from dcp_datastates.integrations import accelerate as ours
+from dcp_datastates.tiers import StorageTier
+from dcp_datastates.tiers.manifests import manifest_is_ours
+from tests.dist import run_ranks
 
 STEPS, SAVED_AT = 5, 3
 
@@ -107,7 +108,7 @@ def test_an_untested_accelerate_version_is_refused_in_one_line(monkeypatch):
     with pytest.raises(RuntimeError, match=r"accelerate 0\.1\.0 is not a version .* tested with") as e:
         ours.check_version("0.1.0")
     assert "\n" not in str(e.value)
-    monkeypatch.setattr(ours.importlib.metadata, "version", lambda name: "9.0.0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
     with pytest.raises(RuntimeError, match="accelerate 9.0.0"):
         ours.use_datastates()
 

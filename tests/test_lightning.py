@@ -5,6 +5,7 @@ resumes from the checkpoint and trains on, and matches an uninterrupted run bit 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 
@@ -102,6 +103,6 @@ def test_an_untested_lightning_version_is_refused_in_one_line(monkeypatch):
     with pytest.raises(RuntimeError, match=r"lightning 0\.1\.0 is not a version") as e:
         ours.check_version("0.1.0")
     assert "\n" not in str(e.value)
-    monkeypatch.setattr(ours.importlib.metadata, "version", lambda name: "9.0.0")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
     with pytest.raises(RuntimeError, match="lightning 9.0.0"):
         ours.DataStatesModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)

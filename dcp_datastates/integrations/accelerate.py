@@ -27,7 +27,6 @@ back.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import logging
 import sys
 
@@ -35,6 +34,7 @@ import accelerate.accelerator  # noqa: F401  # pyright: ignore[reportMissingImpo
 import accelerate.utils.fsdp_utils as fsdp_utils  # pyright: ignore[reportMissingImports] (optional: its own venv)
 
 from ..save.writer import checked_writer_options
+from . import routing
 from .routing import bound, ours_while
 
 log = logging.getLogger(__name__)
@@ -47,12 +47,8 @@ _installed: dict[str, object] = {}  # function name -> accelerate's own
 
 def check_version(version: str | None = None) -> str:
     """The installed accelerate's version, where it is one of ``TESTED``; else ``RuntimeError``."""
-    version = version or importlib.metadata.version("accelerate")
-    if ".".join(version.split(".")[:2]) not in TESTED:
-        raise RuntimeError(f"accelerate {version} is not a version dcp-datastates was tested with "
-                           f"({', '.join(v + '.*' for v in TESTED)}); install one of those, or keep "
-                           "accelerate's own storage (do not call use_datastates)")
-    return version
+    return routing.check_version("accelerate", TESTED, "keep accelerate's own storage (do not call use_datastates)",
+                                 version)
 
 
 def use_datastates(**writer_options) -> None:

@@ -24,7 +24,6 @@ runs only on a GPU in Lightning and is not covered yet.
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 import lightning.fabric.strategies.fsdp as fabric_fsdp  # pyright: ignore[reportMissingImports] (optional: its own venv)
@@ -33,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import ModelParallelStrategy  # pyright: ignore[reportMissingImports] (optional: its own venv)
 
 from ..save.writer import checked_writer_options
+from . import routing
 from .routing import ours_while, reader_for, writer_for
 
 TESTED = ("2.6",)  # lightning major.minor versions the strategy was tested with
@@ -40,12 +40,7 @@ TESTED = ("2.6",)  # lightning major.minor versions the strategy was tested with
 
 def check_version(version: str | None = None) -> str:
     """The installed Lightning's version, where it is one of ``TESTED``; else ``RuntimeError``."""
-    version = version or importlib.metadata.version("lightning")
-    if ".".join(version.split(".")[:2]) not in TESTED:
-        raise RuntimeError(f"lightning {version} is not a version dcp-datastates was tested with "
-                           f"({', '.join(v + '.*' for v in TESTED)}); install one of those, or use "
-                           "Lightning's own ModelParallelStrategy")
-    return version
+    return routing.check_version("lightning", TESTED, "use Lightning's own ModelParallelStrategy", version)
 
 
 class DataStatesModelParallelStrategy(ModelParallelStrategy):

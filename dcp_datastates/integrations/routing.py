@@ -13,6 +13,7 @@ back after.  A checkpoint in DCP's own format (saved before the switch) is still
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -33,6 +34,17 @@ def _new_lock_in_child() -> None:
     """A forked child gets a lock no parent's thread holds."""
     global _lock
     _lock = threading.RLock()
+
+
+def check_version(package: str, tested: tuple[str, ...], otherwise: str, version: str | None = None) -> str:
+    """The installed ``package``'s version (or ``version``), where its major.minor is one of
+    ``tested``; else a one-line ``RuntimeError`` saying which are known to work and, in
+    ``otherwise``, what to do instead."""
+    version = version or importlib.metadata.version(package)
+    if ".".join(version.split(".")[:2]) not in tested:
+        raise RuntimeError(f"{package} {version} is not a version dcp-datastates was tested with "
+                           f"({', '.join(v + '.*' for v in tested)}); install one of those, or {otherwise}")
+    return version
 
 
 def writer_for(path, options: dict) -> DataStatesWriter:
@@ -79,4 +91,4 @@ def ours_while(options: dict, helpers: dict[Callable, Callable] | None = None) -
             dcp.FileSystemWriter, dcp.FileSystemReader = writer, reader  # type: ignore[misc]
 
 
-__all__ = ["bound", "ours_while", "reader_for", "rebind", "writer_for"]
+__all__ = ["bound", "check_version", "ours_while", "reader_for", "rebind", "writer_for"]
