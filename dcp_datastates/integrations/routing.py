@@ -27,6 +27,7 @@ from ..tiers import StorageTier
 from ..tiers.manifests import manifest_is_ours
 
 _lock = threading.RLock()
+DCP_READER = dcp.FileSystemReader  # DCP's own, whatever ``ours_while`` binds in its place
 
 
 @process_state.in_child
@@ -51,10 +52,10 @@ def writer_for(path, options: dict) -> DataStatesWriter:
     return DataStatesWriter(str(path), **options)
 
 
-def reader_for(path, dcp_reader=None):
+def reader_for(path):
     """Ours, or DCP's ``FileSystemReader`` for a checkpoint in DCP's own format."""
     if manifest_is_ours(StorageTier(str(path))) is False:
-        return (dcp_reader or dcp.FileSystemReader)(path)
+        return DCP_READER(path)
     return DataStatesReader(str(path))
 
 
@@ -81,7 +82,7 @@ def ours_while(options: dict, helpers: dict[Callable, Callable] | None = None) -
     with _lock:
         writer, reader = dcp.FileSystemWriter, dcp.FileSystemReader
         dcp.FileSystemWriter = lambda path, *a, **k: writer_for(path, options)  # type: ignore[assignment,misc]
-        dcp.FileSystemReader = lambda path, *a, **k: reader_for(path, reader)  # type: ignore[assignment,misc]
+        dcp.FileSystemReader = lambda path, *a, **k: reader_for(path)  # type: ignore[assignment,misc]
         undo = [(place, own) for own, new in (helpers or {}).items() for place in rebind(own, new)]
         try:
             yield

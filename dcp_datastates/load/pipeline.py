@@ -156,7 +156,7 @@ class LoadPipeline:
         try:
             tensor_items = [ri for ri in plan.items if ri.type != LoadItemType.BYTE_IO]
             self._check_coverage(tensor_items, planner, m)
-            tasks = self._tasks(plan, planner, m, tensor_items)
+            tasks = self._tasks(plan, planner, m, tensor_items, tiers[1:])
         except Exception:
             if coop is not None:  # the other ranks are about to ask: say this rank failed, then raise
                 coop.plan(None, m.block_size)
@@ -178,8 +178,10 @@ class LoadPipeline:
                      stats.bytes_received / 2**20, stats.bytes_sent / 2**20, stats.plan_s, stats.read_s,
                      stats.exchange_s)
 
-    def _tasks(self, plan: LoadPlan, planner, m: Manifest, tensor_items) -> list[ReadTask | SmallTask]:
-        """One read task per item (values are delivered here, from the manifest)."""
+    def _tasks(self, plan: LoadPlan, planner, m: Manifest, tensor_items,
+               slower: list[StorageTier]) -> list[ReadTask | SmallTask]:
+        """One read task per item (values are delivered here, from the manifest; a damaged one
+        from the ``slower`` sources')."""
         tasks: list[ReadTask | SmallTask] = []
         for ri in plan.items:
             if ri.type != LoadItemType.BYTE_IO:
@@ -189,7 +191,7 @@ class LoadPipeline:
                 tasks.append(ReadTask(ri, None, "uint8", v.node, m.block_size, checkpoint=self.sources.path))
             else:
                 load_value(ri, planner, m, checkpoint=self.sources.path, allow_pickle=self.settings.allow_pickle,
-                           fallback=self._tiers()[1:])
+                           fallback=slower)
         return tasks + [self.make_task(ri, planner, m) for ri in tensor_items]
 
     def make_task(self, ri: ReadItem, planner, m: Manifest) -> ReadTask | SmallTask:

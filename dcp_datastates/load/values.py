@@ -65,7 +65,8 @@ def _from_fallback(fqn: str, checkpoint: str | None, tiers: Iterable[StorageTier
     for tier in tiers:
         try:
             other = load_manifest(tier).values.get(fqn)
-        except (NotACheckpointError, ManifestError, OSError):
+        except (NotACheckpointError, ManifestError, OSError) as e:
+            log.warning("value %s: no usable manifest on %s to take it from (%s)", fqn, tier.url, e)
             continue
         if other is not None and xxhash.xxh3_64_intdigest(other.data) == other.checksum:
             log.warning("value %s is damaged in %s; using the copy in %s", fqn, checkpoint, tier.url)

@@ -71,13 +71,14 @@ class Wire:
         where this rank receives it and its bytes match ``digest``, commit it in this node's
         directory on the load's decision (``tiers.commit``): whether it did.  A node whose
         storage fails the commit keeps what it had (its ranks are sent the file list)."""
-        for name, held in self._moved(moves, {MANIFEST_NAME: digest}, Held).items():
-            assert isinstance(held, Held) and name == MANIFEST_NAME
-            try:
-                return commit_manifest(self.tier, bytes(held.data), save_id, ByDecision("the save this load reads"))
-            except (OSError, CheckpointError) as e:
-                log.warning("%s: the manifest of save %s could not be committed here: %s", self.label, save_id, e)
-        return False
+        held = self._moved(moves, {MANIFEST_NAME: digest}, Held).get(MANIFEST_NAME)
+        if not isinstance(held, Held):  # not received here (another rank's move, or dropped)
+            return False
+        try:
+            return commit_manifest(self.tier, bytes(held.data), save_id, ByDecision("the save this load reads"))
+        except (OSError, CheckpointError) as e:
+            log.warning("%s: the manifest of save %s could not be committed here: %s", self.label, save_id, e)
+            return False
 
     def _moved(self, moves: list[Move], digests: dict[str, str], land: type) -> dict[str, Landing | Held]:
         kept: dict[str, Landing | Held] = {}
