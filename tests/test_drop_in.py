@@ -428,3 +428,60 @@ def test_a_forked_child_does_not_keep_a_save_link_open():
     finally:
         worker.kill()
         worker.join()
+
+
+# ----------------------------------------------- tensors of DCP's checkpointable protocol
+
+class _RowBlock(torch.Tensor):
+    """A tensor of global shape whose rank holds rows ``[start, start + len(data))``, known to DCP
+    through its checkpointable protocol only (``__create_write_items__``, ``__create_chunk_list__``,
+    ``__get_tensor_shard__``), as Megatron-Core's ``torch_dist`` state is."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, start: int, rows: int):
+        return torch.Tensor._make_wrapper_subclass(cls, torch.Size((rows, *data.shape[1:])), dtype=data.dtype)
+
+    def __init__(self, data: torch.Tensor, start: int, rows: int) -> None:
+        self.block, self.start = data, start
+
+    def _chunk(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        offsets = torch.Size((self.start,) + (0,) * (self.block.dim() - 1))
+        return ChunkStorageMetadata(offsets=offsets, sizes=self.block.size())
+
+    def __create_write_items__(self, fqn, obj, index=None):
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        chunk = self._chunk()
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets, index), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(
+                              self.block), size=self.size()))]
+
+    def __create_chunk_list__(self):
+        return [self._chunk()]
+
+    def __get_tensor_shard__(self, index):
+        return self.block
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{cls.__name__} answers DCP's protocol only ({func})")
+
+
+def _checkpointable_cases(rank, world, base):
+    full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+    saved = {"w": _RowBlock(full[rank * 32:(rank + 1) * 32].clone(), rank * 32, 64), "step": 3}
+    ours, ref = os.path.join(base, "ours"), os.path.join(base, "ref")
+    dcp.save(saved, storage_writer=DataStatesWriter(ours))
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(ref))
+    lo, hi = (0, 20) if rank == 0 else (20, 64)  # another split than the save's
+    for reader in (DataStatesReader(ours), dcp.FileSystemReader(ref)):
+        got = {"w": _RowBlock(torch.zeros(hi - lo, 8), lo, 64), "step": 0}
+        dcp.load(got, storage_reader=reader)
+        assert got["step"] == 3 and torch.equal(got["w"].block, full[lo:hi]), type(reader).__name__
+
+
+def test_tensors_of_dcps_checkpointable_protocol_load_like_dcp(tmp_path):
+    """State DCP knows only through its checkpointable protocol (Megatron-Core's ``torch_dist``
+    tensors): saved on 2 ranks by rows, loaded into another split, as DCP's own storage does."""
+    run_ranks(2, _checkpointable_cases, str(tmp_path))

@@ -242,8 +242,12 @@ class LoadPipeline:
 
 
 def _local_numel(t: torch.Tensor) -> int:
-    """The elements this rank holds of ``t``: a DTensor's local shard, a ``ShardedTensor``'s
-    local shards (which answer no tensor function themselves), or the whole tensor."""
+    """The elements this rank holds of ``t``: the chunks it names through DCP's checkpointable
+    protocol (Megatron-Core's ``torch_dist`` tensors, whose shape is the global one), a DTensor's
+    local shard, a ``ShardedTensor``'s local shards (which answer no tensor function
+    themselves), or the whole tensor."""
+    if hasattr(t, "__create_chunk_list__") and not isinstance(t, DTensor):
+        return sum(math.prod(c.sizes) for c in t.__create_chunk_list__())  # pyright: ignore[reportAttributeAccessIssue]
     if isinstance(t, DTensor):
         return t.to_local().numel()
     if isinstance(t, ShardedTensor):
