@@ -33,7 +33,7 @@ $(TITAN_VENV)/.ready: pyproject.toml
 	$(TPY) -m pip install -q -e ".[torchtitan]" pytest
 	@touch $@
 
-# accelerate, transformers and Lightning, pinned to the versions the integrations were tested with
+# accelerate, transformers, Lightning and Megatron-Core, pinned to the versions the integrations were tested with
 $(FW_VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV_FLAGS) $(FW_VENV)
 	$(FPY) -m pip install -q --upgrade pip
@@ -65,12 +65,12 @@ test-torchtitan: env-titan
 	$(TPY) -m pytest -q tests/test_torchtitan.py
 
 test-frameworks: env-frameworks
-	$(FPY) -m pytest -q tests/test_accelerate.py tests/test_lightning.py
+	$(FPY) -m pytest -q tests/test_accelerate.py tests/test_lightning.py tests/test_megatron.py
 
 test-long: env env-titan env-frameworks
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal -m "slow or not slow" tests
 	$(TPY) -m pytest -q tests/test_torchtitan.py
-	$(FPY) -m pytest -q tests/test_accelerate.py tests/test_lightning.py
+	$(FPY) -m pytest -q tests/test_accelerate.py tests/test_lightning.py tests/test_megatron.py
 
 bench: env
 	$(PY) benchmarks/bench_core.py

@@ -85,3 +85,10 @@ def broadcast(obj: object) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def checkpoint_group():
+    """A new gloo group of every rank, for a background save's collectives, so that they never
+    share a communicator with training's (a collective: every rank calls it, in the same order);
+    None without a group."""
+    return dist.new_group(backend="gloo") if group_up() else None
