@@ -15,7 +15,8 @@ pytest.importorskip("lightning", reason="Lightning runs in .venv-frameworks (mak
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+import torch.distributed as dist
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -106,3 +107,121 @@ def test_an_untested_lightning_version_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.0.0")
     with pytest.raises(RuntimeError, match="lightning 9.0.0"):
         ours.DataStatesModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+
+
+# ------------------------------------------------------------------ FSDPStrategy (FSDP1)
+
+class Fsdp1Net(Net):
+    def configure_model(self) -> None:
+        """Wrapped here, where Lightning lets a model wrap itself: its own wrapping names no
+        device on the CPU, which FSDP1 refuses; ``device_id`` CPU, it runs on gloo."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        self.net = FSDP(self.net, device_id=torch.device("cpu"))
+
+
+def _fit1(strategy, seed: int, steps: int, ckpt_path=None) -> Net:
+    model = Fsdp1Net(seed)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, _data(), ckpt_path=ckpt_path)
+    model.trainer_ = trainer
+    return model
+
+
+def _full1(model) -> dict[str, list]:
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    with FSDP.state_dict_type(model.trainer_.strategy.model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(rank0_only=False)):
+        return {k: v.flatten().tolist() for k, v in model.trainer_.strategy.model.state_dict().items()}
+
+
+class LightningsFSDP(FSDPStrategy):
+    """Lightning's ``FSDPStrategy``, unchanged: Lightning refuses the class itself on the CPU by
+    its exact type (``type(strategy) is FSDPStrategy``), not a subclass; FSDP1 runs on gloo."""
+
+
+def _first_job1(rank, world, base, save_with_ours: bool):
+    ref = _fit1(LightningsFSDP(state_dict_type="sharded"), 1, STEPS)
+    strategy = ours.DataStatesFSDPStrategy() if save_with_ours else LightningsFSDP(state_dict_type="sharded")
+    saved = _fit1(strategy, 1, SAVED_AT)
+    saved.trainer_.save_checkpoint(os.path.join(base, "ck"))
+    with open(os.path.join(base, f"ref-{rank}.json"), "w") as f:
+        json.dump({"losses": ref.losses, "params": _full1(ref)}, f)
+
+
+def _resumed_job1(rank, world, base):
+    resumed = _fit1(ours.DataStatesFSDPStrategy(), 2, STEPS, ckpt_path=os.path.join(base, "ck"))
+    ref = json.load(open(os.path.join(base, f"ref-{rank}.json")))
+    assert resumed.losses == ref["losses"][SAVED_AT:], (resumed.losses, ref["losses"])
+    params = _full1(resumed)
+    bad = [k for k in ref["params"] if params[k] != ref["params"][k]]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("saved_by", ["ours", "lightning"])
+def test_an_fsdp1_trainer_resumes_bit_exactly_through_our_strategy(tmp_path, saved_by):
+    """``FSDPStrategy`` (FSDP1, sharded state dicts, its optimizer state loaded through DCP's
+    ``load_sharded_optimizer_state_dict``) on the CPU: saved through ours or Lightning's own
+    storage, resumed through ours."""
+    run_ranks(2, _first_job1, str(tmp_path), saved_by == "ours")
+    assert manifest_is_ours(StorageTier(str(tmp_path / "ck"))) is (saved_by == "ours")
+    run_ranks(2, _resumed_job1, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------- Fabric
+
+def _parallelize(model, mesh):
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
+
+
+def _fabric_run(strategy, steps: int, load_from=None, save_to=None, saved_at: int = 0):
+    import lightning as L
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(7 if load_from else 1)
+    model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)))
+    opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    if load_from:
+        fabric.load(load_from, state)
+    losses = []
+    for s in range(state["step"], steps):
+        g = torch.Generator().manual_seed(1000 + s)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        state["step"] = s + 1
+        if save_to and s + 1 == saved_at:
+            fabric.save(save_to, state)
+    return losses, {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist()
+                    for k, v in model.state_dict().items()}
+
+
+def _fabric_jobs(rank, world, base, saved_by: str):
+    """A run that saves at SAVED_AT and goes on (through ours, or Fabric's own strategy), then a
+    new Fabric that resumes from the save through ours."""
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricMP
+    ck = os.path.join(base, "ck")
+    kinds = {"ours": ours.DataStatesFabricModelParallelStrategy, "lightning": FabricMP}
+    ref_losses, ref_params = _fabric_run(kinds[saved_by](_parallelize, data_parallel_size=2, tensor_parallel_size=1),
+                                         STEPS, save_to=ck, saved_at=SAVED_AT)
+    dist.barrier()
+    assert manifest_is_ours(StorageTier(ck)) is (saved_by == "ours")
+    losses, params = _fabric_run(ours.DataStatesFabricModelParallelStrategy(
+        _parallelize, data_parallel_size=2, tensor_parallel_size=1), STEPS, load_from=ck)
+    assert losses == ref_losses[SAVED_AT:], (losses, ref_losses)
+    assert params == ref_params
+
+
+@pytest.mark.parametrize("saved_by", ["ours", "lightning"])
+def test_fabric_resumes_bit_exactly_through_our_strategy(tmp_path, saved_by):
+    """Fabric's ``ModelParallelStrategy``: ``fabric.save`` mid-run (through ours, or Fabric's own
+    storage), ``fabric.load`` in a new Fabric, the same losses and parameters as the run that went on."""
+    run_ranks(2, _fabric_jobs, str(tmp_path), saved_by)
