@@ -34,6 +34,7 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from torch.distributed.checkpoint import CheckpointException
 
 from dcp_datastates.integrations import megatron as ours
 from dcp_datastates.tiers import StorageTier
@@ -144,6 +145,8 @@ def _first_job(rank, world, base, saved_by: str):
     model, opt = _new(rank, world, 1)
     for s in range(SAVED_AT):
         _step(model, opt, s)
+    with open(os.path.join(base, f"saved-{rank}.json"), "w") as f:
+        json.dump(_everything(model, opt), f)
     ck = os.path.join(base, "ck")
     os.makedirs(ck, exist_ok=True)  # Megatron-LM makes the iteration's directory before it saves
     if saved_by == "torch_dist":  # Megatron's own default storage
@@ -265,3 +268,55 @@ def test_an_untested_megatron_version_is_refused_in_one_line(monkeypatch):
 def test_a_misspelled_option_is_refused_at_construction():
     with pytest.raises(ValueError, match="DataStatesSaveStrategy got an unknown option 'compresion'"):
         ours.DataStatesSaveStrategy(compresion="zstd")
+
+
+def _one_rank_resumes(rank, world, base):
+    """Tensor parallelism 2 -> 1: the one rank's whole tensors are the two ranks' parts."""
+    model, opt = _new(rank, world, 2)
+    loaded = dist_checkpointing.load(_checkpoint(model, opt, 0), os.path.join(base, "ck"))
+    assert _restore(model, opt, loaded) == SAVED_AT
+    parts = [json.load(open(os.path.join(base, f"saved-{r}.json"))) for r in range(2)]
+    got = _everything(model, opt)
+    for i, (name, p) in enumerate(model.named_parameters()):
+        axis = {"w1": 0, "b1": 0, "w2": 1}.get(name)
+        for key in (f"p.{name}", f"o.{i}.exp_avg", f"o.{i}.exp_avg_sq"):
+            shards = [torch.tensor(part[key]) for part in parts]
+            if axis is None:  # replicated: each rank saved the same
+                want = shards[0]
+            else:
+                want = torch.cat([t.reshape(-1, *p.shape[1:]) if axis == 0 else t.reshape(p.shape[0], -1)
+                                  for t in shards], dim=axis).flatten()
+            assert torch.equal(torch.tensor(got[key]), want), key
+
+
+def test_a_checkpoint_of_two_ranks_loads_on_one(tmp_path):
+    """Saved with tensor parallelism 2 through ours, loaded by Megatron's registry on one rank."""
+    run_ranks(2, _first_job, str(tmp_path), "ours")
+    run_ranks(1, _one_rank_resumes, str(tmp_path))
+
+
+def _async_save_fails(rank, world, base):
+    from tests.disk import full_at_the_commit
+
+    _cpu_for_cuda()
+    full_at_the_commit(pytest.MonkeyPatch())  # the manifest's commit meets a full disk
+    model, opt = _new(rank, world, 1)
+    ck = os.path.join(base, "ck")
+    os.makedirs(ck, exist_ok=True)
+    strategy = ours.DataStatesSaveStrategy(optimizer=opt)
+    request = dist_checkpointing.save(_checkpoint(model, opt, 0), ck, sharded_strategy=strategy, async_sharded_save=True)
+    calls = AsyncCallsQueue()
+    calls.schedule_async_request(request)
+    _step(model, opt, 0)
+    with pytest.raises(CheckpointException) as e:
+        calls.maybe_finalize_async_calls(blocking=True)  # on every rank: none waits for another
+    causes = [str(f[0] if isinstance(f, tuple) else f) for f in e.value.failures.values()]
+    assert any("No space left on device" in c and "file=.metadata" in c for c in causes), causes
+
+
+def test_an_async_save_that_fails_raises_at_the_finalize_on_every_rank(tmp_path):
+    """The save's error reaches Megatron's finalize on both ranks (the worker itself never
+    raises, which would leave Megatron's queue waiting); no metadata.json, nothing committed."""
+    run_ranks(2, _async_save_fails, str(tmp_path))
+    assert not (tmp_path / "ck" / "metadata.json").exists()
+    assert not manifest_is_ours(StorageTier(str(tmp_path / "ck")))
