@@ -1,7 +1,7 @@
 # Two entry points for a fresh machine:
 #   make demo   - runs the main job (2-rank FSDP2 on CPU, save/reload, table against DCP)
 #   make test   - runs the test suite (core suite, then the torchtitan suite and the frameworks'
-#                 (accelerate, Lightning), each in its own env)
+#                 (accelerate, Lightning, Megatron-Core), each in its own env)
 # Each creates and uses its own environment with torch==2.13.0 (CPU build).  To bring your own:
 #   make test TORCH_SPEC= VENV_FLAGS=--system-site-packages
 PYTHON ?= python3
