@@ -13,7 +13,8 @@ have; the child's copies cost nothing, their pages are the parent's until writte
 
 **Is there a process group, and which rank am I.**  ``group_up`` is the library's one check of
 ``torch.distributed`` being initialized; ``rank``, ``world_size`` and ``gather`` answer for a
-process without a group as its only rank.
+process without a group as its only rank; ``checkpoint_group`` is the one group of every rank
+kept for background saves.
 """
 
 from __future__ import annotations
@@ -87,8 +88,24 @@ def broadcast(obj: object) -> object:
     return box[0]
 
 
+_CHECKPOINT_GROUP: list = []  # [the default group, its checkpoint group], once made
+
+
 def checkpoint_group():
-    """A new gloo group of every rank, for a background save's collectives, so that they never
-    share a communicator with training's (a collective: every rank calls it, in the same order);
-    None without a group."""
-    return dist.new_group(backend="gloo") if group_up() else None
+    """The gloo group of every rank that a background save's collectives use, so that they
+    never share a communicator with training's: made at the first call (a collective: every
+    rank makes its first call at the same point, as at a first save), the same one after, until
+    the default group is replaced; None without a group."""
+    if not group_up():
+        return None
+    default = dist.group.WORLD
+    if not _CHECKPOINT_GROUP or _CHECKPOINT_GROUP[0] is not default:
+        _CHECKPOINT_GROUP[:] = [default, dist.new_group(backend="gloo")]
+    return _CHECKPOINT_GROUP[1]
+
+
+@in_child
+def _no_checkpoint_group_in_child() -> None:
+    """A forked child is no rank of its parent's groups."""
+    keep(*_CHECKPOINT_GROUP)
+    _CHECKPOINT_GROUP.clear()

@@ -320,3 +320,20 @@ def test_an_async_save_that_fails_raises_at_the_finalize_on_every_rank(tmp_path)
     run_ranks(2, _async_save_fails, str(tmp_path))
     assert not (tmp_path / "ck" / "metadata.json").exists()
     assert not manifest_is_ours(StorageTier(str(tmp_path / "ck")))
+
+
+def _a_strategy_per_save(rank, world, base):
+    groups = []
+    for i in range(3):  # a strategy made at every save, as a script may: one checkpoint group still
+        ck = os.path.join(base, f"ck-{i}")
+        os.makedirs(ck, exist_ok=True)
+        strategy = ours.DataStatesSaveStrategy()
+        model, opt = _new(rank, world, i)
+        dist_checkpointing.save(_checkpoint(model, opt, i), ck, sharded_strategy=strategy)
+        groups.append(strategy.process_group)
+    assert groups[0] is not None and all(g is groups[0] for g in groups)
+
+
+def test_strategies_made_at_every_save_share_one_checkpoint_group(tmp_path):
+    run_ranks(2, _a_strategy_per_save, str(tmp_path))
+    assert all(manifest_is_ours(StorageTier(str(tmp_path / f"ck-{i}"))) for i in range(3))
