@@ -17,7 +17,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor
 
 from dcp_datastates.integrations import lightning as ours
@@ -66,8 +67,15 @@ def _fit(strategy, seed: int, steps: int, ckpt_path=None) -> Net:
 
 
 def _params(model: Net) -> dict[str, list]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist()
-            for k, v in model.net.state_dict().items()}
+    """The parameters and Adam's moments, whole (compared bit for bit)."""
+    out = {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist()
+           for k, v in model.net.state_dict().items()}
+    opt = model.trainer_.optimizers[0]
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        for k in ("exp_avg", "exp_avg_sq"):
+            t = opt.state[p][k]
+            out[f"adam.{i}.{k}"] = (t.full_tensor() if isinstance(t, DTensor) else t).flatten().tolist()
+    return out
 
 
 def _first_job(rank, world, base, save_with_ours: bool):
@@ -115,7 +123,6 @@ class Fsdp1Net(Net):
     def configure_model(self) -> None:
         """Wrapped here, where Lightning lets a model wrap itself: its own wrapping names no
         device on the CPU, which FSDP1 refuses; ``device_id`` CPU, it runs on gloo."""
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         self.net = FSDP(self.net, device_id=torch.device("cpu"))
 
 
@@ -129,11 +136,13 @@ def _fit1(strategy, seed: int, steps: int, ckpt_path=None) -> Net:
 
 
 def _full1(model) -> dict[str, list]:
-    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    with FSDP.state_dict_type(model.trainer_.strategy.model, StateDictType.FULL_STATE_DICT,
-                              FullStateDictConfig(rank0_only=False)):
-        return {k: v.flatten().tolist() for k, v in model.trainer_.strategy.model.state_dict().items()}
+    wrapped, opt = model.trainer_.strategy.model, model.trainer_.optimizers[0]
+    with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
+                              FullOptimStateDictConfig(rank0_only=False)):
+        out = {k: v.flatten().tolist() for k, v in wrapped.state_dict().items()}
+        for name, st in FSDP.optim_state_dict(wrapped, opt)["state"].items():
+            out.update({f"adam.{name}.{k}": st[k].flatten().tolist() for k in ("exp_avg", "exp_avg_sq")})
+    return out
 
 
 class LightningsFSDP(FSDPStrategy):
@@ -200,8 +209,13 @@ def _fabric_run(strategy, steps: int, load_from=None, save_to=None, saved_at: in
         state["step"] = s + 1
         if save_to and s + 1 == saved_at:
             fabric.save(save_to, state)
-    return losses, {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist()
-                    for k, v in model.state_dict().items()}
+    whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist()
+             for k, v in model.state_dict().items()}
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        for k in ("exp_avg", "exp_avg_sq"):
+            t = opt.state[p][k]
+            whole[f"adam.{i}.{k}"] = (t.full_tensor() if isinstance(t, DTensor) else t).flatten().tolist()
+    return losses, whole
 
 
 def _fabric_jobs(rank, world, base, saved_by: str):

@@ -34,6 +34,7 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint import CheckpointException
 
 from dcp_datastates.integrations import megatron as ours
@@ -153,6 +154,9 @@ def _first_job(rank, world, base, saved_by: str):
         dist_checkpointing.save(_checkpoint(model, opt, SAVED_AT), ck)
     elif saved_by == "ours":
         dist_checkpointing.save(_checkpoint(model, opt, SAVED_AT), ck, sharded_strategy=ours.DataStatesSaveStrategy())
+    elif saved_by == "ours-fully-parallel":  # Megatron's wrapper spreads the replicated tensors' writes
+        strategy = FullyParallelSaveStrategyWrapper(ours.DataStatesSaveStrategy(), dist.group.WORLD)
+        dist_checkpointing.save(_checkpoint(model, opt, SAVED_AT), ck, sharded_strategy=strategy)
     else:  # async, scheduled as Megatron-LM does, training on while it saves
         strategy = ours.DataStatesSaveStrategy(optimizer=opt)
         request = dist_checkpointing.save(_checkpoint(model, opt, SAVED_AT), ck, sharded_strategy=strategy,
@@ -180,10 +184,11 @@ def _resumed_job(rank, world, base, load_strategy):
 
 
 @pytest.mark.parametrize("saved_by,load_strategy", [("ours", "registry"), ("ours-async", "registry"),
-                                                    ("torch_dist", "ours")])
+                                                    ("ours-fully-parallel", "registry"), ("torch_dist", "ours")])
 def test_a_megatron_job_resumes_bit_exactly_through_our_strategies(tmp_path, saved_by, load_strategy):
-    """Saved through our strategy (sync, or async in Megatron's own queue with a forked worker),
-    or by Megatron's ``torch_dist`` before the switch; resumed through ours: named, or found in
+    """Saved through our strategy (sync, async in Megatron's own queue with a forked worker, or
+    inside Megatron's ``FullyParallelSaveStrategyWrapper``), or by Megatron's ``torch_dist``
+    before the switch; resumed through ours: named, or found in
     Megatron's registry by the backend ``metadata.json`` names, as Megatron-LM's own load does."""
     run_ranks(2, _first_job, str(tmp_path), saved_by)
     ck = tmp_path / "ck"
