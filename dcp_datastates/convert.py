@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from .errors import CoverageError, ManifestError, PickleNotAllowedError
 from .format.layout import align_up
@@ -146,7 +145,9 @@ def _values(reader, metadata: Metadata) -> dict:
     keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
     if not keys:
         return {}
-    return flatten_state_dict(_load_state_dict_from_keys(keys=keys, storage_reader=reader))[0]
+    values: dict = dict.fromkeys(keys)  # by their flattened names; this process alone, whatever group is up
+    dcp.load(values, storage_reader=reader, no_dist=True)
+    return values
 
 
 class _StreamingSavePlanner(DefaultSavePlanner):

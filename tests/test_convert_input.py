@@ -68,3 +68,27 @@ def test_to_safetensors_refuses_a_checkpoint_that_does_not_cover_its_tensors(tmp
     assert r.returncode != 0 and len(err.splitlines()) == 1, err[-2000:]
     assert "w" in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+def _one_rank_converts(rank, world, base):
+    """Rank 0 converts while the job's process group is up; the other rank is busy elsewhere."""
+    import torch.distributed as dist
+
+    from dcp_datastates import convert
+    if rank == 0:
+        src = os.path.join(base, "ours")
+        dcp.save({"w": torch.arange(16.0), "step": 7}, storage_writer=DataStatesWriter(src), no_dist=True)
+        convert.to_dcp(src, os.path.join(base, "dcp"))
+        convert.to_safetensors(src, os.path.join(base, "st"))
+        convert.from_dcp(os.path.join(base, "dcp"), os.path.join(base, "again"), allow_pickle=True)
+        got = {"w": torch.zeros(16), "step": 0}
+        dcp.load(got, storage_reader=dcp.FileSystemReader(os.path.join(base, "dcp")), no_dist=True)
+        assert torch.equal(got["w"], torch.arange(16.0)) and got["step"] == 7
+    dist.barrier()
+
+
+def test_a_conversion_on_one_rank_of_a_running_job_needs_no_other_rank(tmp_path):
+    """A conversion reads and writes in its own process: it never waits in a collective of the
+    job's group for ranks that are not converting (it did, for the checkpoint's values)."""
+    from tests.dist import run_ranks
+    run_ranks(2, _one_rank_converts, str(tmp_path), timeout=60)
