@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from dcp_datastates import convert
 from dcp_datastates.integrations import accelerate as ours
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_is_ours
@@ -64,7 +65,7 @@ def _plugin():
     return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
 
 
-def _save_then_resume(rank, world, base, switch_at_save: bool, switch_at_load: bool):
+def _save_then_resume(rank, world, base, switch_at_save: bool, switch_at_load: bool, convert_back: bool = False):
     """Train SAVED_AT steps and save through accelerate's functions; a new model and optimizer
     (another seed: nothing carried over) load through them and train on; an uninterrupted run
     gives the state and losses to match."""
@@ -79,6 +80,12 @@ def _save_then_resume(rank, world, base, switch_at_save: bool, switch_at_load: b
     acc_utils.save_fsdp_optimizer(plugin, acc, opt, model, base)
     dist.barrier()
     assert manifest_is_ours(StorageTier(os.path.join(base, "pytorch_model_fsdp_0"))) is switch_at_save
+    if convert_back:  # the switch back of docs/integrations/accelerate.md: each directory to DCP's format
+        if rank == 0:
+            for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+                convert.to_dcp(os.path.join(base, name), os.path.join(base, "back", name))
+        dist.barrier()
+        base = os.path.join(base, "back")
     (ours.use_datastates if switch_at_load else ours.stop_using_datastates)()
     model2, opt2 = _model(world, seed=2)
     _step(model2, opt2, 99)  # the optimizer has state of its own, which the load replaces
@@ -102,6 +109,10 @@ def test_a_sharded_model_and_optimizer_resume_bit_exactly_through_our_storage(tm
 def test_a_checkpoint_accelerate_wrote_before_the_switch_resumes(tmp_path):
     """Saved with accelerate's own storage (DCP's format), loaded after ``use_datastates``."""
     run_ranks(2, _save_then_resume, str(tmp_path), False, True)
+
+
+def test_a_checkpoint_of_ours_converted_back_resumes_with_accelerates_own_storage(tmp_path):
+    run_ranks(2, _save_then_resume, str(tmp_path), True, False, True)
 
 
 def test_an_untested_accelerate_version_is_refused_in_one_line(monkeypatch):
