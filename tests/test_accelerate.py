@@ -142,3 +142,45 @@ def test_the_trainer_calls_the_wrapped_functions_and_the_switch_back_restores_th
     finally:
         ours.stop_using_datastates()
     assert {n: getattr(trainer, n) for n in ours.FUNCTIONS} == before
+
+
+def _accelerator_as_with_an_accelerator(model, opt):
+    """An ``Accelerator`` whose state is the one accelerate sets up for FSDP with an accelerator
+    (on the CPU it runs DDP and never takes its FSDP branches), holding ``model`` and ``opt`` as
+    ``prepare`` would: its own ``save_state``/``load_state`` then run their FSDP paths."""
+    from accelerate.utils import DistributedType
+    acc = Accelerator(cpu=True)
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = _plugin()
+    acc._models.append(model)
+    acc._optimizers.append(opt)
+    return acc
+
+
+def _save_state_then_load_state(rank, world, base):
+    ours.use_datastates()
+    model, opt = _model(world, seed=1)
+    acc = _accelerator_as_with_an_accelerator(model, opt)
+    for s in range(SAVED_AT):
+        _step(model, opt, s)
+    acc.save_state(base)
+    dist.barrier()
+    assert manifest_is_ours(StorageTier(os.path.join(base, "pytorch_model_fsdp_0")))
+    assert manifest_is_ours(StorageTier(os.path.join(base, "optimizer_0")))
+    model2, opt2 = _model(world, seed=2)
+    _step(model2, opt2, 99)
+    acc2 = _accelerator_as_with_an_accelerator(model2, opt2)
+    acc2.load_state(base)
+    got = [_step(model2, opt2, s) for s in range(SAVED_AT, STEPS)]
+    ref_model, ref_opt = _model(world, seed=1)
+    want = [_step(ref_model, ref_opt, s) for s in range(STEPS)][SAVED_AT:]
+    assert got == want, (got, want)
+    a, b = _full(model2, opt2), _full(ref_model, ref_opt)
+    assert not [k for k in a if not torch.equal(a[k], b[k])]
+    ours.stop_using_datastates()
+
+
+def test_accelerator_save_state_and_load_state_resume_bit_exactly(tmp_path):
+    """``Accelerator.save_state``/``load_state`` themselves (their FSDP paths, RNG states and
+    all) through our storage."""
+    run_ranks(2, _save_state_then_load_state, str(tmp_path))
