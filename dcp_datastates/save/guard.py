@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import logging
+import threading
+from concurrent.futures import Future, wait
+from typing import cast
 
 import torch.distributed.checkpoint as dcp
 
+from .. import process_state
 from ..errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotGuard:
@@ -39,15 +45,42 @@ class SnapshotGuard:
         self.remove()
 
 
+# DCP makes an executor per ``async_save`` call, and in PROCESS mode every one of them talks to
+# the one checkpoint process over one pipe, without a lock: two saves in flight garble it.
+_process_lock = threading.Lock()
+_process_save: list[Future] = []  # the newest PROCESS-mode save of this process, while it runs
+
+
+@process_state.in_child
+def _no_process_save_in_child() -> None:
+    global _process_lock
+    _process_lock = threading.Lock()
+    _process_save.clear()
+
+
 def async_save(state_dict, *, storage_writer, **kwargs):
     """``dcp.async_save`` that also tells ``storage_writer`` about the returned future,
-    so ``wait_snapshot()`` raises instead of waiting forever when the save fails early."""
+    so ``wait_snapshot()`` raises instead of waiting forever when the save fails early.  A
+    PROCESS-mode save starts once the previous one of this process has ended (DCP's checkpoint
+    process takes one save at a time)."""
     kind = kwargs.get("async_checkpointer_type")
+    process = kind is not None and getattr(kind, "name", str(kind)).upper().endswith("PROCESS")
     if getattr(storage_writer, "async_mode", "") is None and kind is not None:
         # the writer must know before stage() whether the save crosses processes
-        storage_writer.async_mode = "process" if getattr(kind, "name", str(kind)).upper().endswith(
-            "PROCESS") else "thread"
-    fut = dcp.async_save(state_dict, storage_writer=storage_writer, **kwargs)
+        storage_writer.async_mode = "process" if process else "thread"
+    if not process:
+        return _started(dcp.async_save(state_dict, storage_writer=storage_writer, **kwargs), storage_writer)
+    with _process_lock:
+        if _process_save and not _process_save[0].done():
+            log.info("waiting for the previous PROCESS-mode save to end: DCP's checkpoint process takes one "
+                     "at a time")
+            wait(_process_save)  # its outcome is its own future's to report
+        fut = _started(dcp.async_save(state_dict, storage_writer=storage_writer, **kwargs), storage_writer)
+        _process_save[:] = [cast(Future, getattr(fut, "upload_completion", fut))]
+    return fut
+
+
+def _started(fut, storage_writer):
     upload = getattr(fut, "upload_completion", fut)
     storage_writer.attach(upload)
     if upload is fut and isinstance(fut, Future):
