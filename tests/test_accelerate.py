@@ -1,10 +1,12 @@
 """Hugging Face accelerate's sharded checkpoints through dcp-datastates
 (``dcp_datastates.integrations.accelerate``), in the frameworks' own environment (``.venv-frameworks``).
 
-accelerate turns FSDP on only with an accelerator (its CPU runs are DDP), so these tests drive
-its checkpoint functions themselves, as ``Accelerator.save_state``/``load_state`` and the
-``Trainer`` call them: two gloo ranks, a model sharded with FSDP2, Adam, a few steps; the job
-ends after the save and a new one resumes."""
+accelerate turns FSDP on only with an accelerator (its CPU runs are DDP). These tests run on two
+gloo ranks with a model sharded with FSDP2 and Adam, and reach its FSDP checkpoints three ways:
+its checkpoint functions called as ``save_state`` and the ``Trainer`` call them; an
+``Accelerator`` given the state accelerate sets up for FSDP with an accelerator, whose own
+``save_state``/``load_state`` then run; and a ``Trainer`` whose accelerator is given that
+state, trained, checkpointed by ``save_steps`` and resumed with ``resume_from_checkpoint``."""
 
 from __future__ import annotations
 
@@ -184,3 +186,83 @@ def test_accelerator_save_state_and_load_state_resume_bit_exactly(tmp_path):
     """``Accelerator.save_state``/``load_state`` themselves (their FSDP paths, RNG states and
     all) through our storage."""
     run_ranks(2, _save_state_then_load_state, str(tmp_path))
+
+
+# ------------------------------------------------------------------ the transformers Trainer
+
+class _Regressor(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 1)
+
+    def forward(self, x, labels=None):
+        out = self.b(torch.relu(self.a(x))).squeeze(-1)
+        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"x": torch.randn(16, generator=g), "labels": torch.randn((), generator=g)}
+
+
+def _trainer(base: str, seed: int):
+    """A ``Trainer`` whose ``Accelerator`` has the state accelerate sets up for FSDP2 with an
+    accelerator (on the CPU it runs DDP): its own prepare, training loop, checkpoints and
+    resume then take their FSDP paths."""
+    from accelerate.utils import DistributedType
+    from transformers import Trainer, TrainingArguments
+
+    class FsdpOnTheCpu(Trainer):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.accelerator.state.fsdp_plugin = _plugin()
+            self.is_fsdp_enabled = True
+
+    args = TrainingArguments(output_dir=base, max_steps=STEPS + 1, save_steps=SAVED_AT, logging_steps=1,
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True, data_seed=0, seed=0)
+    return FsdpOnTheCpu(model=_Regressor(seed), args=args, train_dataset=_Rows())
+
+
+def _losses_and_params(trainer) -> tuple[dict, dict]:
+    """Each step's logged loss; the parameters and the optimizer's moments, whole."""
+    losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    sd = trainer.model_wrapped.state_dict()
+    assert any(isinstance(v, DTensor) for v in sd.values())  # sharded by accelerate's FSDP2 prepare
+    params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist() for k, v in sd.items()}
+    for k, st in get_optimizer_state_dict(trainer.model_wrapped, trainer.optimizer.optimizer)["state"].items():
+        params.update({f"o.{k}.{n}": (t.full_tensor() if isinstance(t, DTensor) else t).flatten().tolist()
+                       for n, t in st.items() if n != "step"})
+    return losses, params
+
+
+def _trainer_jobs(rank, world, base, saved_by_ours: bool):
+    (ours.use_datastates if saved_by_ours else ours.stop_using_datastates)()
+    first = _trainer(base, seed=1)
+    first.train()  # checkpoints at step SAVED_AT on the way
+    ref_losses, ref_params = _losses_and_params(first)
+    ck = os.path.join(base, f"checkpoint-{SAVED_AT}")
+    dist.barrier()
+    assert manifest_is_ours(StorageTier(os.path.join(ck, "pytorch_model_fsdp_0"))) is saved_by_ours
+    assert manifest_is_ours(StorageTier(os.path.join(ck, "optimizer_0"))) is saved_by_ours
+    ours.use_datastates()
+    resumed = _trainer(base, seed=2)  # other weights: everything must come from the checkpoint
+    resumed.train(resume_from_checkpoint=ck)
+    losses, params = _losses_and_params(resumed)
+    after = {s: v for s, v in ref_losses.items() if s > SAVED_AT}
+    assert {s: v for s, v in losses.items() if s > SAVED_AT} == after and after, (losses, ref_losses)
+    assert params == ref_params
+    ours.stop_using_datastates()
+
+
+@pytest.mark.parametrize("saved_by", ["ours", "accelerate"])
+def test_a_trainer_resumes_bit_exactly_through_our_storage(tmp_path, saved_by):
+    """The Trainer's own checkpoints (``save_steps``) and ``resume_from_checkpoint``, FSDP2 on
+    two gloo ranks: saved through ours, or with accelerate's own storage before the switch;
+    resumed through ours, the same losses and parameters as the run that went on."""
+    run_ranks(2, _trainer_jobs, str(tmp_path), saved_by == "ours")
