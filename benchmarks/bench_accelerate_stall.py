@@ -25,11 +25,14 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import run_ranks
+
 WIDTH, DEPTH = 2560, 16  # 16 x 2560^2 fp32 params ~ 0.42 GB; with Adam ~ 1.26 GB
 METHODS = ("accelerate", "datastates")
 
 
-def _rank(rank: int, world: int, port: int, rounds: int, every: int, base: str, out) -> None:
+def _rank(rank: int, world: int, rounds: int, every: int, base: str) -> dict:
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -39,10 +42,6 @@ def _rank(rank: int, world: int, port: int, rounds: int, every: int, base: str, 
 
     from dcp_datastates.integrations import accelerate as ours
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     acc = Accelerator(cpu=True)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
     torch.manual_seed(0)
@@ -77,9 +76,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, every: int, base: str, 
             if rank == 0 and r > 0:  # the Trainer's rotation (save_total_limit=1), outside the stall
                 shutil.rmtree(os.path.join(base, m, f"checkpoint-{r - 1}"), ignore_errors=True)
     ours.stop_using_datastates()
-    if rank == 0:
-        out.put({"step_s": statistics.median(steps), "stalls": stalls})
-    dist.destroy_process_group()
+    return {"step_s": statistics.median(steps), "stalls": stalls}
 
 
 def main() -> int:
@@ -88,24 +85,10 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--dir", default="/tmp/dcpds-acc")
     args = ap.parse_args()
-    import socket
-
-    import torch.multiprocessing as mp
     shutil.rmtree(args.dir, ignore_errors=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args.rounds, args.every, args.dir, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        print("a rank failed", file=sys.stderr)
+    got = run_ranks(2, _rank, args.rounds, args.every, args.dir)
+    if got is None:
         return 1
-    got = out.get()
     med = {m: statistics.median(v) for m, v in got["stalls"].items()}
     for m in METHODS:
         print(json.dumps({"method": m, "stall_per_checkpoint_s": round(med[m], 3),

@@ -28,11 +28,14 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ranks import run_ranks
+
 WIDTH, DEPTH = 2560, 8  # each rank: 8 x 2560^2 fp32 ~ 0.21 GB; two ranks with Adam ~ 1.26 GB
 METHODS = ("torch_dist", "datastates", "torch_dist_async", "datastates_async")
 
 
-def _rank(rank: int, world: int, port: int, rounds: int, every: int, base: str, width: int, out) -> None:
+def _rank(rank: int, world: int, rounds: int, every: int, base: str, width: int) -> dict:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -47,10 +50,6 @@ def _rank(rank: int, world: int, port: int, rounds: int, every: int, base: str, 
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(rank)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(DEPTH)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
@@ -96,9 +95,7 @@ def _rank(rank: int, world: int, port: int, rounds: int, every: int, base: str, 
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(where, ignore_errors=True)
-    if rank == 0:
-        out.put(times)
-    dist.destroy_process_group()
+    return times
 
 
 def main() -> int:
@@ -108,24 +105,10 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/dcpds-mcore")
     ap.add_argument("--width", type=int, default=WIDTH)
     args = ap.parse_args()
-    import socket
-
-    import torch.multiprocessing as mp
     shutil.rmtree(args.dir, ignore_errors=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, args.rounds, args.every, args.dir, args.width, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        print("a rank failed", file=sys.stderr)
+    times = run_ranks(2, _rank, args.rounds, args.every, args.dir, args.width)
+    if times is None:
         return 1
-    times = out.get()
     stalls = {m: [t - n for t, n in zip(times[m], times["none"], strict=True)] for m in METHODS}
     for m in METHODS:
         print(json.dumps({"method": m, "stall_per_checkpoint_s": round(statistics.median(stalls[m]), 3),
