@@ -31,6 +31,7 @@ from dcp_datastates.integrations import accelerate as ours
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_is_ours
 from tests.dist import run_ranks
+from tests.frameworks import train_step, whole
 
 STEPS, SAVED_AT = 5, 3
 
@@ -43,16 +44,6 @@ def _model(world: int, seed: int):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def _step(model, opt, step: int) -> float:
-    g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss.detach())
 
 
 def _full(model, opt) -> dict:
@@ -77,7 +68,7 @@ def _save_then_resume(rank, world, base, switch_at_save: bool, switch_at_load: b
     (ours.use_datastates if switch_at_save else ours.stop_using_datastates)()
     model, opt = _model(world, seed=1)
     for s in range(SAVED_AT):
-        _step(model, opt, s)
+        train_step(model, opt, s)
     acc_utils.save_fsdp_model(plugin, acc, model, base)
     acc_utils.save_fsdp_optimizer(plugin, acc, opt, model, base)
     dist.barrier()
@@ -90,12 +81,12 @@ def _save_then_resume(rank, world, base, switch_at_save: bool, switch_at_load: b
         base = os.path.join(base, "back")
     (ours.use_datastates if switch_at_load else ours.stop_using_datastates)()
     model2, opt2 = _model(world, seed=2)
-    _step(model2, opt2, 99)  # the optimizer has state of its own, which the load replaces
+    train_step(model2, opt2, 99)  # the optimizer has state of its own, which the load replaces
     acc_utils.load_fsdp_model(plugin, acc, model2, base)
     acc_utils.load_fsdp_optimizer(plugin, acc, opt2, model2, base)
-    got = [_step(model2, opt2, s) for s in range(SAVED_AT, STEPS)]
+    got = [train_step(model2, opt2, s) for s in range(SAVED_AT, STEPS)]
     ref_model, ref_opt = _model(world, seed=1)
-    want = [_step(ref_model, ref_opt, s) for s in range(STEPS)][SAVED_AT:]
+    want = [train_step(ref_model, ref_opt, s) for s in range(STEPS)][SAVED_AT:]
     assert got == want, (got, want)
     a, b = _full(model2, opt2), _full(ref_model, ref_opt)
     assert a.keys() == b.keys()
@@ -164,18 +155,18 @@ def _save_state_then_load_state(rank, world, base):
     model, opt = _model(world, seed=1)
     acc = _accelerator_as_with_an_accelerator(model, opt)
     for s in range(SAVED_AT):
-        _step(model, opt, s)
+        train_step(model, opt, s)
     acc.save_state(base)
     dist.barrier()
     assert manifest_is_ours(StorageTier(os.path.join(base, "pytorch_model_fsdp_0")))
     assert manifest_is_ours(StorageTier(os.path.join(base, "optimizer_0")))
     model2, opt2 = _model(world, seed=2)
-    _step(model2, opt2, 99)
+    train_step(model2, opt2, 99)
     acc2 = _accelerator_as_with_an_accelerator(model2, opt2)
     acc2.load_state(base)
-    got = [_step(model2, opt2, s) for s in range(SAVED_AT, STEPS)]
+    got = [train_step(model2, opt2, s) for s in range(SAVED_AT, STEPS)]
     ref_model, ref_opt = _model(world, seed=1)
-    want = [_step(ref_model, ref_opt, s) for s in range(STEPS)][SAVED_AT:]
+    want = [train_step(ref_model, ref_opt, s) for s in range(STEPS)][SAVED_AT:]
     assert got == want, (got, want)
     a, b = _full(model2, opt2), _full(ref_model, ref_opt)
     assert not [k for k in a if not torch.equal(a[k], b[k])]
@@ -234,10 +225,9 @@ def _losses_and_params(trainer) -> tuple[dict, dict]:
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     sd = trainer.model_wrapped.state_dict()
     assert any(isinstance(v, DTensor) for v in sd.values())  # sharded by accelerate's FSDP2 prepare
-    params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist() for k, v in sd.items()}
+    params = {k: whole(v) for k, v in sd.items()}
     for k, st in get_optimizer_state_dict(trainer.model_wrapped, trainer.optimizer.optimizer)["state"].items():
-        params.update({f"o.{k}.{n}": (t.full_tensor() if isinstance(t, DTensor) else t).flatten().tolist()
-                       for n, t in st.items() if n != "step"})
+        params.update({f"o.{k}.{n}": whole(t) for n, t in st.items() if n != "step"})
     return losses, params
 
 

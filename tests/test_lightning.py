@@ -19,12 +19,12 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.tensor import DTensor
 
 from dcp_datastates.integrations import lightning as ours
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_is_ours
 from tests.dist import run_ranks
+from tests.frameworks import adam_moments, train_step, whole
 
 SAVED_AT, STEPS = 3, 5
 
@@ -57,8 +57,8 @@ def _data():
                                                                       torch.randn(16, 8, generator=g)), batch_size=8)
 
 
-def _fit(strategy, seed: int, steps: int, ckpt_path=None) -> Net:
-    model = Net(seed)
+def _fit(strategy, seed: int, steps: int, ckpt_path=None, net: type[Net] | None = None) -> Net:
+    model = (net or Net)(seed)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
@@ -68,14 +68,7 @@ def _fit(strategy, seed: int, steps: int, ckpt_path=None) -> Net:
 
 def _params(model: Net) -> dict[str, list]:
     """The parameters and Adam's moments, whole (compared bit for bit)."""
-    out = {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist()
-           for k, v in model.net.state_dict().items()}
-    opt = model.trainer_.optimizers[0]
-    for i, p in enumerate(opt.param_groups[0]["params"]):
-        for k in ("exp_avg", "exp_avg_sq"):
-            t = opt.state[p][k]
-            out[f"adam.{i}.{k}"] = (t.full_tensor() if isinstance(t, DTensor) else t).flatten().tolist()
-    return out
+    return {**{k: whole(v) for k, v in model.net.state_dict().items()}, **adam_moments(model.trainer_.optimizers[0])}
 
 
 def _first_job(rank, world, base, save_with_ours: bool):
@@ -126,15 +119,6 @@ class Fsdp1Net(Net):
         self.net = FSDP(self.net, device_id=torch.device("cpu"))
 
 
-def _fit1(strategy, seed: int, steps: int, ckpt_path=None) -> Net:
-    model = Fsdp1Net(seed)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, _data(), ckpt_path=ckpt_path)
-    model.trainer_ = trainer
-    return model
-
-
 def _full1(model) -> dict[str, list]:
     wrapped, opt = model.trainer_.strategy.model, model.trainer_.optimizers[0]
     with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False),
@@ -151,16 +135,16 @@ class LightningsFSDP(FSDPStrategy):
 
 
 def _first_job1(rank, world, base, save_with_ours: bool):
-    ref = _fit1(LightningsFSDP(state_dict_type="sharded"), 1, STEPS)
+    ref = _fit(LightningsFSDP(state_dict_type="sharded"), 1, STEPS, net=Fsdp1Net)
     strategy = ours.DataStatesFSDPStrategy() if save_with_ours else LightningsFSDP(state_dict_type="sharded")
-    saved = _fit1(strategy, 1, SAVED_AT)
+    saved = _fit(strategy, 1, SAVED_AT, net=Fsdp1Net)
     saved.trainer_.save_checkpoint(os.path.join(base, "ck"))
     with open(os.path.join(base, f"ref-{rank}.json"), "w") as f:
         json.dump({"losses": ref.losses, "params": _full1(ref)}, f)
 
 
 def _resumed_job1(rank, world, base):
-    resumed = _fit1(ours.DataStatesFSDPStrategy(), 2, STEPS, ckpt_path=os.path.join(base, "ck"))
+    resumed = _fit(ours.DataStatesFSDPStrategy(), 2, STEPS, ckpt_path=os.path.join(base, "ck"), net=Fsdp1Net)
     ref = json.load(open(os.path.join(base, f"ref-{rank}.json")))
     assert resumed.losses == ref["losses"][SAVED_AT:], (resumed.losses, ref["losses"])
     params = _full1(resumed)
@@ -199,23 +183,11 @@ def _fabric_run(strategy, steps: int, load_from=None, save_to=None, saved_at: in
         fabric.load(load_from, state)
     losses = []
     for s in range(state["step"], steps):
-        g = torch.Generator().manual_seed(1000 + s)
-        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        fabric.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+        losses.append(train_step(model, opt, s, backward=fabric.backward))
         state["step"] = s + 1
         if save_to and s + 1 == saved_at:
             fabric.save(save_to, state)
-    whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).flatten().tolist()
-             for k, v in model.state_dict().items()}
-    for i, p in enumerate(opt.param_groups[0]["params"]):
-        for k in ("exp_avg", "exp_avg_sq"):
-            t = opt.state[p][k]
-            whole[f"adam.{i}.{k}"] = (t.full_tensor() if isinstance(t, DTensor) else t).flatten().tolist()
-    return losses, whole
+    return losses, {**{k: whole(v) for k, v in model.state_dict().items()}, **adam_moments(opt)}
 
 
 def _fabric_jobs(rank, world, base, saved_by: str):

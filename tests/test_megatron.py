@@ -41,6 +41,7 @@ from dcp_datastates.integrations import megatron as ours
 from dcp_datastates.tiers import StorageTier
 from dcp_datastates.tiers.manifests import manifest_is_ours
 from tests.dist import run_ranks
+from tests.frameworks import adam_moments, train_step, whole
 
 SAVED_AT, STEPS = 3, 6
 
@@ -89,16 +90,6 @@ class TensorParallelMLP(torch.nn.Module):
                 "b2": ShardedTensor.from_rank_offsets("mlp.b2", self.b2, replica_id=r)}
 
 
-def _step(model, opt, step: int) -> float:
-    g = torch.Generator().manual_seed(1000 + step)
-    x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss.detach())
-
-
 def _new(rank, world, seed):
     model = TensorParallelMLP(rank, world, seed)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -128,24 +119,20 @@ def _restore(model, opt, loaded: dict) -> int:
 
 def _everything(model, opt) -> dict:
     """Parameters and Adam's moments of this rank, as lists (compared bit for bit)."""
-    out = {f"p.{k}": v.flatten().tolist() for k, v in model.named_parameters()}
-    for i, p in enumerate(model.parameters()):
-        for k in ("exp_avg", "exp_avg_sq"):
-            out[f"o.{i}.{k}"] = opt.state[p][k].flatten().tolist()
-    return out
+    return {**{f"p.{k}": whole(v) for k, v in model.named_parameters()}, **adam_moments(opt)}
 
 
 def _first_job(rank, world, base, saved_by: str):
     """The uninterrupted run, then a run of SAVED_AT steps that saves and ends."""
     _cpu_for_cuda()
     model, opt = _new(rank, world, 1)
-    losses = [_step(model, opt, s) for s in range(STEPS)]
+    losses = [train_step(model, opt, s) for s in range(STEPS)]
     with open(os.path.join(base, f"ref-{rank}.json"), "w") as f:
         json.dump({"losses": losses, "state": _everything(model, opt)}, f)
 
     model, opt = _new(rank, world, 1)
     for s in range(SAVED_AT):
-        _step(model, opt, s)
+        train_step(model, opt, s)
     with open(os.path.join(base, f"saved-{rank}.json"), "w") as f:
         json.dump(_everything(model, opt), f)
     ck = os.path.join(base, "ck")
@@ -163,7 +150,7 @@ def _first_job(rank, world, base, saved_by: str):
                                           async_sharded_save=True)
         calls = AsyncCallsQueue()
         calls.schedule_async_request(request)
-        _step(model, opt, SAVED_AT)  # changes the state being saved: waits for its snapshot only
+        train_step(model, opt, SAVED_AT)  # changes the state being saved: waits for its snapshot only
         assert calls.maybe_finalize_async_calls(blocking=True) == [0]
         strategy.close()
 
@@ -175,7 +162,7 @@ def _resumed_job(rank, world, base, load_strategy):
     strategy = ours.DataStatesLoadStrategy() if load_strategy == "ours" else None  # None: the registry's
     start = _restore(model, opt, dist_checkpointing.load(_checkpoint(model, opt, 0), ck, sharded_strategy=strategy))
     assert start == SAVED_AT
-    losses = [_step(model, opt, s) for s in range(start, STEPS)]
+    losses = [train_step(model, opt, s) for s in range(start, STEPS)]
     ref = json.load(open(os.path.join(base, f"ref-{rank}.json")))
     assert losses == ref["losses"][SAVED_AT:], (losses, ref["losses"])
     state = _everything(model, opt)
@@ -208,7 +195,7 @@ def _megatron_resumes_it(rank, world, base):
     ck = os.path.join(base, "back")
     loaded = dist_checkpointing.load(_checkpoint(model, opt, 0), ck, sharded_strategy=TorchDistLoadShardedStrategy())
     assert _restore(model, opt, loaded) == SAVED_AT
-    losses = [_step(model, opt, s) for s in range(SAVED_AT, STEPS)]
+    losses = [train_step(model, opt, s) for s in range(SAVED_AT, STEPS)]
     assert losses == json.load(open(os.path.join(base, f"ref-{rank}.json")))["losses"][SAVED_AT:]
 
 
@@ -284,7 +271,7 @@ def _one_rank_resumes(rank, world, base):
     got = _everything(model, opt)
     for i, (name, p) in enumerate(model.named_parameters()):
         axis = {"w1": 0, "b1": 0, "w2": 1}.get(name)
-        for key in (f"p.{name}", f"o.{i}.exp_avg", f"o.{i}.exp_avg_sq"):
+        for key in (f"p.{name}", f"adam.{i}.exp_avg", f"adam.{i}.exp_avg_sq"):
             shards = [torch.tensor(part[key]) for part in parts]
             if axis is None:  # replicated: each rank saved the same
                 want = shards[0]
@@ -312,7 +299,7 @@ def _async_save_fails(rank, world, base):
     request = dist_checkpointing.save(_checkpoint(model, opt, 0), ck, sharded_strategy=strategy, async_sharded_save=True)
     calls = AsyncCallsQueue()
     calls.schedule_async_request(request)
-    _step(model, opt, 0)
+    train_step(model, opt, 0)
     with pytest.raises(CheckpointException) as e:
         calls.maybe_finalize_async_calls(blocking=True)  # on every rank: none waits for another
     causes = [str(f[0] if isinstance(f, tuple) else f) for f in e.value.failures.values()]
